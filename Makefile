@@ -1,0 +1,36 @@
+# Two commands do everything: `make run` (pipeline) and `make test` (test suite).
+# Both create the pinned environment in .venv/ first if it is missing or older than pyproject.toml.
+PYTHON ?= python3.11
+VENV := .venv
+STAMP := $(VENV)/.installed
+# Offline-friendly defaults for the whole stack (see ../shared/stack-notes.md).
+export DVC_NO_ANALYTICS := 1
+export NO_ALBUMENTATIONS_UPDATE := 1
+export WANDB_MODE := disabled
+export GLOG_v := 3
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: env run test lint bench clean-env
+
+env: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -e '.[dev]'
+	# img2dataset drags in the `dataclasses` backport, which shadows the standard module and breaks
+	# Prefect's server on Python 3.11; remove it (pip check then names it, harmlessly).
+	$(VENV)/bin/python -m pip uninstall -y -q dataclasses
+	touch $(STAMP)
+
+run: env
+	dvc repro
+
+test: env
+	pytest -q
+
+lint: env
+	ruff check .
+
+clean-env:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""DVC stage scripts: `python -m stages.<name>` reads its params section, calls the library, writes its outs."""
