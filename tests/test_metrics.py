@@ -1,0 +1,315 @@
+"""Metrics against brute-force references (full matrix + stable sort) and hand-computed cases."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import numpy as np
+import pytest
+
+from clipms.metrics import (
+    MetricsInputError,
+    build_prompts,
+    class_embeddings,
+    confusion_matrix,
+    retrieval_chance_levels,
+    retrieval_metrics,
+    zeroshot_chance_levels,
+    zeroshot_metrics,
+    zeroshot_predictions,
+)
+
+
+# ---------------------------------------------------------------- brute-force references
+def _normalise(x):
+    x = np.asarray(x, dtype=np.float32)
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float64)
+
+
+def _order(scores_row):
+    """Best first; a stable sort of -score keeps the lower index first among equal scores."""
+    return np.argsort(-scores_row, kind="stable")
+
+
+def reference_retrieval(images, texts, text_to_image, ks=(1, 5, 10)):
+    scores = _normalise(images) @ _normalise(texts).T  # (n_images, n_texts), the whole matrix
+    n_images, n_texts = scores.shape
+    i2t_best, aps = [], []
+    for i in range(n_images):
+        order = _order(scores[i])
+        relevant = text_to_image[order] == i
+        i2t_best.append(int(np.flatnonzero(relevant)[0]))
+        hits, ap = 0, 0.0
+        for position in range(min(10, n_texts)):
+            if relevant[position]:
+                hits += 1
+                ap += hits / (position + 1)
+        aps.append(ap / min(int((text_to_image == i).sum()), 10))
+    t2i_rank = []
+    for j in range(n_texts):
+        order = _order(scores[:, j])
+        t2i_rank.append(int(np.flatnonzero(order == text_to_image[j])[0]))
+    i2t_best, t2i_rank = np.array(i2t_best), np.array(t2i_rank)
+    out = {}
+    for k in ks:
+        out[f"i2t_R@{k}"] = float(np.mean(i2t_best < k))
+        out[f"t2i_R@{k}"] = float(np.mean(t2i_rank < k))
+    out["mAP@10"] = float(np.mean(aps))
+    out["i2t_mean_rank"] = float(np.mean(i2t_best + 1))
+    out["i2t_median_rank"] = float(np.median(i2t_best + 1))
+    out["t2i_mean_rank"] = float(np.mean(t2i_rank + 1))
+    out["t2i_median_rank"] = float(np.median(t2i_rank + 1))
+    return out
+
+
+def reference_zeroshot(images, classes, labels):
+    scores = _normalise(images) @ _normalise(classes).T
+    pairs = zip(scores, labels, strict=True)
+    ranks = np.array([int(np.flatnonzero(_order(row) == y)[0]) for row, y in pairs])
+    out = {"zeroshot_top1": float(np.mean(ranks == 0))}
+    if classes.shape[0] >= 5:
+        out["zeroshot_top5"] = float(np.mean(ranks < 5))
+    recalls = [np.mean(ranks[labels == c] == 0) for c in sorted(set(labels.tolist()))]
+    out["zeroshot_mean_per_class_recall"] = float(np.mean(recalls))
+    return out
+
+
+def random_captions(rng, n_images, max_per_image=5):
+    """Each image gets 1..max captions, shuffled so an image's captions are not adjacent."""
+    counts = rng.integers(1, max_per_image + 1, size=n_images)
+    text_to_image = rng.permutation(np.repeat(np.arange(n_images), counts))
+    return text_to_image
+
+
+def sign_vectors(rng, n, dim=4):
+    """+-1 vectors: normalised entries are exactly +-1/2, so equal scores are bit-exact ties."""
+    return rng.choice([-1.0, 1.0], size=(n, dim)).astype(np.float32)
+
+
+def assert_same(got, expected):
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=1e-12), key
+
+
+# ------------------------------------------------------------------ retrieval vs brute force
+@pytest.mark.parametrize("chunk", [1, 3, 7, 512])
+def test_retrieval_matches_brute_force_on_random_data(chunk):
+    rng = np.random.default_rng(0)
+    n_images, dim = 23, 8
+    text_to_image = random_captions(rng, n_images)
+    images = rng.normal(size=(n_images, dim)).astype(np.float32)
+    # Texts near their image so the metrics are neither 0 nor 1.
+    texts = images[text_to_image] + 1.5 * rng.normal(size=(text_to_image.size, dim))
+    got = retrieval_metrics(images * 3.0, texts, text_to_image, chunk=chunk)  # unnormalised input
+    assert_same(got, reference_retrieval(images, texts, text_to_image))
+    assert 0.0 < got["i2t_R@1"] < 1.0 and 0.0 < got["t2i_R@1"] < 1.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_retrieval_with_many_exact_ties_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n_images = 17
+    text_to_image = random_captions(rng, n_images)
+    images = sign_vectors(rng, n_images)
+    texts = sign_vectors(rng, text_to_image.size)
+    got = retrieval_metrics(images, texts, text_to_image, ks=(1, 2, 5, 10), chunk=4)
+    assert_same(got, reference_retrieval(images, texts, text_to_image, ks=(1, 2, 5, 10)))
+
+
+def test_ties_are_won_by_the_lower_index():
+    # Three identical images: every caption scores them equally, so image 0 always ranks first.
+    images = np.ones((3, 2), dtype=np.float32)
+    texts = np.array([[1, 0], [0, 1], [1, 1]], dtype=np.float32)
+    got = retrieval_metrics(images, texts, np.array([0, 1, 2]), ks=(1, 2, 3))
+    assert got["t2i_R@1"] == pytest.approx(1 / 3)  # only the caption of image 0
+    assert got["t2i_R@2"] == pytest.approx(2 / 3)
+    assert got["t2i_median_rank"] == 2.0
+    # Identical captions: each image ranks caption 0 first, caption 1 second, caption 2 third.
+    same_texts = np.ones((3, 2), dtype=np.float32)
+    got = retrieval_metrics(texts, same_texts, np.array([0, 1, 2]), ks=(1, 2, 3))
+    assert (got["i2t_R@1"], got["i2t_R@2"], got["i2t_R@3"]) == pytest.approx((1 / 3, 2 / 3, 1.0))
+    assert got["mAP@10"] == pytest.approx((1 + 1 / 2 + 1 / 3) / 3)
+
+
+def test_k_larger_than_the_candidates_counts_everything():
+    rng = np.random.default_rng(1)
+    images = rng.normal(size=(3, 4))
+    texts = rng.normal(size=(4, 4))
+    text_to_image = np.array([0, 1, 2, 2])
+    got = retrieval_metrics(images, texts, text_to_image, ks=(1, 50))
+    assert got["i2t_R@50"] == 1.0 and got["t2i_R@50"] == 1.0
+    assert_same(got, reference_retrieval(images, texts, text_to_image, ks=(1, 50)))
+
+
+def test_retrieval_hand_computed_case():
+    # Scores (rows images, columns captions), exact in float32:
+    #   image 0 = [1,0]: caption0 1.0, caption1 0.0, caption2 0.707    (captions 0,1 are image 0's)
+    #   image 1 = [0,1]: caption0 0.0, caption1 1.0, caption2 0.707    (caption 2 is image 1's)
+    images = np.array([[1, 0], [0, 1]], dtype=np.float32)
+    texts = np.array([[1, 0], [0, 1], [1, 1]], dtype=np.float32)
+    got = retrieval_metrics(images, texts, np.array([0, 0, 1]))
+    # t2i ranks (1-based): caption0 -> 1; caption1 -> 2; caption2 ties (0.707 both), image 0 wins
+    # so its image 1 ranks 2.
+    # i2t best ranks: image 0 -> 1 (caption0); image 1 -> 2 (caption1 outranks caption2).
+    # AP@10: image 0 hits at ranks 1 and 3: (1/1 + 2/3) / 2 = 5/6; image 1 at rank 2: (1/2) / 1.
+    expected = {
+        "i2t_R@1": 0.5, "i2t_R@5": 1.0, "i2t_R@10": 1.0,
+        "t2i_R@1": 1 / 3, "t2i_R@5": 1.0, "t2i_R@10": 1.0,
+        "mAP@10": (5 / 6 + 1 / 2) / 2,
+        "i2t_mean_rank": 1.5, "i2t_median_rank": 1.5,
+        "t2i_mean_rank": 5 / 3, "t2i_median_rank": 2.0,
+    }
+    assert_same(got, expected)
+
+
+def test_map_at_10_counts_only_the_first_ten_and_caps_the_denominator():
+    # One image with 12 identical captions that all tie: ranks 1..12, ten within the cut-off.
+    images = np.array([[1.0, 0.0]])
+    texts = np.tile([[1.0, 0.0]], (12, 1))
+    got = retrieval_metrics(images, texts, np.zeros(12, dtype=np.int64))
+    assert got["mAP@10"] == pytest.approx(1.0)  # 10 hits / min(12, 10)
+    # Two images: each ranks all of its own captions before any other caption -> AP 1 each.
+    images = np.array([[1.0, 0.0], [0.0, 1.0]])
+    texts = np.vstack([np.tile([[0.0, 1.0]], (10, 1)), [[1.0, 0.0]]])  # 10 of image 1, 1 of image 0
+    t2i = np.array([1] * 10 + [0])
+    got = retrieval_metrics(images, texts, t2i)
+    assert got["mAP@10"] == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    ("images", "texts", "t2i", "message"),
+    [
+        (np.zeros((0, 4)), np.ones((2, 4)), np.array([0, 0]), "image_features: empty"),
+        (np.ones((2, 4)), np.zeros((0, 4)), np.array([], dtype=np.int64), "text_features: empty"),
+        (np.ones((2, 4)), np.ones((2, 3)), np.array([0, 1]), "dim"),
+        (np.ones((2, 4)), np.ones((2, 4)), np.array([0, 2]), "outside [0, 2)"),
+        (np.ones((2, 4)), np.ones((2, 4)), np.array([0]), "text_to_image: expected shape (2,)"),
+        (np.ones((2, 4)), np.ones((2, 4)), np.array([0, 0]), "images [1] have no caption"),
+        (np.ones((2, 4)), np.ones((2, 4)), np.array([0.0, 1.0]), "integer"),
+        (np.array([[1, 0], [0, 0]]), np.ones((2, 2)), np.array([0, 1]), "zero norm"),
+        (np.array([[1, np.nan], [0, 1]]), np.ones((2, 2)), np.array([0, 1]), "NaN"),
+    ],
+)
+def test_retrieval_bad_input_is_a_clear_error(images, texts, t2i, message):
+    with pytest.raises(MetricsInputError, match=re.escape(message)):
+        retrieval_metrics(images, texts, t2i)
+
+
+def test_zeroshot_bad_input_is_a_clear_error():
+    with pytest.raises(MetricsInputError, match="image_features: empty"):
+        zeroshot_metrics(np.zeros((0, 3)), np.ones((2, 3)), np.array([], dtype=np.int64))
+    with pytest.raises(MetricsInputError, match="class_features: empty"):
+        zeroshot_metrics(np.ones((2, 3)), np.zeros((0, 3)), np.array([0, 0]))
+    with pytest.raises(MetricsInputError, match="outside"):
+        zeroshot_metrics(np.ones((2, 3)), np.ones((2, 3)), np.array([0, 5]))
+    with pytest.raises(MetricsInputError, match="placeholder"):
+        build_prompts(["cat"], ["a photo"])
+    with pytest.raises(MetricsInputError, match="class_names: empty"):
+        build_prompts([], ["a {}"])
+
+
+# ------------------------------------------------------------------------------- zero-shot
+@pytest.mark.parametrize(("n_classes", "dim"), [(3, 8), (7, 8), (12, 4)])
+def test_zeroshot_matches_brute_force(n_classes, dim):
+    rng = np.random.default_rng(n_classes)
+    classes = rng.normal(size=(n_classes, dim)).astype(np.float32)
+    labels = rng.integers(0, n_classes, size=40)
+    images = classes[labels] + 1.2 * rng.normal(size=(40, dim))
+    got = zeroshot_metrics(images, classes, labels)
+    assert_same(got, reference_zeroshot(images, classes, labels))
+    assert ("zeroshot_top5" in got) == (n_classes >= 5)
+
+
+def test_zeroshot_ties_match_brute_force_and_favour_the_lower_class():
+    rng = np.random.default_rng(3)
+    classes = sign_vectors(rng, 9)  # only 16 distinct +-1 vectors in dim 4: duplicates and ties
+    labels = rng.integers(0, 9, size=50)
+    images = sign_vectors(rng, 50)
+    expected = reference_zeroshot(images, classes, labels)
+    assert_same(zeroshot_metrics(images, classes, labels), expected)
+    duplicate = np.array([[1.0, 0.0], [1.0, 0.0]])
+    assert zeroshot_predictions(np.array([[2.0, 0.0]]), duplicate).tolist() == [0]
+    got = zeroshot_metrics(np.array([[2.0, 0.0]]), duplicate, np.array([1]))
+    assert got["zeroshot_top1"] == 0.0  # the tie went to class 0
+
+
+def test_zeroshot_single_class_is_always_right():
+    rng = np.random.default_rng(4)
+    got = zeroshot_metrics(rng.normal(size=(5, 3)), rng.normal(size=(1, 3)), np.zeros(5, np.int64))
+    assert got == {"zeroshot_top1": 1.0, "zeroshot_mean_per_class_recall": 1.0}
+
+
+def test_zeroshot_hand_computed_case():
+    classes = np.array([[1, 0], [0, 1], [1, 1]], dtype=np.float32)
+    images = np.array([[1, 0], [0, 1], [1, 1], [0, 3]], dtype=np.float32)
+    labels = np.array([0, 2, 2, 1])
+    # predictions: [1,0] -> 0 (right); [0,1] -> 1 (wrong, label 2); [1,1] -> 2 (right); [0,3] -> 1.
+    assert zeroshot_predictions(images, classes).tolist() == [0, 1, 2, 1]
+    got = zeroshot_metrics(images, classes, labels)
+    # top-1 3/4; per class: class 0 1/1, class 1 1/1, class 2 1/2 -> mean 5/6. 3 classes: no top5.
+    assert_same(got, {"zeroshot_top1": 0.75, "zeroshot_mean_per_class_recall": 5 / 6})
+    matrix = confusion_matrix(labels, zeroshot_predictions(images, classes), 3)
+    assert matrix.tolist() == [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+
+
+def test_zeroshot_top5_hand_computed_case():
+    classes = np.eye(6, dtype=np.float32)
+    # image scores against the one-hot classes are its own entries; the true class is 5.
+    images = np.array([[6, 5, 4, 3, 2, 1], [1, 2, 3, 4, 5, 6]], dtype=np.float32)
+    got = zeroshot_metrics(images, classes, np.array([5, 5]))
+    # image 0 ranks class 5 sixth (miss at top5); image 1 ranks it first.
+    assert_same(got, {"zeroshot_top1": 0.5, "zeroshot_top5": 0.5,
+                      "zeroshot_mean_per_class_recall": 0.5})
+
+
+def test_class_embeddings_normalise_average_and_renormalise():
+    per_template = np.array([[[2.0, 0.0], [0.0, 3.0]], [[0.0, 5.0], [0.0, 0.5]]])
+    got = class_embeddings(per_template)
+    half = np.sqrt(0.5)
+    np.testing.assert_allclose(got, [[half, half], [0.0, 1.0]], atol=1e-7)
+    # Raw averaging would weight the longer template vector more: [1, 1.5] -> not the diagonal.
+    assert not np.allclose(got[0], per_template[0].mean(axis=0) / np.linalg.norm([1.0, 1.5]))
+    with pytest.raises(MetricsInputError, match="classes, templates, dim"):
+        class_embeddings(np.ones((2, 3)))
+
+
+def test_build_prompts_is_class_major():
+    prompts = build_prompts(["circle", "square"], ["a {}.", "a photo of a {}."])
+    assert prompts == ["a circle.", "a photo of a circle.", "a square.", "a photo of a square."]
+
+
+# ---------------------------------------------------------------------------- chance levels
+def test_retrieval_chance_levels_hand_computed():
+    got = retrieval_chance_levels([1, 1], ks=(1,))
+    # 1 relevant caption of 2: R@1 = 1/2; AP = 1 (rank 1, p=1/2) or 1/2 (rank 2) -> 3/4.
+    assert got == pytest.approx({"i2t_R@1": 0.5, "t2i_R@1": 0.5, "mAP@10": 0.75})
+
+
+def test_retrieval_chance_levels_match_exhaustive_enumeration():
+    counts = [2, 1, 1]
+    t2i = np.repeat(np.arange(3), counts)
+    n_texts = t2i.size
+    hits = {k: [] for k in (1, 2, 10)}
+    aps = []
+    # Every caption order is equally likely under a random model: enumerate them all, per image.
+    for image in range(3):
+        for order in itertools.permutations(range(n_texts)):
+            relevant = t2i[list(order)] == image
+            for k in hits:
+                hits[k].append(relevant[:k].any())
+            precision = np.cumsum(relevant) / np.arange(1, n_texts + 1)
+            aps.append((precision * relevant).sum() / min(counts[image], 10))
+    got = retrieval_chance_levels(counts, ks=(1, 2, 10))
+    for k in hits:
+        assert got[f"i2t_R@{k}"] == pytest.approx(np.mean(hits[k]))
+        assert got[f"t2i_R@{k}"] == pytest.approx(min(k, 3) / 3)
+    assert got["mAP@10"] == pytest.approx(np.mean(aps))
+
+
+def test_zeroshot_chance_levels():
+    assert zeroshot_chance_levels(4) == {"zeroshot_top1": 0.25,
+                                         "zeroshot_mean_per_class_recall": 0.25}
+    assert zeroshot_chance_levels(10)["zeroshot_top5"] == 0.5
