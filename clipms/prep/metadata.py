@@ -1,0 +1,291 @@
+"""Caption metadata from one of three sources -> `data/metadata.parquet` (URL, TEXT, LABELS).
+
+- `synthetic`: the generated MSCOCO look-alike (`clipms.prep.synthetic`), images written next to it.
+- `mscoco`: the public MSCOCO 2017 URL/TEXT parquet, downloaded with retries and a checksum.
+- `local`: any parquet (a path or an http(s) URL) whose URL/caption columns are named in params.
+
+One row per caption, as MSCOCO's file: URL, TEXT, and LABELS (a JSON string of the generator's
+attributes for synthetic rows, null otherwise). The file is written atomically and
+deterministically: the same inputs give the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from clipms.prep import synthetic
+
+MSCOCO_URL = ("https://huggingface.co/datasets/ChristophSchuhmann/MS_COCO_2017_URL_TEXT/resolve/"
+              "main/mscoco.parquet")
+SOURCES = ("synthetic", "mscoco", "local")
+SCHEMA = pa.schema([("URL", pa.string()), ("TEXT", pa.string()), ("LABELS", pa.string())])
+_CHUNK = 1 << 20
+
+
+class MetadataError(RuntimeError):
+    """Metadata could not be obtained: unreachable, wrong checksum, unreadable or bad columns."""
+
+
+@dataclass(frozen=True)
+class MetadataSpec:
+    """What to fetch; the fields mirror the `metadata` section of params.yaml."""
+
+    source: str = "synthetic"
+    num_images: int = 2000
+    synthetic_image_size: int = 128
+    seed: int = 0
+    url: str = MSCOCO_URL
+    sha256: str | None = None
+    retries: int = 3
+    timeout: float = 60.0
+    path: str | None = None
+    url_col: str = "URL"
+    caption_col: str = "TEXT"
+
+
+@dataclass(frozen=True)
+class MetadataSummary:
+    source: str
+    rows: int
+    images: int
+    exact_duplicates: int  # rows repeating an earlier (URL, TEXT) pair verbatim
+    # rows equal to an earlier caption of the same image up to case, spacing and punctuation
+    near_duplicates: int
+    labelled_rows: int
+    seconds: float
+    out_path: str
+
+    def paragraph(self) -> str:
+        return (f"metadata: {self.rows} caption rows for {self.images} images from source "
+                f"'{self.source}' written to {self.out_path} in {self.seconds:.1f} s; "
+                f"{self.exact_duplicates} rows are exact duplicates and {self.near_duplicates} "
+                f"near-duplicates (case/spacing/punctuation) of another caption of the same image, "
+                f"left for the dedupe stage; {self.labelled_rows} rows carry LABELS.")
+
+
+def build_metadata(spec: MetadataSpec, out_path: Path | str = "data/metadata.parquet",
+                   synthetic_dir: Path | str = "data/synthetic",
+                   backoff_seconds: float = 1.0) -> MetadataSummary:
+    """Fetch or generate the metadata of `spec.source` and write it to `out_path`.
+
+    `synthetic_dir` is (re)created empty for every source, so that it is always the declared
+    output; only the synthetic source fills it. Keep it relative to the working directory: the
+    synthetic URLs embed it (`file:data/synthetic/000001.png`) and must not depend on the checkout.
+    """
+    start = time.monotonic()
+    out_path, synthetic_dir = Path(out_path), Path(synthetic_dir)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(synthetic_dir, ignore_errors=True)
+    synthetic_dir.mkdir(parents=True)
+    if spec.source == "synthetic":
+        table = synthetic_table(spec, synthetic_dir)
+    elif spec.source == "mscoco":
+        table = _fetch_parquet(spec.url, out_path.parent, spec, "URL", "TEXT", backoff_seconds)
+    elif spec.source == "local":
+        table = local_table(spec, out_path.parent, backoff_seconds)
+    else:
+        raise MetadataError(f"metadata.source = {spec.source!r}: expected one of {SOURCES}")
+    write_table(table, out_path)
+    return summarise(table, spec.source, out_path, time.monotonic() - start)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+
+
+def synthetic_table(spec: MetadataSpec, image_dir: Path) -> pa.Table:
+    """Generate the synthetic images into `image_dir` and return one row per caption."""
+    records = synthetic.generate(image_dir, spec.num_images, spec.synthetic_image_size, spec.seed)
+    urls, texts, labels = [], [], []
+    for record in records:
+        url = file_url(image_dir / record.file_name)
+        for caption in record.captions:
+            urls.append(url)
+            texts.append(caption)
+            labels.append(record.labels_json)
+    return pa.table({"URL": urls, "TEXT": texts, "LABELS": labels}, schema=SCHEMA)
+
+
+def file_url(path: Path) -> str:
+    """`file:` URL of a path, kept relative when the path is relative (urllib resolves it against
+    the working directory), so the URL - and the train/val split hashed from it - is the same in
+    every checkout. An absolute path gives `file:/abs/path`."""
+    return "file:" + urllib.request.pathname2url(path.as_posix())
+
+
+def local_table(spec: MetadataSpec, work_dir: Path, backoff_seconds: float) -> pa.Table:
+    """A user's parquet (path or http(s) URL), its `url_col`/`caption_col` renamed to URL/TEXT."""
+    if not spec.path:
+        raise MetadataError("metadata.path must be set when metadata.source is 'local' "
+                            "(a parquet file path or an http(s) URL)")
+    if spec.path.startswith(("http://", "https://")):
+        return _fetch_parquet(spec.path, work_dir, spec, spec.url_col, spec.caption_col,
+                              backoff_seconds)
+    path = Path(spec.path)
+    if not path.is_file():
+        raise MetadataError(f"metadata.path = {spec.path!r}: no such file")
+    if spec.sha256:
+        verify_sha256(path, spec.sha256)
+    return read_captions(path, spec.url_col, spec.caption_col)
+
+
+def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, caption_col: str,
+                   backoff_seconds: float) -> pa.Table:
+    """Download a parquet next to the output, read the caption columns, delete the download."""
+    fd, tmp_name = tempfile.mkstemp(dir=work_dir, prefix=".metadata-download-", suffix=".parquet")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        download(url, tmp, timeout=spec.timeout, retries=spec.retries, sha256=spec.sha256,
+                 backoff_seconds=backoff_seconds)
+        return read_captions(tmp, url_col, caption_col, shown_name=url)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Download with retries and checksum
+
+
+def download(url: str, dest: Path, *, timeout: float, retries: int, sha256: str | None = None,
+             backoff_seconds: float = 1.0) -> str:
+    """Download `url` to `dest` (via a temp file + rename); return the file's sha256.
+
+    Connection errors, timeouts and HTTP 5xx/429 are retried `retries` times with exponential
+    backoff; other HTTP errors and a checksum mismatch fail at once, since retrying cannot fix them.
+    """
+    last_error: Exception | None = None
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff_seconds * 2 ** (attempt - 1))
+        try:
+            digest = _download_once(url, dest, timeout)
+        except urllib.error.HTTPError as err:
+            if err.code < 500 and err.code != 429:
+                raise MetadataError(f"downloading {url}: HTTP {err.code} {err.reason}") from err
+            last_error = err
+        except (urllib.error.URLError, OSError) as err:  # refused, DNS, timeout, reset
+            last_error = err
+        else:
+            if sha256 and digest != sha256.lower():
+                dest.unlink(missing_ok=True)
+                raise MetadataError(f"checksum mismatch for {url}: sha256 is {digest}, "
+                                    f"metadata.sha256 expects {sha256.lower()}")
+            return digest
+        print(f"metadata: download attempt {attempt + 1}/{retries + 1} of {url} failed: "
+              f"{_reason(last_error)}", flush=True)
+    raise MetadataError(
+        f"could not download {url} after {retries + 1} attempts (last error: "
+        f"{_reason(last_error)}). Offline or unreachable? Use metadata.source: synthetic, or fetch "
+        f"the file elsewhere and set metadata.source: local with metadata.path.")
+
+
+def _download_once(url: str, dest: Path, timeout: float) -> str:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".partial")
+    digest = hashlib.sha256()
+    try:
+        request = urllib.request.Request(url, headers={"User-Agent": "clipms-metadata"})
+        with os.fdopen(fd, "wb") as handle, urllib.request.urlopen(request, timeout=timeout) as r:
+            while chunk := r.read(_CHUNK):
+                digest.update(chunk)
+                handle.write(chunk)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return digest.hexdigest()
+
+
+def _reason(err: Exception | None) -> str:
+    if isinstance(err, urllib.error.HTTPError):
+        return f"HTTP {err.code} {err.reason}"
+    if isinstance(err, urllib.error.URLError):
+        return str(err.reason)
+    return repr(err)
+
+
+def verify_sha256(path: Path, expected: str) -> None:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    if digest.hexdigest() != expected.lower():
+        raise MetadataError(f"checksum mismatch for {path}: sha256 is {digest.hexdigest()}, "
+                            f"metadata.sha256 expects {expected.lower()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and writing
+
+
+def read_captions(path: Path, url_col: str, caption_col: str,
+                  shown_name: str | None = None) -> pa.Table:
+    """The URL/caption columns of a parquet as URL, TEXT (strings) and LABELS (kept if present)."""
+    name = shown_name or str(path)
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as err:
+        raise MetadataError(f"{name}: not a readable parquet file ({err})") from err
+    missing = [c for c in (url_col, caption_col) if c not in schema.names]
+    if missing:
+        raise MetadataError(
+            f"{name}: missing column(s) {missing} (set metadata.url_col / metadata.caption_col); "
+            f"columns found: {schema.names}")
+    wanted = [url_col, caption_col]
+    if "LABELS" in schema.names and "LABELS" not in wanted:
+        wanted.append("LABELS")
+    try:
+        table = pq.read_table(path, columns=wanted)
+    except (pa.ArrowException, OSError) as err:
+        raise MetadataError(f"{name}: could not read columns {wanted} ({err})") from err
+    labels = table["LABELS"] if "LABELS" in wanted[2:] else pa.nulls(table.num_rows, pa.string())
+    columns = {"URL": table[url_col], "TEXT": table[caption_col], "LABELS": labels}
+    try:
+        return pa.table({k: pc.cast(v, pa.string()) for k, v in columns.items()}, schema=SCHEMA)
+    except pa.ArrowException as err:
+        raise MetadataError(f"{name}: columns {wanted} cannot be read as text ({err})") from err
+
+
+def write_table(table: pa.Table, out_path: Path) -> None:
+    """Write atomically. Fixed schema, codec and row-group size, no pandas metadata: the same rows
+    give the same bytes (with the pinned pyarrow)."""
+    fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        pq.write_table(table.cast(SCHEMA).replace_schema_metadata(None), tmp,
+                       compression="zstd", row_group_size=1 << 20)
+        os.replace(tmp, out_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def caption_key(text: pa.ChunkedArray) -> pa.ChunkedArray:
+    """Captions compared case-, spacing- and punctuation-insensitively (for counting only)."""
+    lowered = pc.utf8_lower(pc.fill_null(text, ""))
+    no_punct = pc.replace_substring_regex(lowered, r"[^\w\s]", "")
+    return pc.utf8_trim_whitespace(pc.replace_substring_regex(no_punct, r"\s+", " "))
+
+
+def summarise(table: pa.Table, source: str, out_path: Path, seconds: float) -> MetadataSummary:
+    frame = table.to_pandas()
+    frame["KEY"] = caption_key(table["TEXT"]).to_pandas()
+    exact = int(frame.duplicated(["URL", "TEXT"]).sum())
+    near = int(frame.duplicated(["URL", "KEY"]).sum()) - exact
+    return MetadataSummary(source=source, rows=table.num_rows, images=int(frame["URL"].nunique()),
+                           exact_duplicates=exact, near_duplicates=near,
+                           labelled_rows=int(frame["LABELS"].notna().sum()), seconds=seconds,
+                           out_path=str(out_path))

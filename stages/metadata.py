@@ -1,0 +1,71 @@
+"""Stage `metadata`: caption metadata -> data/metadata.parquet (and data/synthetic/ images).
+
+`python -m stages.metadata`; the `metadata` section of params.yaml chooses the source.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from clipms.prep.metadata import MSCOCO_URL, MetadataError, MetadataSpec, build_metadata
+from stages.params import ParamsError, Section, load_section
+
+OUT_PATH = "data/metadata.parquet"
+SYNTHETIC_DIR = "data/synthetic"  # relative on purpose: it is part of every synthetic URL
+
+
+class MetadataParams(Section):
+    source: Literal["synthetic", "mscoco", "local"] = "synthetic"
+    # synthetic
+    num_images: int = Field(2000, ge=1, le=1_000_000)
+    synthetic_image_size: int = Field(128, ge=16, le=1024)
+    seed: int = 0
+    # mscoco (and http(s) paths of local)
+    url: str = MSCOCO_URL
+    sha256: str | None = None
+    retries: int = Field(3, ge=0, le=20)
+    timeout: float = Field(60.0, gt=0)
+    # local
+    path: str | None = Field(None, validate_default=True)
+    url_col: str = Field("URL", min_length=1)
+    caption_col: str = Field("TEXT", min_length=1)
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", value):
+            raise ValueError("must be null or a sha256 hex digest (64 hex characters)")
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http(s) URL")
+        return value
+
+    @field_validator("path")
+    @classmethod
+    def _path_for_local(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("source") == "local" and not value:
+            raise ValueError("required when source is 'local' (a parquet path or http(s) URL)")
+        return value
+
+
+def main() -> int:
+    try:
+        params = load_section("metadata", MetadataParams)
+        summary = build_metadata(MetadataSpec(**params.model_dump()), OUT_PATH, SYNTHETIC_DIR)
+    except (ParamsError, MetadataError) as err:
+        print(f"metadata: error: {err}", file=sys.stderr)
+        return 1
+    print(summary.paragraph())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
