@@ -1,0 +1,66 @@
+"""Symmetric contrastive (InfoNCE) loss, as open_clip's ClipLoss.
+
+With data parallelism each rank sees only its own batch. `gather=True` all-gathers the features of
+every rank (AllGather's gradient is a reduce-scatter, so gradients flow back to the rank that made
+each feature: open_clip's `gather_with_grad`) and scores the local rows against the global columns
+(open_clip's `local_loss=True`). The mean of the ranks' losses is then exactly the single-process
+loss of the global batch, which is what averaging gradients across ranks optimises.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+
+def contrastive_loss(
+    image_features: Tensor,
+    text_features: Tensor,
+    all_image_features: Tensor,
+    all_text_features: Tensor,
+    logit_scale: Tensor,
+    rank: int = 0,
+) -> Tensor:
+    """Loss of one rank's local batch (n rows) against the global batch (R*n columns).
+
+    Features are L2-normalised; `logit_scale` is the exp'd scale (as the model returns it).
+    Row i of this rank is the positive pair of global column rank*n + i. With rank=0 and
+    all_* = the local features this is the ordinary single-process CLIP loss.
+    """
+    n = image_features.shape[0]
+    logits_per_image = logit_scale * ops.matmul(image_features, all_text_features.T)  # (n, R*n)
+    logits_per_text = logit_scale * ops.matmul(text_features, all_image_features.T)  # (n, R*n)
+    labels = ops.arange(n, dtype=ms.int32) + rank * n  # (n,)
+    image_to_text = ops.cross_entropy(logits_per_image, labels)
+    text_to_image = ops.cross_entropy(logits_per_text, labels)
+    return (image_to_text + text_to_image) / 2
+
+
+class ClipLoss(nn.Cell):
+    """`construct(image_features, text_features, logit_scale) -> scalar loss` (CLIP's outputs)."""
+
+    def __init__(self, gather: bool = False):
+        super().__init__()
+        self.gather = gather
+        self.rank = 0
+        if gather:
+            from mindspore.communication import get_rank
+
+            try:
+                self.rank = get_rank()
+            except RuntimeError as err:
+                raise RuntimeError(
+                    "ClipLoss(gather=True) needs mindspore.communication.init() first "
+                    "(launch with msrun)"
+                ) from err
+            self.all_gather = ops.AllGather()  # concatenates ranks along axis 0, rank order
+
+    def construct(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor):
+        if self.gather:
+            all_image = self.all_gather(image_features)
+            all_text = self.all_gather(text_features)
+        else:
+            all_image, all_text = image_features, text_features
+        return contrastive_loss(
+            image_features, text_features, all_image, all_text, logit_scale, self.rank
+        )

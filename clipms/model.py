@@ -1,0 +1,235 @@
+"""CLIP in MindSpore, written bottom-up: attention -> block -> transformer -> towers -> CLIP.
+
+The function is open_clip's CLIP ViT (same parameters, same maths), so open_clip weights convert
+both ways (`clipms.convert`). Three layout choices differ from open_clip, each because it is faster
+with MindSpore on CPU (../shared/stack-notes.md) and each a pure re-arrangement of the same numbers:
+- the patch embedding is a reshape + MatMul (`patch_embed`, a bias-free Dense over flattened
+  (channel, row, column) patches) instead of a strided Conv2d;
+- attention has three Dense layers q/k/v instead of one fused in_proj (slicing its output is slow);
+- attention is BatchMatMul + softmax instead of a fused multi-head-attention kernel.
+
+Static shapes and no Python control flow on tensor values, so GRAPH_MODE (and Ascend) compile it.
+Shape letters: N batch, L sequence length, D width, H heads, E embed_dim.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from clipms.config import CLIPConfig, TextConfig, VisionConfig
+
+# Added to masked attention scores. Finite (not -inf) so that fp16 casts and Ascend kernels never
+# see inf - inf; exp() of it underflows to exactly 0 in fp32, so the softmax equals open_clip's.
+_MASKED = -1e9
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm over the last axis with open_clip's epsilon (1e-5; MindSpore's default is 1e-7),
+    computed in fp32 and cast back to the input dtype, so mixed precision keeps it fp32."""
+
+    def __init__(self, width: int):
+        super().__init__((width,), epsilon=1e-5)
+
+    def construct(self, x: Tensor) -> Tensor:
+        y, _, _ = self.layer_norm(x.astype(ms.float32), self.gamma, self.beta)
+        return y.astype(x.dtype)
+
+
+class QuickGELU(nn.Cell):
+    """x * sigmoid(1.702 x): the GELU approximation OpenAI's CLIP weights were trained with."""
+
+    def construct(self, x: Tensor) -> Tensor:
+        return x * ops.sigmoid(1.702 * x)
+
+
+def make_activation(quick_gelu: bool) -> nn.Cell:
+    # nn.GELU() defaults to the tanh approximation; open_clip uses the exact (erf) GELU.
+    return QuickGELU() if quick_gelu else nn.GELU(approximate=False)
+
+
+def causal_mask(length: int) -> Tensor:
+    """(L, L) additive mask: 0 on and below the diagonal, _MASKED above (a token sees its past)."""
+    upper = ops.triu(ops.ones((length, length), ms.float32), diagonal=1)
+    return upper * _MASKED
+
+
+class Attention(nn.Cell):
+    """Multi-head self-attention with open_clip's parameters (q/k/v are the thirds of in_proj)."""
+
+    def __init__(self, width: int, heads: int, in_std: float, out_std: float):
+        super().__init__()
+        self.heads = heads
+        self.head_dim = width // heads
+        self.scale = self.head_dim**-0.5
+        self.q_proj = nn.Dense(width, width, weight_init=Normal(in_std))
+        self.k_proj = nn.Dense(width, width, weight_init=Normal(in_std))
+        self.v_proj = nn.Dense(width, width, weight_init=Normal(in_std))
+        self.out_proj = nn.Dense(width, width, weight_init=Normal(out_std))
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        n, length, _ = x.shape
+        return x.reshape(n, length, self.heads, self.head_dim).transpose(0, 2, 1, 3)  # (N,H,L,Dh)
+
+    def construct(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        n, length, width = x.shape
+        q = self._split_heads(self.q_proj(x) * self.scale)  # (N, H, L, Dh)
+        k = self._split_heads(self.k_proj(x))  # (N, H, L, Dh)
+        v = self._split_heads(self.v_proj(x))  # (N, H, L, Dh)
+        scores = ops.matmul(q, k.transpose(0, 1, 3, 2)).astype(ms.float32)  # (N, H, L, L)
+        if mask is not None:
+            scores = scores + mask
+        weights = ops.softmax(scores, axis=-1).astype(v.dtype)  # softmax in fp32
+        out = ops.matmul(weights, v)  # (N, H, L, Dh)
+        out = out.transpose(0, 2, 1, 3).reshape(n, length, width)  # (N, L, D)
+        return self.out_proj(out)
+
+
+class MLP(nn.Cell):
+    def __init__(self, width: int, hidden: int, quick_gelu: bool, fc_std: float, proj_std: float):
+        super().__init__()
+        self.c_fc = nn.Dense(width, hidden, weight_init=Normal(fc_std))
+        self.gelu = make_activation(quick_gelu)
+        self.c_proj = nn.Dense(hidden, width, weight_init=Normal(proj_std))
+
+    def construct(self, x: Tensor) -> Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))  # (N, L, D) -> (N, L, 4D) -> (N, L, D)
+
+
+class ResidualAttentionBlock(nn.Cell):
+    """Pre-LN block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, width: int, heads: int, mlp_ratio: float, quick_gelu: bool, layers: int):
+        super().__init__()
+        # open_clip's text-tower init (CLIP paper); we use it for both towers.
+        attn_std = width**-0.5
+        proj_std = width**-0.5 * (2 * layers) ** -0.5
+        fc_std = (2 * width) ** -0.5
+        self.ln_1 = LayerNorm(width)
+        self.attn = Attention(width, heads, attn_std, proj_std)
+        self.ln_2 = LayerNorm(width)
+        self.mlp = MLP(width, int(width * mlp_ratio), quick_gelu, fc_std, proj_std)
+
+    def construct(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class Transformer(nn.Cell):
+    def __init__(self, width: int, layers: int, heads: int, mlp_ratio: float, quick_gelu: bool):
+        super().__init__()
+        self.resblocks = nn.CellList(
+            [ResidualAttentionBlock(width, heads, mlp_ratio, quick_gelu, layers)
+             for _ in range(layers)]
+        )
+
+    def construct(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        for block in self.resblocks:
+            x = block(x, mask)
+        return x  # (N, L, D)
+
+
+def _normal(shape: tuple[int, ...], std: float) -> Parameter:
+    return Parameter(initializer(Normal(std), shape, ms.float32))
+
+
+class VisionTransformer(nn.Cell):
+    """Image (N, 3, H, W) -> (N, E): patches + class token -> transformer -> ln_post(cls) @ proj."""
+
+    def __init__(self, cfg: VisionConfig, embed_dim: int, quick_gelu: bool):
+        super().__init__()
+        width, p = cfg.width, cfg.patch_size
+        self.grid = cfg.grid_size
+        self.patch = p
+        self.width = width
+        scale = width**-0.5  # open_clip's init scale for class/positional embedding and proj
+        # Same numbers as open_clip's conv1.weight (D, 3, p, p), stored as (D, 3*p*p).
+        self.patch_embed = nn.Dense(3 * p * p, width, has_bias=False, weight_init=Normal(0.02))
+        self.class_embedding = _normal((width,), scale)
+        self.positional_embedding = _normal((cfg.num_tokens, width), scale)
+        self.ln_pre = LayerNorm(width)
+        self.transformer = Transformer(width, cfg.layers, cfg.heads, cfg.mlp_ratio, quick_gelu)
+        self.ln_post = LayerNorm(width)
+        self.proj = _normal((width, embed_dim), scale)
+
+    def construct(self, image: Tensor) -> Tensor:
+        n, g, p = image.shape[0], self.grid, self.patch
+        # (N, 3, g*p, g*p) -> (N, g*g, 3*p*p): each patch flattened in conv-weight order (c, y, x)
+        x = image.reshape(n, 3, g, p, g, p).transpose(0, 2, 4, 1, 3, 5).reshape(n, g * g, 3 * p * p)
+        x = self.patch_embed(x)  # (N, g*g, D)
+        cls = ops.broadcast_to(self.class_embedding.astype(x.dtype).reshape(1, 1, -1),
+                               (n, 1, self.width))
+        x = ops.cat((cls, x), axis=1) + self.positional_embedding.astype(x.dtype)  # (N, L, D)
+        x = self.transformer(self.ln_pre(x))  # (N, L, D)
+        pooled = self.ln_post(x[:, 0])  # (N, D); per-token LN, so pooling first is the same
+        return ops.matmul(pooled, self.proj.astype(pooled.dtype))  # (N, E)
+
+
+class TextTransformer(nn.Cell):
+    """Tokens (N, ctx) int -> (N, E): causal transformer, pooled at the EOT token (highest id)."""
+
+    def __init__(self, cfg: TextConfig, embed_dim: int, quick_gelu: bool):
+        super().__init__()
+        self.token_embedding = nn.Embedding(
+            cfg.vocab_size, cfg.width, embedding_table=Normal(0.02)
+        )
+        self.positional_embedding = _normal((cfg.context_length, cfg.width), 0.01)
+        self.transformer = Transformer(cfg.width, cfg.layers, cfg.heads, cfg.mlp_ratio, quick_gelu)
+        self.ln_final = LayerNorm(cfg.width)
+        self.text_projection = _normal((cfg.width, embed_dim), cfg.width**-0.5)
+        self.attn_mask = causal_mask(cfg.context_length)  # a constant, not a parameter
+
+    def construct(self, text: Tensor) -> Tensor:
+        n = text.shape[0]
+        x = self.token_embedding(text)  # (N, L, D)
+        x = x + self.positional_embedding.astype(x.dtype)
+        x = self.ln_final(self.transformer(x, self.attn_mask))  # (N, L, D)
+        # EOT is the highest id, so argmax finds it (ids < 2**24 are exact in float32).
+        eot = ops.argmax(text.astype(ms.float32), dim=-1).astype(ms.int32)  # (N,)
+        rows = ops.arange(n, dtype=ms.int32)
+        pooled = ops.gather_nd(x, ops.stack((rows, eot), axis=-1))  # (N, D)
+        return ops.matmul(pooled, self.text_projection.astype(pooled.dtype))  # (N, E)
+
+
+def l2_normalize(x: Tensor) -> Tensor:
+    """x / max(||x||, 1e-12) along the last axis (as torch.nn.functional.normalize)."""
+    norm = ops.sqrt(ops.sum(x * x, dim=-1, keepdim=True))
+    return x / ops.maximum(norm, 1e-12)
+
+
+class CLIP(nn.Cell):
+    """open_clip's CLIP ViT. `logit_scale` holds log(1/temperature); construct returns its exp."""
+
+    def __init__(self, cfg: CLIPConfig):
+        super().__init__()
+        self.config = cfg
+        self.visual = VisionTransformer(cfg.vision, cfg.embed_dim, cfg.quick_gelu)
+        self.text = TextTransformer(cfg.text, cfg.embed_dim, cfg.quick_gelu)
+        self.logit_scale = Parameter(Tensor(cfg.init_logit_scale, ms.float32))
+
+    def encode_image(self, image: Tensor, normalize: bool = False) -> Tensor:
+        features = self.visual(image)  # (N, E)
+        return l2_normalize(features) if normalize else features
+
+    def encode_text(self, text: Tensor, normalize: bool = False) -> Tensor:
+        features = self.text(text)  # (N, E)
+        return l2_normalize(features) if normalize else features
+
+    def construct(self, image: Tensor, text: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        image_features = self.encode_image(image, normalize=True)
+        text_features = self.encode_text(text, normalize=True)
+        return image_features, text_features, ops.exp(self.logit_scale)
+
+
+def set_matmul_dtype(net: nn.Cell, dtype: ms.dtype = ms.float16) -> nn.Cell:
+    """Run every Dense (all the big matmuls) in `dtype`; LayerNorm and softmax stay fp32 (they cast
+    internally). For mixed precision on Ascend; on CPU fp32 is faster (stack-notes)."""
+    for _, cell in net.cells_and_names():
+        if isinstance(cell, nn.Dense):
+            cell.to_float(dtype)
+    return net
+
+
+def count_parameters(net: nn.Cell) -> int:
+    return sum(int(p.size) for p in net.get_parameters())
