@@ -1,0 +1,114 @@
+"""CLIP image preprocessing, one definition for training data, evaluation, export and inference.
+
+The transform is open_clip's evaluation transform (torchvision on PIL images), with PIL only:
+  1. decode (bytes) and convert to RGB (before resizing, so palette/alpha images resize as RGB);
+  2. resize so that the SHORTER side equals `image_size` (the longer side becomes
+     int(image_size * long / short), as torchvision computes it), PIL resampling `interpolation`
+     (default bicubic, open_clip's choice; PIL filters antialias when shrinking, as torchvision does
+     on PIL images);
+  3. centre crop `image_size` x `image_size` (offset int(round((size - crop) / 2)), torchvision's);
+  4. float32 in [0, 1] (x / 255), then (x - mean) / std per channel, channels first: (3, H, W).
+
+The config travels with every model (`models/clip.json`, the export bundle's `preprocess.json`), so
+an exported model sees exactly the pixels the trained one saw.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's pixel statistics (open_clip too)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+INTERPOLATIONS = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
+
+
+class PreprocessError(ValueError):
+    """An image that cannot be decoded, or an invalid preprocessing config."""
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """What turns an image into model input; see the module docstring for the exact steps."""
+
+    image_size: int
+    mean: tuple[float, float, float] = field(default=OPENAI_MEAN)
+    std: tuple[float, float, float] = field(default=OPENAI_STD)
+    interpolation: str = "bicubic"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.image_size, int) or self.image_size < 1:
+            raise PreprocessError(f"image_size must be a positive int, got {self.image_size!r}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise PreprocessError(f"interpolation {self.interpolation!r} not one of "
+                                  f"{sorted(INTERPOLATIONS)}")
+        for name in ("mean", "std"):
+            value = tuple(float(v) for v in getattr(self, name))
+            if len(value) != 3 or (name == "std" and min(value) <= 0):
+                raise PreprocessError(f"{name} must be 3 floats (std > 0), got {value}")
+            object.__setattr__(self, name, value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "mean": list(self.mean), "std": list(self.std),
+                "resize": "shorter_side", "crop": "center"}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PreprocessConfig:
+        extra = set(data) - {"image_size", "mean", "std", "interpolation", "resize", "crop"}
+        if extra:
+            raise PreprocessError(f"unknown preprocessing keys {sorted(extra)}")
+        resize, crop = data.get("resize", "shorter_side"), data.get("crop", "center")
+        if (resize, crop) != ("shorter_side", "center"):
+            raise PreprocessError(f"unsupported resize/crop {resize}/{crop}")
+        kwargs = {k: data[k] for k in ("image_size", "mean", "std", "interpolation") if k in data}
+        return cls(**kwargs)
+
+
+def decode_image(image: Image.Image | bytes, name: str = "image") -> Image.Image:
+    """A PIL RGB image from bytes or a PIL image; a PreprocessError naming `name` if broken."""
+    if isinstance(image, Image.Image):
+        return image if image.mode == "RGB" else image.convert("RGB")
+    if not isinstance(image, bytes | bytearray | memoryview):
+        raise PreprocessError(f"{name}: expected PIL.Image or bytes, got {type(image).__name__}")
+    try:
+        with Image.open(io.BytesIO(image)) as opened:
+            return opened.convert("RGB")  # convert() forces the full decode inside the try
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
+        raise PreprocessError(f"{name}: cannot decode image ({err})") from err
+
+
+def resize_shorter_side(image: Image.Image, size: int, interpolation: str) -> Image.Image:
+    """Shorter side to `size`, aspect ratio kept, as torchvision's Resize(int) computes it."""
+    width, height = image.size
+    short, long = sorted((width, height))
+    new_short, new_long = size, int(size * long / short)
+    new_size = (new_short, new_long) if width <= height else (new_long, new_short)
+    return image.resize(new_size, INTERPOLATIONS[interpolation])
+
+
+def center_crop(image: Image.Image, size: int) -> Image.Image:
+    """The central size x size square (the image is at least that large after the resize)."""
+    width, height = image.size
+    top = int(round((height - size) / 2.0))
+    left = int(round((width - size) / 2.0))
+    return image.crop((left, top, left + size, top + size))
+
+
+def to_normalized_array(image: Image.Image, cfg: PreprocessConfig) -> np.ndarray:
+    """(3, H, W) float32: x / 255, then (x - mean) / std per channel (torchvision's order)."""
+    pixels = np.asarray(image, dtype=np.float32) / np.float32(255.0)
+    mean = np.asarray(cfg.mean, dtype=np.float32)
+    std = np.asarray(cfg.std, dtype=np.float32)
+    return np.ascontiguousarray(((pixels - mean) / std).transpose(2, 0, 1))
+
+
+def preprocess_image(image: Image.Image | bytes, cfg: PreprocessConfig,
+                     name: str = "image") -> np.ndarray:
+    """Decode + resize shorter side + centre crop + CLIP mean/std -> (3, size, size) float32."""
+    rgb = decode_image(image, name)
+    resized = resize_shorter_side(rgb, cfg.image_size, cfg.interpolation)
+    return to_normalized_array(center_crop(resized, cfg.image_size), cfg)

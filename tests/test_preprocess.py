@@ -1,0 +1,85 @@
+"""Preprocessing: torchvision's resize/crop geometry and the normalisation, by hand computation."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from clipms.preprocess import (
+    OPENAI_MEAN,
+    OPENAI_STD,
+    PreprocessConfig,
+    PreprocessError,
+    preprocess_image,
+)
+
+
+def column_image(width: int, height: int) -> Image.Image:
+    """Pixel (x, y) = (10 x, 3 y, 200 - 5 x): every column and row is distinguishable."""
+    x, y = np.meshgrid(np.arange(width), np.arange(height))
+    pixels = np.stack([10 * x, 3 * y, 200 - 5 * x], axis=-1).astype(np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+def by_hand(rgb: tuple[int, int, int]) -> list[float]:
+    return [(v / 255.0 - m) / s for v, m, s in zip(rgb, OPENAI_MEAN, OPENAI_STD, strict=True)]
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(("width", "height", "left", "top"), [(25, 20, 2, 0), (20, 25, 0, 2)])
+def test_centre_crop_offsets_and_normalisation_by_hand(width, height, left, top) -> None:
+    # Shorter side already equals image_size, so the resize is the identity and the crop offset is
+    # round((25 - 20) / 2) = round(2.5) = 2 (Python's/torchvision's rounding).
+    cfg = PreprocessConfig(image_size=20)
+    out = preprocess_image(column_image(width, height), cfg)
+    assert out.shape == (3, 20, 20) and out.dtype == np.float32
+    for row, col in [(0, 0), (7, 13), (19, 19)]:
+        x, y = col + left, row + top
+        expected = by_hand((10 * x, 3 * y, 200 - 5 * x))
+        assert out[:, row, col] == pytest.approx(expected, abs=1e-6)
+
+
+def test_resize_keeps_aspect_and_bytes_equal_pil() -> None:
+    # A 80x40 image, left half red, right half blue: resized to 40x20, then the central 20 columns
+    # (10..29 of the resized image) hold red on the left and blue on the right.
+    pixels = np.zeros((40, 80, 3), np.uint8)
+    pixels[:, :40] = (255, 0, 0)
+    pixels[:, 40:] = (0, 0, 255)
+    image = Image.fromarray(pixels, "RGB")
+    cfg = PreprocessConfig(image_size=20)
+    out = preprocess_image(image, cfg)
+    assert out[:, 10, 0] == pytest.approx(by_hand((255, 0, 0)), abs=1e-5)
+    assert out[:, 10, 19] == pytest.approx(by_hand((0, 0, 255)), abs=1e-5)
+    assert np.array_equal(preprocess_image(png_bytes(image), cfg), out)
+
+
+def test_greyscale_and_rgba_become_rgb() -> None:
+    grey = Image.new("L", (30, 30), 128)
+    out = preprocess_image(grey, PreprocessConfig(image_size=16, interpolation="bilinear"))
+    assert out[:, 5, 5] == pytest.approx(by_hand((128, 128, 128)), abs=1e-5)
+    rgba = Image.new("RGBA", (16, 16), (10, 20, 30, 0))
+    assert preprocess_image(png_bytes(rgba), PreprocessConfig(16))[:, 0, 0] == pytest.approx(
+        by_hand((10, 20, 30)), abs=1e-5)
+
+
+def test_config_round_trip_and_errors() -> None:
+    cfg = PreprocessConfig(image_size=64, interpolation="bilinear")
+    assert PreprocessConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.to_dict()["mean"] == list(OPENAI_MEAN)
+    with pytest.raises(PreprocessError, match="interpolation 'nearest'"):
+        PreprocessConfig(image_size=64, interpolation="nearest")
+    with pytest.raises(PreprocessError, match="unknown preprocessing keys"):
+        PreprocessConfig.from_dict({"image_size": 64, "antialias": True})
+    with pytest.raises(PreprocessError, match="sample-7: cannot decode image"):
+        preprocess_image(b"not an image", cfg, name="sample-7")
+    truncated = png_bytes(column_image(64, 64))[:100]
+    with pytest.raises(PreprocessError, match="cannot decode"):
+        preprocess_image(truncated, cfg)

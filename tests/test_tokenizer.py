@@ -1,0 +1,107 @@
+"""Tokenizer: open_clip's ids bit-exact for the OpenAI vocabulary; the trained BPE contract."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clipms.tokenizer import Tokenizer, TokenizerError, clean_text
+
+GOLDEN = json.loads((Path(__file__).parent / "data/openclip_tokenizer/tokens.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def openai() -> Tokenizer:
+    return Tokenizer.openai(context_length=GOLDEN["context_length"])
+
+
+def synthetic_captions(n: int = 600, seed: int = 0) -> list[str]:
+    """Captions in the style of the synthetic dataset, with case/spacing/punctuation variants."""
+    rng = random.Random(seed)
+    templates = ["A {size} {colour} {shape} on the {side}.", "a photo of a {colour} {shape}",
+                 "There is a {size} {shape}, coloured {colour}, near the {side}!",
+                 "{colour}  {shape}   on a plain background"]
+    words = {"size": ["small", "big", "tiny"], "colour": ["red", "green", "blue", "yellow"],
+             "shape": ["circle", "square", "triangle", "star"], "side": ["left", "right", "top"]}
+    out = []
+    for _ in range(n):
+        text = rng.choice(templates).format(**{k: rng.choice(v) for k, v in words.items()})
+        out.append(text.upper() if rng.random() < 0.05 else text)
+    return out
+
+
+@pytest.mark.parametrize("case", GOLDEN["cases"], ids=lambda c: repr(c["text"][:24]))
+def test_openai_ids_match_open_clip(openai: Tokenizer, case: dict) -> None:
+    ids = openai.encode([case["text"]])
+    assert ids.dtype == np.int32 and ids.shape == (1, GOLDEN["context_length"])
+    assert ids[0].tolist() == case["ids"]
+
+
+def test_openai_batch_equals_single_and_special_ids(openai: Tokenizer) -> None:
+    texts = [c["text"] for c in GOLDEN["cases"]]
+    batch = openai.encode(texts)
+    assert batch.tolist() == [c["ids"] for c in GOLDEN["cases"]]
+    assert openai.encode(texts[1]).tolist() == [GOLDEN["cases"][1]["ids"]]  # a bare str works too
+    assert (openai.vocab_size, openai.sot_id, openai.eot_id) == (
+        GOLDEN["vocab_size"], GOLDEN["sot"], GOLDEN["eot"])
+
+
+def test_openai_save_load_round_trip(openai: Tokenizer, tmp_path: Path) -> None:
+    openai.save(tmp_path / "tokenizer.json")
+    loaded = Tokenizer.load(tmp_path / "tokenizer.json")
+    assert (loaded.kind, loaded.context_length, loaded.vocab_size) == ("openai", 77, 49408)
+    texts = [c["text"] for c in GOLDEN["cases"]]
+    assert np.array_equal(loaded.encode(texts), openai.encode(texts))
+
+
+def test_cleaning_is_open_clips() -> None:
+    assert clean_text("  Caf&amp;amp;é\tTWO\n\nlines ") == "caf&é two lines"
+    assert clean_text("") == ""
+
+
+def test_trained_tokenizer_contract_and_round_trip(tmp_path: Path) -> None:
+    captions = synthetic_captions()
+    tok = Tokenizer.train(captions, vocab_size=700, context_length=16)
+    assert tok.kind == "bpe" and 516 <= tok.vocab_size <= 700
+    assert (tok.sot_id, tok.eot_id) == (tok.vocab_size - 2, tok.vocab_size - 1)
+    ids = tok.encode(captions)
+    assert ids.dtype == np.int32 and ids.shape == (len(captions), 16)
+    assert (ids[:, 0] == tok.sot_id).all()
+    eot_pos = ids.argmax(axis=1)  # EOT pooling: the highest id is the EOT
+    assert (ids[np.arange(len(ids)), eot_pos] == tok.eot_id).all()
+    after_eot = np.arange(16)[None, :] > eot_pos[:, None]
+    assert (ids[after_eot] == 0).all() and not (ids[~after_eot] == 0).any()  # 0 is padding only
+    # decode gives the cleaned text back (words are separated at punctuation, as open_clip's).
+    assert tok.decode(ids[1]).replace(" ", "") == clean_text(captions[1]).replace(" ", "")
+
+    tok.save(tmp_path / "tokenizer.json")
+    loaded = Tokenizer.load(tmp_path / "tokenizer.json")
+    assert (loaded.kind, loaded.vocab_size, loaded.eot_id) == ("bpe", tok.vocab_size, tok.eot_id)
+    assert np.array_equal(loaded.encode(captions), ids)
+    # Training is deterministic: the same corpus gives the same ids.
+    again = Tokenizer.train(captions, vocab_size=700, context_length=16)
+    assert np.array_equal(again.encode(captions), ids)
+
+
+def test_trained_tokenizer_truncates_keeping_eot_and_handles_unseen_text() -> None:
+    tok = Tokenizer.train(synthetic_captions(200), vocab_size=600, context_length=6)
+    ids = tok.encode(["a big red circle on the left of a blue square", "東京 😀 ÿ", ""])
+    assert ids[0, -1] == tok.eot_id and ids[0, 0] == tok.sot_id and (ids[0, 1:-1] > 0).all()
+    assert (ids[1] > 0).sum() >= 3  # unseen characters fall back to byte symbols, never dropped
+    assert ids[2].tolist() == [tok.sot_id, tok.eot_id, 0, 0, 0, 0]
+
+
+def test_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerError, match="vocab_size must be >= 516"):
+        Tokenizer.train(["a cat"], vocab_size=400, context_length=8)
+    with pytest.raises(TokenizerError, match="text 1 is int"):
+        Tokenizer.openai(8).encode(["ok", 3])  # type: ignore[list-item]
+    with pytest.raises(TokenizerError, match="not found"):
+        Tokenizer.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text('{"format": "something else"}')
+    with pytest.raises(TokenizerError, match="not a clipms tokenizer"):
+        Tokenizer.load(tmp_path / "bad.json")
