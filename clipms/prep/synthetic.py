@@ -216,7 +216,8 @@ def _where_phrase(scene: Scene, rng: random.Random) -> str:
         "right": ["on the right", "on the right side", "near the right edge"],
         "top": ["at the top", "near the top", "in the upper part of the picture"],
         "bottom": ["at the bottom", "near the bottom", "in the lower part of the picture"],
-        "scattered": ["scattered around", "spread across the image", "at different spots"],
+        # no "scattered" or "across": they contain "red" and "cross"
+        "scattered": ["dotted around", "spread over the image", "at different spots"],
     }[scene.position]
     return rng.choice(options)
 

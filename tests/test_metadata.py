@@ -1,0 +1,305 @@
+"""The `metadata` stage: its three sources, the download (against a loopback HTTP server started
+here: checksum, retry after HTTP 500, unreachable port) and the params contract."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from clipms.prep import synthetic
+from clipms.prep.metadata import MetadataError, MetadataSpec, build_metadata, download
+from stages.metadata import MetadataParams
+from stages.params import ParamsError, validate_section
+from tests.workspace import PROJECT_ROOT, make_workspace, run, tool_env
+
+FAST = {"retries": 2, "timeout": 5.0}  # with backoff_seconds=0.01 below: no real waiting
+
+
+def _parquet_bytes(tmp_path: Path, columns: dict[str, list]) -> bytes:
+    path = tmp_path / "src.parquet"
+    pq.write_table(pa.table(columns), path)
+    return path.read_bytes()
+
+
+class _Server:
+    """Loopback HTTP server: `routes` maps a path to a list of responses, served in turn (the last
+    one repeats). A response is (status, body)."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, list[tuple[int, bytes]]] = {}
+        self.hits: dict[str, int] = {}
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                responses = server.routes.get(self.path, [(404, b"not found")])
+                hit = server.hits.get(self.path, 0)
+                server.hits[self.path] = hit + 1
+                status, body = responses[min(hit, len(responses) - 1)]
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}{path}"
+
+
+@pytest.fixture()
+def server() -> Iterator[_Server]:
+    srv = _Server()
+    srv.thread.start()
+    try:
+        yield srv
+    finally:
+        srv.httpd.shutdown()
+        srv.httpd.server_close()
+        srv.thread.join(timeout=5)
+
+
+def _build(tmp_path: Path, **spec: object) -> tuple[pa.Table, object]:
+    out = tmp_path / "data" / "metadata.parquet"
+    summary = build_metadata(MetadataSpec(**spec), out, tmp_path / "data" / "synthetic",
+                             backoff_seconds=0.01)
+    return pq.read_table(out), summary
+
+
+# --- synthetic -------------------------------------------------------------------------------
+
+
+def test_synthetic_rows_urls_labels_and_bytes_are_deterministic(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths, as the stage runs them from the project root
+    spec = MetadataSpec(num_images=12, synthetic_image_size=32, seed=3)
+    summary = build_metadata(spec, "data/metadata.parquet", "data/synthetic")
+    first = Path("data/metadata.parquet").read_bytes()
+    build_metadata(spec, "data/metadata.parquet", "data/synthetic")
+    assert Path("data/metadata.parquet").read_bytes() == first
+
+    table = pq.read_table("data/metadata.parquet")
+    assert table.schema.names == ["URL", "TEXT", "LABELS"]
+    assert table.num_rows == 12 * synthetic.CAPTIONS_PER_IMAGE == summary.rows
+    rows = table.to_pylist()
+    assert rows[0]["URL"] == "file:data/synthetic/000001.png"  # no checkout path inside
+    assert len({r["URL"] for r in rows}) == 12 == summary.images
+    assert sorted(os.listdir("data/synthetic")) == [f"{i:06d}.png" for i in range(1, 13)]
+    for row in rows:
+        labels = json.loads(row["LABELS"])
+        assert labels["colour"] in row["TEXT"].lower() and labels["shape"] in row["TEXT"].lower()
+    assert summary.labelled_rows == table.num_rows
+
+
+def test_synthetic_urls_open_with_urllib_from_the_project_root(tmp_path, monkeypatch):
+    import urllib.request
+
+    monkeypatch.chdir(tmp_path)
+    build_metadata(MetadataSpec(num_images=2, synthetic_image_size=32),
+                   "data/metadata.parquet", "data/synthetic")
+    url = pq.read_table("data/metadata.parquet")["URL"][0].as_py()
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.read() == Path("data/synthetic/000001.png").read_bytes()
+
+
+def test_synthetic_summary_counts_duplicates(tmp_path):
+    table, summary = _build(tmp_path, num_images=60, synthetic_image_size=32)
+    frame = table.to_pandas()
+    assert summary.exact_duplicates == frame.duplicated(["URL", "TEXT"]).sum() > 0
+    assert summary.near_duplicates > 0
+    assert "exact duplicates" in summary.paragraph()
+
+
+def test_a_rerun_clears_stale_images(tmp_path):
+    _build(tmp_path, num_images=5, synthetic_image_size=32)
+    _build(tmp_path, num_images=3, synthetic_image_size=32)
+    assert len(list((tmp_path / "data" / "synthetic").iterdir())) == 3
+
+
+# --- mscoco (download) -----------------------------------------------------------------------
+
+
+def _coco_like(tmp_path: Path) -> bytes:
+    return _parquet_bytes(tmp_path, {"URL": ["http://img/1.jpg", "http://img/1.jpg"],
+                                     "TEXT": ["A cat.", "A cat on a mat."], "WIDTH": [640, 640]})
+
+
+def test_mscoco_downloads_and_verifies_the_checksum(tmp_path, server):
+    body = _coco_like(tmp_path)
+    server.routes["/mscoco.parquet"] = [(200, body)]
+    table, summary = _build(tmp_path, source="mscoco", url=server.url("/mscoco.parquet"),
+                            sha256=hashlib.sha256(body).hexdigest(), **FAST)
+    assert table.to_pydict() == {"URL": ["http://img/1.jpg"] * 2,
+                                 "TEXT": ["A cat.", "A cat on a mat."], "LABELS": [None, None]}
+    assert (summary.rows, summary.images, summary.labelled_rows) == (2, 1, 0)
+    leftovers = [p.name for p in (tmp_path / "data").iterdir()]
+    assert sorted(leftovers) == ["metadata.parquet", "synthetic"]  # no temp/partial files
+
+
+def test_mscoco_checksum_mismatch_fails_clearly_and_writes_nothing(tmp_path, server):
+    server.routes["/mscoco.parquet"] = [(200, _coco_like(tmp_path))]
+    with pytest.raises(MetadataError, match="checksum mismatch.*metadata.sha256 expects 0{64}"):
+        _build(tmp_path, source="mscoco", url=server.url("/mscoco.parquet"), sha256="0" * 64,
+               **FAST)
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["synthetic"]
+    assert server.hits["/mscoco.parquet"] == 1  # a wrong file is not fetched again
+
+
+def test_http_500_is_retried_then_succeeds(tmp_path, server):
+    body = _coco_like(tmp_path)
+    server.routes["/flaky"] = [(500, b"busy"), (503, b"busy"), (200, body)]
+    table, _ = _build(tmp_path, source="mscoco", url=server.url("/flaky"), **FAST)
+    assert server.hits["/flaky"] == 3 and table.num_rows == 2
+
+
+def test_retries_are_bounded(tmp_path, server):
+    server.routes["/down"] = [(500, b"busy")]
+    with pytest.raises(MetadataError, match=r"after 3 attempts \(last error: HTTP 500"):
+        download(server.url("/down"), tmp_path / "x", timeout=5, retries=2, backoff_seconds=0.01)
+    assert server.hits["/down"] == 3
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_http_404_fails_at_once(tmp_path, server):
+    with pytest.raises(MetadataError, match="HTTP 404"):
+        download(server.url("/missing"), tmp_path / "x", timeout=5, retries=3)
+    assert server.hits["/missing"] == 1
+
+
+def test_unreachable_server_gives_a_clear_offline_error(tmp_path):
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(MetadataError, match="Offline or unreachable.*metadata.source: local"):
+        _build(tmp_path, source="mscoco", url=f"http://127.0.0.1:{port}/mscoco.parquet", **FAST)
+
+
+def test_a_non_parquet_download_is_reported(tmp_path, server):
+    server.routes["/page.html"] = [(200, b"<html>captive portal</html>")]
+    with pytest.raises(MetadataError, match="not a readable parquet file"):
+        _build(tmp_path, source="mscoco", url=server.url("/page.html"), **FAST)
+
+
+# --- local -----------------------------------------------------------------------------------
+
+
+def _local_file(tmp_path: Path) -> Path:
+    path = tmp_path / "mine.parquet"
+    pq.write_table(pa.table({"image_url": ["http://a/1.jpg", "http://a/2.jpg"],
+                             "caption": ["one", "two"], "extra": [1, 2]}), path)
+    return path
+
+
+def test_local_path_with_custom_columns(tmp_path):
+    table, _ = _build(tmp_path, source="local", path=str(_local_file(tmp_path)),
+                      url_col="image_url", caption_col="caption")
+    assert table.to_pydict() == {"URL": ["http://a/1.jpg", "http://a/2.jpg"],
+                                 "TEXT": ["one", "two"], "LABELS": [None, None]}
+
+
+def test_local_url_is_downloaded(tmp_path, server):
+    server.routes["/mine.parquet"] = [(200, _local_file(tmp_path).read_bytes())]
+    table, _ = _build(tmp_path, source="local", path=server.url("/mine.parquet"),
+                      url_col="image_url", caption_col="caption", **FAST)
+    assert table["TEXT"].to_pylist() == ["one", "two"]
+
+
+def test_local_missing_column_names_the_columns_found(tmp_path):
+    with pytest.raises(MetadataError, match=r"missing column\(s\) \['URL'\].*"
+                                            r"\['image_url', 'caption', 'extra'\]"):
+        _build(tmp_path, source="local", path=str(_local_file(tmp_path)), caption_col="caption")
+
+
+def test_local_unreadable_or_absent_file(tmp_path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("URL,TEXT\nhttp://a,b\n")
+    with pytest.raises(MetadataError, match="not a readable parquet file"):
+        _build(tmp_path, source="local", path=str(bad))
+    with pytest.raises(MetadataError, match="no such file"):
+        _build(tmp_path, source="local", path=str(tmp_path / "absent.parquet"))
+
+
+def test_local_checksum_is_checked_when_set(tmp_path):
+    path = _local_file(tmp_path)
+    with pytest.raises(MetadataError, match="checksum mismatch"):
+        _build(tmp_path, source="local", path=str(path), url_col="image_url",
+               caption_col="caption", sha256="f" * 64)
+
+
+# --- params and the stage --------------------------------------------------------------------
+
+
+def test_bad_source_names_the_key_and_the_allowed_values():
+    with pytest.raises(ParamsError, match=r"metadata\.source = 'coco'.*'synthetic', 'mscoco' or "
+                                          r"'local'"):
+        validate_section("metadata", MetadataParams, {"source": "coco"})
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"source": "local"}, r"metadata\.path = None: .*required when source is 'local'"),
+    ({"sha256": "abc"}, r"metadata\.sha256 = 'abc': .*64 hex"),
+    ({"num_images": 0}, r"metadata\.num_images = 0"),
+    ({"colour": "red"}, r"metadata\.colour: unknown key"),
+])
+def test_other_params_errors(raw, message):
+    with pytest.raises(ParamsError, match=message):
+        validate_section("metadata", MetadataParams, raw)
+
+
+def test_defaults_match_params_yaml():
+    section = yaml.safe_load((PROJECT_ROOT / "params.yaml").read_text())["metadata"]
+    assert validate_section("metadata", MetadataParams, section) == MetadataParams()
+
+
+def test_stage_runs_from_a_project_root_and_prints_a_summary(tmp_path):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(
+        {"metadata": {"num_images": 4, "synthetic_image_size": 32}}))
+    env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "stages.metadata"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "metadata: 20 caption rows for 4 images from source 'synthetic'" in proc.stdout
+    assert pq.read_table(tmp_path / "data" / "metadata.parquet").num_rows == 20
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"metadata": {"source": "coco"}}))
+    proc = subprocess.run([sys.executable, "-m", "stages.metadata"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "metadata.source = 'coco'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_dvc_repro_metadata_then_switch_to_a_local_source(tmp_path):
+    """The dvc.yaml block: outs are both data/metadata.parquet and data/synthetic, a rerun is a
+    no-op, and a params change reruns the stage (data/synthetic then stays, empty)."""
+    ws = make_workspace(tmp_path)
+    run(["dvc", "repro", "metadata"], ws)
+    rows = pq.read_table(ws / "data" / "metadata.parquet").num_rows
+    assert rows == 48 * synthetic.CAPTIONS_PER_IMAGE  # TINY_PARAMS: 48 images
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]["metadata"]
+    assert {o["path"] for o in lock["outs"]} == {"data/metadata.parquet", "data/synthetic"}
+    assert "didn't change, skipping" in run(["dvc", "repro", "metadata"], ws).stdout
+
+    _local_file(ws)
+    params = yaml.safe_load((ws / "params.yaml").read_text())
+    params["metadata"].update(source="local", path="mine.parquet", url_col="image_url",
+                              caption_col="caption")
+    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run(["dvc", "repro", "metadata"], ws)
+    assert pq.read_table(ws / "data" / "metadata.parquet").num_rows == 2
+    assert list((ws / "data" / "synthetic").iterdir()) == []

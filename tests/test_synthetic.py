@@ -1,0 +1,136 @@
+"""The synthetic MSCOCO look-alike: deterministic, learnable (captions state what is drawn), and
+carrying the duplicate/near-duplicate captions that the dedupe stage must remove."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from clipms.prep import synthetic
+
+N_IMAGES = 40
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    folder = tmp_path_factory.mktemp("synthetic")
+    return folder, synthetic.generate(folder, N_IMAGES, 64, seed=0)
+
+
+def test_same_seed_gives_identical_files_and_records(generated, tmp_path):
+    folder, records = generated
+    again = synthetic.generate(tmp_path, N_IMAGES, 64, seed=0)
+    assert again == records
+    assert _digests(tmp_path) == _digests(folder)
+    assert len(_digests(folder)) == N_IMAGES
+
+
+def test_other_seed_gives_other_data(generated, tmp_path):
+    _, records = generated
+    other = synthetic.generate(tmp_path, N_IMAGES, 64, seed=1)
+    assert [r.captions for r in other] != [r.captions for r in records]
+
+
+def test_image_depends_only_on_seed_and_index(generated, tmp_path):
+    folder, records = generated
+    fewer = synthetic.generate(tmp_path, 5, 64, seed=0)
+    assert fewer == records[:5]
+    assert _digests(tmp_path) == {k: v for k, v in _digests(folder).items() if k in
+                                  {r.file_name for r in fewer}}
+
+
+def test_images_are_rgb_pngs_of_the_requested_size(generated):
+    folder, records = generated
+    for record in records[:10]:
+        with Image.open(folder / record.file_name) as image:
+            assert (image.format, image.mode, image.size) == ("PNG", "RGB", (64, 64))
+
+
+def test_every_caption_names_the_colour_and_the_shape(generated):
+    _, records = generated
+    for record in records:
+        assert len(record.captions) == synthetic.CAPTIONS_PER_IMAGE
+        for caption in record.captions:
+            text = caption.lower()
+            assert record.scene.colour in text and record.scene.shape in text, (caption, record)
+            # no other colour or shape, even inside a word ("scattered" holds "red")
+            assert not [c for c in synthetic.COLOURS if c != record.scene.colour and c in text]
+            assert not [s for s in synthetic.SHAPES if s != record.scene.shape and s in text]
+
+
+def test_count_and_background_words_match_the_labels(generated):
+    _, records = generated
+    words = {1: ("a ", "an "), 2: ("two ",), 3: ("three ",)}
+    for record in records:
+        scene = record.scene
+        for caption in record.captions:
+            assert any(w in caption.lower() for w in words[scene.count]), caption
+        mentioned = {b for c in record.captions for b in synthetic.BACKGROUNDS if b in c.lower()}
+        assert mentioned <= {scene.background}, record
+
+
+def test_labels_json_holds_every_attribute(generated):
+    _, records = generated
+    assert records[0].labels_json.startswith('{"shape": ')
+    for record in records:
+        labels = record.scene.labels()
+        assert labels["shape"] in synthetic.SHAPES and labels["colour"] in synthetic.COLOURS
+        assert labels["background"] in synthetic.BACKGROUNDS and labels["size"] in synthetic.SIZES
+        assert labels["count"] in (1, 2, 3)
+        assert (labels["position"] == "scattered") == (labels["count"] > 1)
+
+
+def test_attributes_vary_across_the_dataset():
+    scenes = [synthetic.sample_scene(synthetic.image_rng(0, i)) for i in range(600)]
+    assert {s.shape for s in scenes} == set(synthetic.SHAPES)
+    assert {s.colour for s in scenes} == set(synthetic.COLOURS)
+    assert {s.background for s in scenes} == set(synthetic.BACKGROUNDS)
+    assert {s.count for s in scenes} == {1, 2, 3}
+    assert {s.position for s in scenes} == {*synthetic.POSITIONS, "scattered"}
+
+
+def _key(caption: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"[^\w\s]", "", caption.lower())).strip()
+
+
+def test_exact_and_near_duplicates_are_present_in_realistic_amounts():
+    exact = near = 0
+    n = 400
+    for i in range(n):
+        rng = synthetic.image_rng(0, i)
+        captions = synthetic.write_captions(synthetic.sample_scene(rng), rng)
+        exact += len(captions) - len(set(captions))
+        near += len(set(captions)) - len({_key(c) for c in captions})
+    # EXACT_DUPLICATE_RATE 0.15 and NEAR_DUPLICATE_RATE 0.25 of 400 images: ~60 and >= ~100
+    assert 0.08 * n < exact < 0.25 * n
+    assert 0.15 * n < near < 0.45 * n
+
+
+@pytest.mark.parametrize("caption", ["A red circle on white.", "Two blue stars, at the top"])
+def test_near_duplicate_differs_only_in_case_spacing_or_punctuation(caption):
+    for i in range(20):
+        variant = synthetic.near_duplicate(caption, synthetic.image_rng(0, i))
+        assert variant != caption and _key(variant) == _key(caption)
+
+
+def test_drawn_colour_is_the_labelled_colour(generated):
+    """The most common non-background pixel colour is nearest to the labelled colour."""
+    folder, records = generated
+    palette = np.array(list(synthetic.COLOURS.values()), dtype=float)
+    names = list(synthetic.COLOURS)
+    for record in records:
+        pixels = np.asarray(Image.open(folder / record.file_name), dtype=float).reshape(-1, 3)
+        background = np.array(synthetic.BACKGROUNDS[record.scene.background], dtype=float)
+        foreground = pixels[np.abs(pixels - background).sum(axis=1) > 90]
+        assert len(foreground) > 20, record
+        nearest = np.argmin(((foreground[:, None, :] - palette[None]) ** 2).sum(-1), axis=1)
+        assert names[np.bincount(nearest).argmax()] == record.scene.colour, record
