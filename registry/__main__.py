@@ -1,0 +1,44 @@
+"""Command line of the registry: `python -m registry compare [--name clip] [--metrics a,b]`.
+
+Reads the same store as the pipeline (`MLFLOW_TRACKING_URI`, default sqlite:///mlflow.db).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from registry.compare import DEFAULT_METRICS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m registry")
+    sub = parser.add_subparsers(dest="command", required=True)
+    compare = sub.add_parser("compare", help="table of the registered versions of a model")
+    compare.add_argument("--name", default=None,
+                         help="registered model (default: register.model_name in params.yaml)")
+    compare.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
+                         help="comma-separated metric keys to show")
+    compare.add_argument("--limit", type=int, default=20, help="newest N versions")
+    args = parser.parse_args(argv)
+
+    from registry.compare import collect, render
+    from registry.tracking import client
+
+    name = args.name or _default_model_name()
+    rows = collect(client(), name, args.limit)
+    print(render(name, rows, [m for m in args.metrics.split(",") if m]))
+    return 0
+
+
+def _default_model_name() -> str:
+    from stages.params import read_params
+
+    try:
+        return str(read_params().get("register", {}).get("model_name", "clip"))
+    except ValueError:
+        return "clip"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

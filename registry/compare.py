@@ -1,0 +1,91 @@
+"""`python -m registry compare`: the registered versions side by side, as the MLflow UI shows them.
+
+One table per concern: versions with their aliases, key metrics and lineage; then only the params
+that differ between versions (identical params are noise when comparing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_METRICS = ("i2t_R@1", "i2t_R@5", "t2i_R@1", "t2i_R@5", "mAP@10", "zeroshot_top1")
+
+
+@dataclass
+class VersionRow:
+    version: int
+    aliases: list[str]
+    run_id: str
+    tags: dict[str, str]
+    params: dict[str, str] = field(default_factory=dict)
+
+
+def collect(mlflow_client: Any, name: str, limit: int = 20) -> list[VersionRow]:
+    """The newest `limit` versions of `name`, with their run's params."""
+    versions = mlflow_client.search_model_versions(f"name = '{name}'")
+    versions = sorted(versions, key=lambda v: int(v.version))[-limit:]
+    rows = []
+    for v in versions:
+        params: dict[str, str] = {}
+        if v.run_id:
+            try:
+                params = dict(mlflow_client.get_run(v.run_id).data.params)
+            except Exception:  # the run may have been deleted; the version still lists
+                params = {}
+        rows.append(VersionRow(int(v.version), sorted(getattr(v, "aliases", []) or []),
+                               v.run_id or "", dict(v.tags or {}), params))
+    return rows
+
+
+def differing_params(rows: Sequence[VersionRow]) -> list[str]:
+    keys = sorted({k for row in rows for k in row.params})
+    return [k for k in keys if len({row.params.get(k) for row in rows}) > 1]
+
+
+def _short(value: str | None, n: int = 8) -> str:
+    return (value or "-")[:n]
+
+
+def _metric(row: VersionRow, key: str) -> str:
+    raw = row.tags.get(f"metric.{key}")
+    return "-" if raw in (None, "") else f"{float(raw):.4f}"
+
+
+def format_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *body, strict=False)]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip()
+             for r in [header, ["-" * w for w in widths], *body]]
+    return "\n".join(lines)
+
+
+def render(name: str, rows: Sequence[VersionRow], metrics: Sequence[str] = DEFAULT_METRICS) -> str:
+    if not rows:
+        return f"registered model '{name}': no versions"
+    header = ["version", "aliases", "run", *metrics, "val_digest", "data_md5", "tokenizer",
+              "git", "gate"]
+    body = []
+    for row in rows:
+        dirty = "+dirty" if row.tags.get("lineage.git_dirty") == "true" else ""
+        body.append([
+            f"v{row.version}", ",".join(row.aliases) or "-", _short(row.run_id),
+            *(_metric(row, m) for m in metrics),
+            _short(row.tags.get("lineage.val_digest")),
+            _short(row.tags.get("lineage.data_shards_md5")),
+            _short(row.tags.get("lineage.tokenizer_md5")),
+            _short(row.tags.get("lineage.git_commit"), 7) + dirty,
+            row.tags.get("gate.alias", "-")])
+    out = [f"registered model '{name}': {len(rows)} version(s)", format_table(header, body)]
+    keys = differing_params(rows)
+    if keys:
+        out += ["", "params that differ:", format_table(
+            ["param", *(f"v{r.version}" for r in rows)],
+            [[k, *(r.params.get(k, "-") for r in rows)] for k in keys])]
+    else:
+        out += ["", "params: identical across these versions"]
+    reasons = [f"  v{r.version}: {r.tags['gate.reason']}"
+               for r in rows if r.tags.get("gate.reason")]
+    if reasons:
+        out += ["", "gate decisions:", *reasons]
+    return "\n".join(out)

@@ -1,0 +1,51 @@
+"""Stage `register`: log the export bundle as a pyfunc into the pipeline's MLflow run, register a
+new version of `register.model_name`, and let the champion/challenger gate pick its alias.
+
+Writes `metrics/register.json` (version, decision, both numbers, reason). Needs the tracking server:
+when it is unreachable this stage fails with a message naming it; nothing upstream is lost.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pydantic import Field
+
+from stages.params import Section, load_section
+
+EVAL_METRICS = Path("metrics/eval.json")
+BUNDLE_DIR = Path("models/export")
+OUT = Path("metrics/register.json")
+
+
+class RegisterParams(Section):
+    model_name: str = Field("clip", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    experiment: str = Field("clip-mindspore", min_length=1)  # read by train, which opens the run
+    primary_metric: str = "i2t_R@5"
+    margin: float = Field(0.0, ge=0.0)
+
+
+def main() -> int:
+    params = load_section("register", RegisterParams)
+    from clipms.jsonio import read_json, write_json
+    from registry.registration import register_version
+    from registry.tracking import PipelineRun, TrackingUnavailable, flatten
+
+    run = PipelineRun.resume()
+    run.log_params(flatten("register", params.model_dump()))
+    try:
+        record = register_version(run, BUNDLE_DIR, params.model_name, params.primary_metric,
+                                  params.margin, read_json(EVAL_METRICS))
+    except TrackingUnavailable as err:
+        print(f"register: {err}", file=sys.stderr)
+        return 1
+    write_json(OUT, record)
+    run.close()
+    print(f"register: {params.model_name} v{record['version']} -> {record['alias']} "
+          f"({record['reason']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

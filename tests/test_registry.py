@@ -1,0 +1,175 @@
+"""Registry logic that needs no server: the gate's decisions, param hygiene, lineage, batching, the
+compare table, the pyfunc's input decoding. Server-backed tests are in test_registry_server.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from registry import gate, tracking
+from registry.compare import VersionRow, differing_params, render
+from registry.gate import CHALLENGER, CHAMPION, Candidate, decide
+
+DIGEST = "a" * 32
+
+
+def test_first_version_becomes_champion() -> None:
+    d = decide(Candidate("1", 0.5, DIGEST), None, "i2t_R@5", 0.0)
+    assert (d.alias, d.compared, d.champion_value) == (CHAMPION, False, None)
+    assert "first version" in d.reason
+
+
+@pytest.mark.parametrize(("new", "champion", "margin", "alias"), [
+    (0.40, 0.50, 0.0, CHALLENGER),   # worse
+    (0.50, 0.50, 0.0, CHALLENGER),   # a tie never replaces the champion
+    (0.51, 0.50, 0.0, CHAMPION),     # strictly better, no margin
+    (0.52, 0.50, 0.05, CHALLENGER),  # better, but by less than the margin
+    (0.55, 0.50, 0.05, CHAMPION),    # better by exactly the margin
+])
+def test_gate_compares_on_the_same_val_set(new: float, champion: float, margin: float,
+                                           alias: str) -> None:
+    d = decide(Candidate("2", new, DIGEST), Candidate("1", champion, DIGEST), "i2t_R@5", margin)
+    assert d.alias == alias
+    assert d.compared
+    assert (d.new_value, d.champion_value, d.champion_version) == (new, champion, "1")
+    assert "i2t_R@5" in d.reason
+
+
+def test_a_different_val_set_is_never_compared() -> None:
+    d = decide(Candidate("2", 0.99, "b" * 32), Candidate("1", 0.10, DIGEST), "i2t_R@5", 0.0)
+    assert d.alias == CHALLENGER and not d.compared
+    assert "different evaluation set" in d.reason and DIGEST in d.reason
+
+
+def test_a_missing_digest_or_value_is_not_compared() -> None:
+    champion = Candidate("1", 0.1, DIGEST)
+    assert decide(Candidate("2", 0.9, None), champion, "m", 0.0).compared is False
+    assert decide(Candidate("2", None, DIGEST), champion, "m", 0.0).alias == CHALLENGER
+    assert decide(Candidate("2", 0.9, DIGEST), Candidate("1", None, DIGEST), "m", 0.0).alias \
+        == CHALLENGER
+
+
+def test_negative_margin_is_an_error() -> None:
+    with pytest.raises(ValueError, match="margin"):
+        decide(Candidate("2", 0.9, DIGEST), None, "m", -0.1)
+
+
+def test_decision_tags_hold_both_numbers_and_the_reason() -> None:
+    d = decide(Candidate("2", 0.4, DIGEST), Candidate("1", 0.5, DIGEST), "i2t_R@5", 0.0)
+    tags = gate.decision_tags(d)
+    assert tags["gate.alias"] == CHALLENGER
+    assert tags["gate.new_value"] == "0.4" and tags["gate.champion_value"] == "0.5"
+    assert tags["gate.reason"] == d.reason
+
+
+def test_params_are_flattened_and_never_leak_secrets_or_home(monkeypatch) -> None:
+    flat = tracking.flatten("train", {"lr": 1e-3, "sizes": [1, 7], "distributed": {"workers": 2}})
+    assert flat == {"train.lr": "0.001", "train.sizes": "[1, 7]", "train.distributed.workers": "2"}
+    home = str(Path.home())
+    safe = tracking.safe_params({
+        "metadata.api_key": "abc", "x.password": "p", "x.hf_token": "t",
+        "metadata.url": "https://user:pw@example.org/data.parquet",
+        "metadata.path": f"{home}/data/meta.parquet", "tokenizer.kind": "bpe",
+    })
+    assert safe["metadata.api_key"] == safe["x.password"] == safe["x.hf_token"] == "<redacted>"
+    assert safe["metadata.url"] == "https://example.org/data.parquet"
+    assert safe["metadata.path"] == "~/data/meta.parquet"
+    assert safe["tokenizer.kind"] == "bpe"
+    assert tracking.redact_uri("http://u:p@127.0.0.1:5000") == "http://127.0.0.1:5000"
+
+
+def write_pipeline_state(root: Path, shards_md5: str = "1" * 32, val_sha: str = "f" * 64) -> None:
+    """A dvc.lock and shard manifest as the data stages leave them."""
+    lock = {"schema": "2.0", "stages": {
+        "metadata": {"cmd": "python -m stages.metadata",
+                     "params": {"params.yaml": {"metadata": {"source": "synthetic", "seed": 0,
+                                                             "sha256": None}}},
+                     "outs": [{"path": "data/metadata.parquet", "md5": "2" * 32, "size": 10}]},
+        "shard": {"cmd": "python -m stages.shard",
+                  "params": {"params.yaml": {"shard": {"samples_per_shard": 16}}},
+                  "outs": [{"path": "data/shards", "md5": shards_md5 + ".dir", "size": 99}]},
+        "tokenizer": {"cmd": "python -m stages.tokenizer",
+                      "params": {"params.yaml": {"tokenizer.vocab_size": 400}},
+                      "outs": [{"path": "models/tokenizer.json", "md5": "3" * 32, "size": 5}]},
+    }}
+    (root / "dvc.lock").write_text(yaml.safe_dump(lock))
+    manifest = {"samples_per_shard": 16, "splits": {
+        "train": {"samples": 30, "bytes": 1, "shards": [
+            {"name": "train/000000.tar", "samples": 30, "bytes": 1, "sha256": "e" * 64}]},
+        "val": {"samples": 10, "bytes": 1, "shards": [
+            {"name": "val/000000.tar", "samples": 10, "bytes": 1, "sha256": val_sha}]}}}
+    (root / "data" / "shards").mkdir(parents=True, exist_ok=True)
+    (root / "data" / "shards" / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_lineage_reads_git_dvc_lock_and_manifest(tmp_path: Path, monkeypatch) -> None:
+    write_pipeline_state(tmp_path)
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "add", "dvc.lock"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], cwd=tmp_path, check=True)
+    monkeypatch.chdir(tmp_path)
+    tags = tracking.lineage()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert tags["lineage.git_commit"] == tags["mlflow.source.git.commit"] == head
+    assert tags["lineage.git_dirty"] == "false"
+    assert tags["lineage.data_shards_md5"] == "1" * 32
+    assert tags["lineage.tokenizer_md5"] == "3" * 32
+    assert tags["lineage.metadata_source"] == "synthetic"
+    assert tags["lineage.metadata_md5"] == "2" * 32
+    assert len(tags["lineage.val_digest"]) == 32
+    (tmp_path / "dvc.lock").write_text((tmp_path / "dvc.lock").read_text() + "\n# edited\n")
+    assert tracking.lineage()["lineage.git_dirty"] == "true"
+    write_pipeline_state(tmp_path, val_sha="0" * 64)
+    assert tracking.lineage()["lineage.val_digest"] != tags["lineage.val_digest"]
+    dataset = tracking.dataset_record(tags)
+    assert dataset is not None and dataset["digest"] == "1" * 32
+    assert json.loads(dataset["profile"]) == {"train": 30, "val": 10}
+    params = tracking.lock_params(tracking.read_lock(), tracking.DATA_STAGES)
+    assert params["metadata.source"] == "synthetic" and params["tokenizer.vocab_size"] == "400"
+
+
+def test_training_metrics_are_queued_into_one_batch() -> None:
+    run = tracking.PipelineRun("key", None, "exp")
+    callback = run.callback(flush_every_s=3600)
+    for step in range(1, 51):
+        callback.on_step_end(step, {"loss": 1.0 / step, "lr": 1e-3, "bad": float("nan")})
+    assert [op["op"] for op in run.pending] == ["metrics"]
+    assert run.queued_metrics() == 100  # the NaN is dropped, never sent
+    steps = sorted({row[3] for row in run.pending[0]["metrics"]})
+    assert steps == list(range(1, 51))
+
+
+def test_compare_shows_only_params_that_differ() -> None:
+    rows = [
+        VersionRow(1, ["champion"], "r1" * 16, {"metric.i2t_R@5": "0.5", "gate.reason": "first"},
+                   {"train.lr": "0.001", "train.epochs": "1"}),
+        VersionRow(2, ["challenger"], "r2" * 16, {"metric.i2t_R@5": "0.25"},
+                   {"train.lr": "0.002", "train.epochs": "1"}),
+    ]
+    assert differing_params(rows) == ["train.lr"]
+    text = render("clip", rows, ["i2t_R@5"])
+    assert "train.lr" in text and "train.epochs" not in text
+    assert "0.5000" in text and "0.2500" in text and "champion" in text and "challenger" in text
+    assert "v1: first" in text
+
+
+def test_pyfunc_input_decoding(tmp_path: Path) -> None:
+    from registry.pyfunc import example_image
+    from registry.pyfunc_model import decode_image
+
+    png = example_image()
+    assert decode_image(png, 0)[:4] == b"\x89PNG"
+    image_file = tmp_path / "x.png"
+    image_file.write_bytes(base64.b64decode(png))
+    assert decode_image(str(image_file), 0) == str(image_file)
+    with pytest.raises(ValueError, match="row 3"):
+        decode_image("not base64 and not a file!", 3)
+    with pytest.raises(ValueError, match="got int"):
+        decode_image(7, 0)
