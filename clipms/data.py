@@ -1,0 +1,387 @@
+"""Webdataset shards -> training batches (mindspore.dataset) and evaluation batches (numpy).
+
+Contract (the trainer and the evaluation/export code import these):
+
+Input: `<shards_dir>/manifest.json` and the shards it lists (`train/000000.tar`, ...), each sample
+`<key>.jpg` + `<key>.json` ({"captions": [...], "labels": {...} | null, ...}); see the brief.
+
+Training
+  `steps_per_epoch(shards_dir, batch_size, world_size=1, split="train") -> int`
+      = manifest samples // (batch_size * world_size): every epoch drops the remainder.
+  `build_train_dataset(shards_dir, tokenizer, preprocess, batch_size, *, epochs=1, start_step=0,
+                       seed=0, rank=0, world_size=1, workers=2, augment=False, split="train",
+                       shuffle_window_shards=0) -> mindspore.dataset.Dataset`
+      Yields (image float32 (B, 3, S, S), text int32 (B, context_length)) for the global steps
+      start_step .. epochs * steps_per_epoch - 1 in order (so `start_step` resumes mid-run and the
+      batches are the ones an uninterrupted run would have seen). Iterate it once:
+      `for image, text in ds.create_tuple_iterator(num_epochs=1, output_numpy=True)`.
+      - Shuffle, per epoch, seeded by (seed, epoch): the shard order is permuted, then the samples
+        are permuted within windows of `shuffle_window_shards` consecutive shards (0 = all shards:
+        a uniform permutation of the split).
+      - Data parallel: global batch g of an epoch is positions [g*B*W, (g+1)*B*W) of that order;
+        rank r gets the contiguous block [r*B, (r+1)*B) of it. Ranks are disjoint and together
+        cover exactly what one process with batch B*W would see, in the same order.
+      - One caption per image per epoch, drawn uniformly with a generator seeded by
+        (seed, epoch, crc32(key)): independent of rank, world size and worker count.
+      - `augment=True`: open_clip's training crop (RandomResizedCrop scale 0.9-1.0, ratio 3/4-4/3,
+        same interpolation); otherwise the evaluation transform of `clipms.preprocess`.
+      - Decoding runs in `workers` processes (GeneratorDataset over random access, which measured
+        faster than an iterable), the order stays deterministic.
+  `TrainSamples`: the random-access source behind it (`sample_ids(step)` tells which samples a
+      rank's batch holds, without decoding anything).
+
+Evaluation
+  `iter_eval_batches(shards_dir, preprocess, batch_size, split="val", workers=2)
+      -> Iterator[EvalBatch]`: every sample of the split exactly once, in a fixed order (manifest
+      shard order, then order within the shard), the last batch possibly smaller.
+      `EvalBatch(images float32 (b, 3, S, S), keys list[str], captions list[list[str]] (ALL of
+      them), labels list[dict | None])`.
+  `eval_sample_count(shards_dir, split="val")` from the manifest.
+
+Errors: `DataError` naming the file/shard/key: a missing or malformed manifest, a shard whose sample
+count differs from the manifest, a truncated tar, a sample without image/json/captions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tarfile
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from clipms.preprocess import (
+    INTERPOLATIONS,
+    PreprocessConfig,
+    PreprocessError,
+    decode_image,
+    preprocess_image,
+    to_normalized_array,
+)
+from clipms.tokenizer import Tokenizer
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+# webdataset's rule: the key is the path up to the first dot of the file name.
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
+# Worker processes are forked after the tokenizer may have run: its Rust thread pool must not be.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+RRC_SCALE = (0.9, 1.0)  # open_clip's default RandomResizedCrop for training
+RRC_RATIO = (3 / 4, 4 / 3)
+
+
+class DataError(ValueError):
+    """Missing/malformed manifest or shard, or a sample that breaks the shard contract."""
+
+
+# --- manifest and index ---------------------------------------------------------------------------
+def read_manifest(shards_dir: Path | str) -> dict[str, Any]:
+    path = Path(shards_dir) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise DataError(f"{path}: manifest not found (run the `shard` stage first)") from err
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: not valid JSON: {err}") from err
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("splits"), dict):
+        raise DataError(f"{path}: expected {{'splits': {{split: {{'shards': [...]}}}}}}")
+    return manifest
+
+
+def _split_entry(manifest: dict[str, Any], split: str, source: str) -> dict[str, Any]:
+    entry = manifest["splits"].get(split)
+    if not isinstance(entry, dict) or not isinstance(entry.get("shards"), list):
+        raise DataError(f"{source}: no split {split!r} with a 'shards' list "
+                        f"(splits: {sorted(manifest['splits'])})")
+    return entry
+
+
+def split_sample_count(shards_dir: Path | str, split: str) -> int:
+    """Samples in a split, from the manifest (no shard is read)."""
+    entry = _split_entry(read_manifest(shards_dir), split, str(shards_dir))
+    return int(entry.get("samples", sum(int(s["samples"]) for s in entry["shards"])))
+
+
+def eval_sample_count(shards_dir: Path | str, split: str = "val") -> int:
+    return split_sample_count(shards_dir, split)
+
+
+def steps_per_epoch(shards_dir: Path | str, batch_size: int, world_size: int = 1,
+                    split: str = "train") -> int:
+    """Full global batches per epoch (the remainder is dropped, differently each epoch)."""
+    if batch_size < 1 or world_size < 1:
+        raise DataError(f"batch_size and world_size must be >= 1, got {batch_size}, {world_size}")
+    return split_sample_count(shards_dir, split) // (batch_size * world_size)
+
+
+@dataclass
+class ShardIndex:
+    """Where each sample of a split lives: its shard, and offset/size of its image and json."""
+
+    shards: list[str]
+    keys: list[str] = field(default_factory=list)
+    shard_of: list[int] = field(default_factory=list)
+    image: list[tuple[int, int]] = field(default_factory=list)
+    meta: list[tuple[int, int]] = field(default_factory=list)
+    shard_starts: list[int] = field(default_factory=list)  # first sample index of each shard
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def read(self, i: int, handles: dict[int, Any] | None = None) -> tuple[bytes, dict[str, Any]]:
+        """Image bytes and parsed json of sample i (`handles` caches open shard files)."""
+        shard = self.shard_of[i]
+        handle = handles.get(shard) if handles is not None else None
+        if handle is None:
+            handle = open(self.shards[shard], "rb")  # noqa: SIM115 - cached by the caller
+            if handles is not None:
+                handles[shard] = handle
+        try:
+            image = _read_at(handle, *self.image[i])
+            meta = json.loads(_read_at(handle, *self.meta[i]))
+        except (OSError, ValueError) as err:
+            raise DataError(f"{self.shards[shard]}: sample {self.keys[i]!r}: {err}") from err
+        finally:
+            if handles is None:
+                handle.close()
+        return image, meta
+
+
+def _read_at(handle: Any, offset: int, size: int) -> bytes:
+    handle.seek(offset)
+    data = handle.read(size)
+    if len(data) != size:
+        raise OSError(f"short read at byte {offset} ({len(data)} of {size} bytes): truncated?")
+    return data
+
+
+def index_shards(shards_dir: Path | str, split: str) -> ShardIndex:
+    """Read the tar headers (not the data) of every shard of `split` listed in the manifest."""
+    shards_dir = Path(shards_dir)
+    entry = _split_entry(read_manifest(shards_dir), split, str(shards_dir / "manifest.json"))
+    index = ShardIndex(shards=[])
+    for shard_id, shard in enumerate(entry["shards"]):
+        path = shards_dir / shard["name"]
+        index.shards.append(str(path))
+        index.shard_starts.append(len(index))
+        members = _tar_members(path)
+        for key, exts in members.items():
+            _add_sample(index, shard_id, path, key, exts)
+        found = len(index) - index.shard_starts[-1]
+        if found != int(shard["samples"]):
+            raise DataError(f"{path}: {found} samples, but the manifest says {shard['samples']} "
+                            "(shard changed after the manifest was written?)")
+    return index
+
+
+def _tar_members(path: Path) -> dict[str, dict[str, tuple[int, int]]]:
+    """{key: {ext: (data offset, size)}} in the order the keys first appear."""
+    samples: dict[str, dict[str, tuple[int, int]]] = {}
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                match = _KEY_EXT.match(member.name)
+                if member.isfile() and match:
+                    key, ext = match.group(1), match.group(2).lower()
+                    samples.setdefault(key, {})[ext] = (member.offset_data, member.size)
+    except FileNotFoundError as err:
+        raise DataError(f"{path}: shard listed in the manifest is missing") from err
+    except (tarfile.TarError, EOFError, OSError) as err:
+        raise DataError(f"{path}: unreadable or truncated tar ({err})") from err
+    return samples
+
+
+def _add_sample(index: ShardIndex, shard_id: int, path: Path, key: str,
+                exts: dict[str, tuple[int, int]]) -> None:
+    image_ext = next((e for e in IMAGE_EXTS if e in exts), None)
+    if image_ext is None or "json" not in exts:
+        raise DataError(f"{path}: sample {key!r} lacks an image or a .json (has {sorted(exts)})")
+    index.keys.append(key)
+    index.shard_of.append(shard_id)
+    index.image.append(exts[image_ext])
+    index.meta.append(exts["json"])
+
+
+def captions_of(meta: dict[str, Any], key: str) -> list[str]:
+    captions = meta.get("captions")
+    if not isinstance(captions, list) or not captions or not all(
+            isinstance(c, str) for c in captions):
+        raise DataError(f"sample {key!r}: .json has no non-empty 'captions' list of strings")
+    return captions
+
+
+# --- training -------------------------------------------------------------------------------------
+def epoch_order(index: ShardIndex, seed: int, epoch: int, window_shards: int = 0) -> np.ndarray:
+    """Sample ids of one epoch: shards permuted, then samples permuted within shard windows."""
+    rng = np.random.default_rng([seed, epoch])
+    bounds = [*index.shard_starts, len(index)]
+    shard_order = rng.permutation(len(index.shards))
+    window = window_shards if window_shards > 0 else len(index.shards)
+    parts = []
+    for start in range(0, len(shard_order), window):
+        ids = np.concatenate([np.arange(bounds[s], bounds[s + 1])
+                              for s in shard_order[start:start + window]])
+        parts.append(rng.permutation(ids))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def sample_rng(seed: int, epoch: int, key: str) -> np.random.Generator:
+    """Per-sample randomness (caption, augmentation): the same on every rank, worker, world size."""
+    return np.random.default_rng([seed, epoch, zlib.crc32(key.encode())])
+
+
+def random_resized_crop(image: Image.Image, size: int, interpolation: str,
+                        rng: np.random.Generator) -> Image.Image:
+    """torchvision's RandomResizedCrop algorithm with open_clip's scale/ratio, then resize."""
+    width, height = image.size
+    area = width * height
+    box = None
+    for _ in range(10):
+        target = area * rng.uniform(*RRC_SCALE)
+        ratio = math.exp(rng.uniform(math.log(RRC_RATIO[0]), math.log(RRC_RATIO[1])))
+        w, h = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+        if 0 < w <= width and 0 < h <= height:
+            top, left = int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1))
+            box = (left, top, left + w, top + h)
+            break
+    if box is None:  # fall back to the largest centred crop, as torchvision does
+        side = min(width, height)
+        left, top = (width - side) // 2, (height - side) // 2
+        box = (left, top, left + side, top + side)
+    return image.resize((size, size), INTERPOLATIONS[interpolation], box=box)
+
+
+class TrainSamples:
+    """Random-access training samples for one rank: item i = sample `within` of step `step`."""
+
+    def __init__(self, index: ShardIndex, tokenizer: Tokenizer, preprocess: PreprocessConfig,
+                 batch_size: int, *, epochs: int, start_step: int = 0, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, augment: bool = False,
+                 shuffle_window_shards: int = 0) -> None:
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} out of range for world size {world_size}")
+        self.index, self.tokenizer, self.preprocess = index, tokenizer, preprocess
+        self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
+        self.augment, self.window = augment, shuffle_window_shards
+        self.steps_per_epoch = len(index) // (batch_size * world_size)
+        if self.steps_per_epoch == 0:
+            raise DataError(f"{len(index)} samples cannot fill one global batch of "
+                            f"{batch_size} x {world_size} ranks")
+        self.start_step, self.end_step = start_step, epochs * self.steps_per_epoch
+        if not 0 <= start_step <= self.end_step:
+            raise DataError(f"start_step {start_step} outside 0..{self.end_step}")
+        self._handles: dict[int, Any] = {}
+        self._pid = os.getpid()
+        self._cached_order: tuple[int, np.ndarray] = (-1, np.zeros(0, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return (self.end_step - self.start_step) * self.batch_size
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_handles": {}}  # open files do not cross processes
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """This epoch's sample order, computed once per process and epoch."""
+        if self._cached_order[0] != epoch:
+            self._cached_order = (epoch, epoch_order(self.index, self.seed, epoch, self.window))
+        return self._cached_order[1]
+
+    def sample_ids(self, step: int) -> np.ndarray:
+        """Indices (into the ShardIndex) of this rank's batch at global step `step`."""
+        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        start = (in_epoch * self.world_size + self.rank) * self.batch_size
+        return self._order(epoch)[start:start + self.batch_size]
+
+    def caption(self, sample: int, epoch: int, captions: list[str]) -> str:
+        rng = sample_rng(self.seed, epoch, self.index.keys[sample])
+        return captions[int(rng.integers(len(captions)))]
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        step, within = divmod(int(i), self.batch_size)
+        step += self.start_step
+        sample = int(self.sample_ids(step)[within])
+        return self.load(sample, step // self.steps_per_epoch)
+
+    def load(self, sample: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(image (3, S, S) float32, tokens (ctx,) int32) of a sample as drawn in `epoch`."""
+        if os.getpid() != self._pid:  # a forked worker: its own file handles
+            self._handles, self._pid = {}, os.getpid()
+        key = self.index.keys[sample]
+        image_bytes, meta = self.index.read(sample, self._handles)
+        text = self.caption(sample, epoch, captions_of(meta, key))
+        try:
+            if self.augment:
+                rng = sample_rng(self.seed + 1, epoch, key)  # independent of the caption draw
+                cfg = self.preprocess
+                crop = random_resized_crop(decode_image(image_bytes, key), cfg.image_size,
+                                           cfg.interpolation, rng)
+                image = to_normalized_array(crop, cfg)
+            else:
+                image = preprocess_image(image_bytes, self.preprocess, name=key)
+        except PreprocessError as err:
+            raise DataError(f"{self.index.shards[self.index.shard_of[sample]]}: {err}") from err
+        return image, self.tokenizer.encode([text])[0]
+
+
+def build_train_dataset(shards_dir: Path | str, tokenizer: Tokenizer, preprocess: PreprocessConfig,
+                        batch_size: int, *, epochs: int = 1, start_step: int = 0, seed: int = 0,
+                        rank: int = 0, world_size: int = 1, workers: int = 2,
+                        augment: bool = False, split: str = "train",
+                        shuffle_window_shards: int = 0) -> Any:
+    """The mindspore.dataset pipeline of (image, text) batches; see the module docstring."""
+    import mindspore.dataset as ds  # heavy: only the training path needs it
+
+    source = TrainSamples(index_shards(shards_dir, split), tokenizer, preprocess, batch_size,
+                          epochs=epochs, start_step=start_step, seed=seed, rank=rank,
+                          world_size=world_size, augment=augment,
+                          shuffle_window_shards=shuffle_window_shards)
+    dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
+                                  num_parallel_workers=max(1, workers),
+                                  python_multiprocessing=workers > 1)
+    return dataset.batch(batch_size, drop_remainder=True)
+
+
+# --- evaluation -----------------------------------------------------------------------------------
+@dataclass
+class EvalBatch:
+    images: np.ndarray  # (b, 3, S, S) float32, preprocessed
+    keys: list[str]
+    captions: list[list[str]]  # every caption of each image
+    labels: list[dict[str, Any] | None]
+
+
+def iter_eval_batches(shards_dir: Path | str, preprocess: PreprocessConfig, batch_size: int,
+                      split: str = "val", workers: int = 2) -> Iterator[EvalBatch]:
+    """Every sample of `split` once, in manifest/shard order, decoded in `workers` threads
+    (PIL releases the GIL while decoding and resizing)."""
+    if batch_size < 1:
+        raise DataError(f"batch_size must be >= 1, got {batch_size}")
+    index = index_shards(shards_dir, split)
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for start in range(0, len(index), batch_size):
+            ids = range(start, min(start + batch_size, len(index)))
+            items = list(pool.map(lambda i: _eval_item(index, i, preprocess), ids))
+            yield EvalBatch(images=np.stack([item[0] for item in items]),
+                            keys=[index.keys[i] for i in ids],
+                            captions=[item[1] for item in items],
+                            labels=[item[2] for item in items])
+
+
+def _eval_item(index: ShardIndex, i: int,
+               preprocess: PreprocessConfig) -> tuple[np.ndarray, list[str], dict | None]:
+    image_bytes, meta = index.read(i)
+    key = index.keys[i]
+    try:
+        image = preprocess_image(image_bytes, preprocess, name=key)
+    except PreprocessError as err:
+        raise DataError(f"{index.shards[index.shard_of[i]]}: {err}") from err
+    labels = meta.get("labels")
+    return image, captions_of(meta, key), labels if isinstance(labels, dict) else None
