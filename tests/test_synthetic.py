@@ -4,6 +4,9 @@ carrying the duplicate/near-duplicate captions that the dedupe stage must remove
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
+import random
 import re
 from pathlib import Path
 
@@ -134,3 +137,17 @@ def test_drawn_colour_is_the_labelled_colour(generated):
         assert len(foreground) > 20, record
         nearest = np.argmin(((foreground[:, None, :] - palette[None]) ** 2).sum(-1), axis=1)
         assert names[np.bincount(nearest).argmax()] == record.scene.colour, record
+
+
+def test_scattered_objects_never_overlap_even_in_the_fallback_layout():
+    class Stuck(random.Random):  # every draw lands on the same spot: rejection always fails
+        def uniform(self, a: float, b: float) -> float:
+            return a
+
+    side = 256
+    radius = side * synthetic._MAX_SCATTERED_RADIUS
+    for rng in (synthetic.image_rng(0, 7), Stuck()):
+        centres = synthetic._scattered_centres(3, radius, side, rng)
+        assert len(centres) == 3
+        assert all(math.dist(a, b) > 2 * radius for a, b in itertools.combinations(centres, 2))
+        assert all(radius <= c <= side - radius for xy in centres for c in xy)

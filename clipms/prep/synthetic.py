@@ -39,7 +39,8 @@ BACKGROUNDS: dict[str, tuple[int, int, int]] = {
 SIZES = ("small", "medium", "large")
 POSITIONS = ("centre", "left", "right", "top", "bottom")
 # Half-extent of one object as a fraction of the image side, per size class (jittered within).
-_SIZE_RADIUS = {"small": (0.09, 0.12), "medium": (0.15, 0.19), "large": (0.25, 0.30)}
+_SIZE_RADIUS = {"small": (0.11, 0.14), "medium": (0.16, 0.20), "large": (0.26, 0.31)}
+_MAX_SCATTERED_RADIUS = 0.18
 _COUNT_WEIGHTS = {1: 0.6, 2: 0.25, 3: 0.15}
 _COUNT_WORDS = {1: "one", 2: "two", 3: "three"}
 _SUPERSAMPLE = 2  # draw at 2x and downsample: smooth (anti-aliased) edges as in a photo
@@ -159,7 +160,8 @@ def _single_centre(position: str, radius: float, side: int,
 
 def _scattered_centres(count: int, radius: float, side: int,
                        rng: random.Random) -> list[tuple[float, float]]:
-    """Non-overlapping centres by bounded rejection sampling; a fixed row layout is the fallback."""
+    """Non-overlapping centres by bounded rejection sampling; the diagonal is the fallback (apart
+    for up to 3 objects of at most _MAX_SCATTERED_RADIUS)."""
     lo, hi = radius * 1.05, side - radius * 1.05
     for _attempt in range(200):
         centres: list[tuple[float, float]] = []
@@ -169,8 +171,8 @@ def _scattered_centres(count: int, radius: float, side: int,
                 centres.append((x, y))
         if len(centres) == count:
             return centres
-    step = side / count
-    return [(step * (k + 0.5), side / 2) for k in range(count)]
+    step = (hi - lo) / (count - 1)
+    return [(lo + k * step, lo + k * step) for k in range(count)]
 
 
 def render(scene: Scene, image_size: int, rng: random.Random) -> Image.Image:
@@ -181,7 +183,8 @@ def render(scene: Scene, image_size: int, rng: random.Random) -> Image.Image:
     radius = side * rng.uniform(*_SIZE_RADIUS[scene.size])
     if scene.count == 1:
         centres = [_single_centre(scene.position, radius, side, rng)]
-    else:
+    else:  # capped so that three medium objects always find room apart
+        radius = min(radius, side * _MAX_SCATTERED_RADIUS)
         centres = _scattered_centres(scene.count, radius, side, rng)
     fill = _jitter(COLOURS[scene.colour], rng, 15)
     for cx, cy in centres:
