@@ -1,0 +1,89 @@
+"""MindIR export: the bundle's files and description, and the parity check against the checkpoint
+(real MindSpore graphs: export, ms.load + nn.GraphCell, and the checkpoint's model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clipms.preprocess import preprocess_image
+from clipms.tokenizer import Tokenizer
+from clipms.trained import RunConfig, TrainedModelError, load_clip
+from tests.tiny_model import CAPTIONS, random_images, write_trained
+
+BATCH_SIZES = (1, 3, 8)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("trained")
+    return {"a": write_trained(folder / "a", seed=0), "b": write_trained(folder / "b", seed=1)}
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    from clipms.export import export_bundle
+
+    paths = trained["a"]
+    run = RunConfig.read(paths["config"])
+    net = load_clip(paths["checkpoint"], run.model)
+    out = tmp_path_factory.mktemp("export") / "bundle"
+    bundle = export_bundle(net, run.preprocess, paths["tokenizer"], out)
+    return out, bundle, run
+
+
+def sample_inputs(run, tokenizer_path, n=5):
+    images = np.stack([preprocess_image(im, run.preprocess) for im in random_images(n)])
+    tokens = Tokenizer.load(tokenizer_path).encode(CAPTIONS[:n])
+    return images, tokens
+
+
+def test_bundle_has_every_file_and_describes_dynamic_batch_inputs(exported, trained):
+    out, bundle, run = exported
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["bundle.json", "image_encoder.mindir", "preprocess.json",
+                     "text_encoder.mindir", "tokenizer.json"]
+    assert bundle["image_encoder"]["input"]["shape"] == [None, 3, 32, 32]
+    assert bundle["text_encoder"]["input"]["shape"] == [None, 16]
+    assert bundle["text_encoder"]["input"]["dtype"] == "int32"
+    assert bundle["image_encoder"]["output"]["shape"] == [None, 32]
+    assert bundle["preprocess"] == run.preprocess.to_dict()
+    assert (out / "tokenizer.json").read_bytes() == trained["a"]["tokenizer"].read_bytes()
+    assert bundle["logit_scale"] == pytest.approx(1 / 0.07, rel=1e-5)
+
+
+def test_parity_passes_at_every_batch_size(exported, trained):
+    from clipms.export import assert_parity, parity_report
+
+    out, _, run = exported
+    net = load_clip(trained["a"]["checkpoint"], run.model)
+    images, tokens = sample_inputs(run, trained["a"]["tokenizer"])
+    report = parity_report(net, out, images, tokens, BATCH_SIZES, tolerance=1e-5)
+    assert report["passed"], report
+    assert set(report) >= {f"image_max_abs_error_b{b}" for b in BATCH_SIZES}
+    assert report["text_max_abs_error"] <= 1e-5 and report["image_max_abs_error"] <= 1e-5
+    assert_parity(report)  # does not raise
+
+
+def test_a_different_checkpoint_fails_the_parity_check(exported, trained):
+    from clipms.export import ParityError, assert_parity, parity_report
+
+    out, _, run = exported
+    other = load_clip(trained["b"]["checkpoint"], run.model)  # same architecture, other weights
+    images, tokens = sample_inputs(run, trained["a"]["tokenizer"])
+    report = parity_report(other, out, images, tokens, BATCH_SIZES, tolerance=1e-5)
+    assert not report["passed"]
+    assert report["image_max_abs_error"] > 1e-3 and report["text_max_abs_error"] > 1e-3
+    with pytest.raises(ParityError, match="image_max_abs_error_b1"):
+        assert_parity(report)
+
+
+def test_a_checkpoint_of_another_architecture_is_a_clear_error(trained):
+    import dataclasses
+
+    run = RunConfig.read(trained["a"]["config"])
+    wider = dataclasses.replace(run.model, embed_dim=48)
+    with pytest.raises(TrainedModelError, match="has shape"):
+        load_clip(trained["a"]["checkpoint"], wider)
+    with pytest.raises(TrainedModelError, match="not found"):
+        load_clip(trained["a"]["checkpoint"].with_name("missing.ckpt"), run.model)

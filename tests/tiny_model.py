@@ -1,0 +1,67 @@
+"""A tiny random-init CLIP, saved the way the train stage saves its outputs (export/infer tests).
+
+`write_trained(dir, seed)` saves `clip.ckpt` (ms.save_checkpoint of the CLIP Cell), `clip.json` and
+`tokenizer.json` exactly as the contract between train, evaluate and export describes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+import clipms  # noqa: F401  (sets MindSpore's runtime switches before it is imported)
+from clipms.config import CLIPConfig, get_preset
+from clipms.jsonio import write_json
+from clipms.preprocess import PreprocessConfig
+from clipms.tokenizer import Tokenizer
+
+CAPTIONS = [f"a {s} {c} {shape} on the {p}" for s in ("small", "large") for c in ("red", "blue")
+            for shape in ("circle", "square", "triangle") for p in ("left", "right")]
+
+
+def tiny_config(vocab_size: int, context_length: int = 16) -> CLIPConfig:
+    """One layer per tower, width 64: compiles and exports in seconds."""
+    base = get_preset("tiny")
+    vision = dataclasses.replace(base.vision, image_size=32, patch_size=8, width=64, layers=1,
+                                 head_width=32)
+    text = dataclasses.replace(base.text, context_length=context_length, vocab_size=vocab_size,
+                               width=64, heads=2, layers=1)
+    return dataclasses.replace(base, embed_dim=32, vision=vision, text=text)
+
+
+def write_trained(folder: Path, seed: int = 0) -> dict[str, Path]:
+    """clip.ckpt / clip.json / tokenizer.json of a random-init tiny model (weights from seed)."""
+    import mindspore as ms
+
+    from clipms.model import CLIP
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer.train(CAPTIONS * 4, vocab_size=600, context_length=16)
+    cfg = tiny_config(tokenizer.vocab_size)
+    ms.set_seed(seed)
+    net = CLIP(cfg)
+    paths = {"checkpoint": folder / "clip.ckpt", "config": folder / "clip.json",
+             "tokenizer": folder / "tokenizer.json"}
+    ms.save_checkpoint(net, str(paths["checkpoint"]))
+    tokenizer.save(paths["tokenizer"])
+    preprocess = PreprocessConfig(image_size=cfg.vision.image_size)
+    write_json(paths["config"], {"model": cfg.to_dict(), "tokenizer": str(paths["tokenizer"]),
+                                 "preprocess": preprocess.to_dict()})
+    return paths
+
+
+def random_images(n: int, seed: int = 0, size: tuple[int, int] = (40, 48)) -> list[Image.Image]:
+    """Non-square RGB images, so the resize + centre crop path is exercised."""
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, size=(*size[::-1], 3), dtype=np.uint8))
+            for _ in range(n)]
+
+
+def jpeg_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG", quality=95)
+    return buffer.getvalue()
