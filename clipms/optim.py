@@ -94,10 +94,12 @@ def folded_hyper(lr: float, t: int, betas: tuple[float, float] = BETAS, eps: flo
     return AdamWHyper(lr=lr_t, eps=eps * root_c2, weight_decay=wd_t)
 
 
-def build_adamw(params: list[ms.Parameter], betas: tuple[float, float] = BETAS) -> AdamW:
-    """AdamW over `params` (MindSpore Parameters) with decay flags from their names and shapes."""
-    flags = [is_decayed(p.name, len(p.shape)) for p in params]
-    return AdamW(params, flags, betas)
+def build_adamw(named_params: Sequence[tuple[str, ms.Parameter]],
+                betas: tuple[float, float] = BETAS) -> AdamW:
+    """AdamW over (name, Parameter) pairs, decay flags from the names (relative to the model, since
+    MindSpore prefixes Parameter.name once a Cell is wrapped) and shapes."""
+    flags = [is_decayed(name, len(p.shape)) for name, p in named_params]
+    return AdamW([p for _, p in named_params], flags, betas)
 
 
 _update = ops.MultitypeFuncGraph("clipms_adamw_update")
@@ -147,7 +149,12 @@ def clip_by_global_norm(grads: tuple, max_norm: float) -> tuple[tuple, ms.Tensor
 
     Returns (clipped grads, the global norm before clipping). Graph-mode safe.
     """
-    squares = [ops.reduce_sum(ops.square(ops.cast(g, ms.float32))) for g in grads]
-    norm = ops.sqrt(ops.addn(squares))
+    norm = global_norm(grads)
     factor = ops.minimum(max_norm / (norm + 1.0e-6), 1.0)
     return tuple(g * ops.cast(factor, g.dtype) for g in grads), norm
+
+
+def global_norm(grads: tuple) -> ms.Tensor:
+    """sqrt of the sum of squares of all gradients, in fp32. Graph-mode safe."""
+    squares = [ops.reduce_sum(ops.square(ops.cast(g, ms.float32))) for g in grads]
+    return ops.sqrt(ops.addn(squares))

@@ -46,9 +46,8 @@ def test_adamw_matches_numpy_reference_with_bias_correction():
     ms.set_context(mode=ms.GRAPH_MODE)
     rng = np.random.default_rng(0)
     init = [rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=(3,)).astype(np.float32)]
-    params = [ms.Parameter(ms.Tensor(init[0]), name="proj.weight"),
-              ms.Parameter(ms.Tensor(init[1]), name="proj.bias")]
-    opt = optim.build_adamw(params)
+    params = [ms.Parameter(ms.Tensor(value), name=f"p{i}") for i, value in enumerate(init)]
+    opt = optim.build_adamw(list(zip(["proj.weight", "proj.bias"], params, strict=True)))
     assert opt.decay_flags == (True, False)
     step = _Step(opt)
     lrs = [1e-2, 5e-2, 3e-2, 1e-3, 0.0, 2e-2]

@@ -1,0 +1,128 @@
+"""The compiled training step: forward + backward, gradient accumulation, dynamic loss scaling,
+data-parallel gradient averaging, global-norm clipping, AdamW, and the logit-scale clamp.
+
+One Cell, compiled by GRAPH_MODE into (at most) two graphs: `apply=False` (a micro-batch that only
+accumulates its gradients) and `apply=True` (the last micro-batch, then the update).
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from clipms.optim import clip_by_global_norm, global_norm
+
+
+class ClipWithLoss(nn.Cell):
+    """CLIP + loss as one Cell: (images, tokens) -> scalar loss, the loss always in fp32."""
+
+    def __init__(self, model: nn.Cell, loss: nn.Cell) -> None:
+        super().__init__()
+        self.model = model
+        self.loss = loss
+
+    def construct(self, images: Tensor, tokens: Tensor) -> Tensor:
+        image_features, text_features, logit_scale = self.model(images, tokens)
+        return self.loss(image_features.astype(ms.float32), text_features.astype(ms.float32),
+                         logit_scale.astype(ms.float32))
+
+
+_add_into = ops.MultitypeFuncGraph("clipms_add_into")
+_times = ops.MultitypeFuncGraph("clipms_times")
+
+
+@_times.register("Tensor", "Tensor")
+def _times_one(factor: Tensor, grad: Tensor) -> Tensor:
+    return grad * ops.cast(factor, grad.dtype)
+
+
+@_add_into.register("Tensor", "Tensor")
+def _add_into_one(buffer: Parameter, grad: Tensor) -> Tensor:
+    return ops.assign_add(buffer, grad)
+
+
+class TrainStep(nn.Cell):
+    """`construct(images, tokens, lr, eps, weight_decay, apply) -> (loss, grad_norm, finite)`.
+
+    `loss` is the micro-batch loss (averaged over ranks when data-parallel); `finite` says whether
+    the update was applied (False only when amp's loss scale overflowed and the step was skipped).
+    """
+
+    def __init__(self, net_with_loss: nn.Cell, optimizer: nn.Cell, accum_steps: int = 1,
+                 max_grad_norm: float = 0.0, loss_scale: float | None = None,
+                 loss_scale_window: int = 1000, logit_scale: Parameter | None = None,
+                 max_logit_scale: float = float(np.log(100.0)), group_size: int = 1) -> None:
+        super().__init__(auto_prefix=False)
+        if accum_steps < 1:
+            raise ValueError(f"accum_steps must be >= 1, got {accum_steps}")
+        self.net = net_with_loss
+        self.optimizer = optimizer
+        self.weights = optimizer.params
+        self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
+        self.hyper_map = ops.HyperMap()
+        self.accum_steps = accum_steps
+        if accum_steps > 1:
+            self.accum = self.weights.clone(prefix="accum_grad", init="zeros")
+            self.accum_factor = Tensor(np.float32(1.0 / accum_steps))
+        self.max_grad_norm = float(max_grad_norm)
+        self.amp = loss_scale is not None
+        self.scale = Parameter(Tensor(np.float32(loss_scale or 1.0)), name="loss_scale",
+                               requires_grad=False)
+        self.good_steps = Parameter(Tensor(np.int32(0)), name="loss_scale_good_steps",
+                                    requires_grad=False)
+        self.scale_window = int(loss_scale_window)
+        self.clamp_logit_scale = logit_scale is not None
+        self.logit_scale = logit_scale
+        self.max_logit_scale = float(max_logit_scale)
+        self.distributed = group_size > 1
+        if self.distributed:
+            self.reducer = nn.DistributedGradReducer(self.weights, mean=True, degree=group_size)
+            self.all_reduce = ops.AllReduce()
+            self.group_size = float(group_size)
+
+    def construct(self, images, tokens, lr, eps, weight_decay, apply: bool):  # noqa: ANN001, ANN201
+        loss = self.net(images, tokens)
+        sens = ops.cast(self.scale, loss.dtype) if self.amp else ops.ones_like(loss)
+        grads = self.grad(self.net, self.weights)(images, tokens, sens)
+        if self.amp:
+            grads = self.hyper_map(ops.partial(_times, 1.0 / self.scale), grads)
+        if self.distributed:
+            loss = self.all_reduce(loss) / self.group_size  # the loss of the global batch
+        if not apply:
+            self.hyper_map(_add_into, self.accum, grads)
+            return loss, ops.zeros((), ms.float32), ops.ones((), ms.bool_)
+        if self.accum_steps > 1:
+            grads = self._drain_accumulated(grads)
+        if self.distributed:
+            grads = self.reducer(grads)
+        finite = ms.amp.all_finite(grads) if self.amp else ops.ones((), ms.bool_)
+        if self.max_grad_norm > 0:
+            grads, norm = clip_by_global_norm(grads, self.max_grad_norm)
+        else:
+            norm = global_norm(grads)
+        if self.amp:
+            if finite:
+                self.optimizer(grads, lr, eps, weight_decay)
+            self._adjust_loss_scale(finite)
+        else:
+            self.optimizer(grads, lr, eps, weight_decay)
+        if self.clamp_logit_scale:
+            ops.assign(self.logit_scale, ops.clamp(self.logit_scale, 0.0, self.max_logit_scale))
+        return loss, norm, finite
+
+    def _drain_accumulated(self, grads: tuple) -> tuple:
+        """(sum of earlier micro-batch grads + this one) / k, and zero the buffers."""
+        total = self.hyper_map(ops.add, self.accum, grads)
+        mean = self.hyper_map(ops.partial(_times, self.accum_factor), total)
+        self.hyper_map(ops.assign, self.accum, self.hyper_map(ops.zeros_like, self.accum))
+        return mean
+
+    def _adjust_loss_scale(self, finite: Tensor) -> None:
+        """DynamicLossScaleManager's rule: halve on overflow, double after `window` good steps."""
+        good = ops.select(finite, self.good_steps + 1, ops.zeros_like(self.good_steps))
+        grow = good >= self.scale_window
+        new_scale = ops.select(finite, ops.select(grow, self.scale * 2.0, self.scale),
+                               ops.maximum(self.scale * 0.5, 1.0))
+        ops.assign(self.scale, new_scale)
+        ops.assign(self.good_steps, ops.select(grow, ops.zeros_like(good), good))

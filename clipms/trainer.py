@@ -1,0 +1,401 @@
+"""The training loop: one compiled step (forward, backward, accumulation, loss scaling, clipping,
+AdamW, logit-scale clamp), checkpoints with exact resume, NaN guard, callbacks.
+
+The loop is host Python around one graph-mode Cell (`TrainStep`). Everything that varies per step
+(learning rate, AdamW's folded bias correction) enters the graph as a scalar tensor, so the graph
+compiles once. The data order is a function of (seed, epoch, batch index) -- `BatchSource.epoch(e,
+skip)` -- and the checkpoint holds every bit of state, so a resumed run computes exactly the steps
+the interrupted one would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import resource
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from clipms import checkpoint
+from clipms.config import CLIPConfig
+
+log = logging.getLogger(__name__)
+
+MAX_LOGIT_SCALE = math.log(100.0)  # open_clip clamps the learned temperature to 1/100
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss became NaN or inf; the message names the step. No checkpoint is written for it."""
+
+
+class BatchSource(Protocol):
+    """Deterministic batches: `epoch(e, skip)` yields the batches of epoch e from index `skip` on,
+    identical for identical (seed, e) -- what makes resume exact."""
+
+    batches_per_epoch: int
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterable[tuple[np.ndarray, np.ndarray]]: ...
+
+
+class Callback(Protocol):
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def on_train_end(self, summary: dict[str, float]) -> None: ...
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that determines the trained weights (plus how often to checkpoint/log)."""
+
+    model: CLIPConfig
+    batch_size: int = 64  # global batch per optimizer step = batch_size * accum_steps
+    epochs: int = 1
+    max_steps: int | None = None  # stop after this many optimizer steps (overrides epochs)
+    lr: float = 5.0e-4
+    warmup_steps: int = 30
+    weight_decay: float = 0.2
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1.0e-6
+    grad_clip_norm: float | None = 1.0  # None or 0: no clipping
+    accum_steps: int = 1
+    precision: Literal["fp32", "amp"] = "fp32"
+    seed: int = 0
+    lock_image: bool = False
+    lock_text: bool = False
+    init_from: str | None = None
+    mode: Literal["graph", "pynative"] = "graph"
+    device_target: Literal["CPU", "GPU", "Ascend"] = "CPU"
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    loss_scale: float = 2.0**16  # amp: initial dynamic loss scale
+    loss_scale_window: int = 1000  # amp: finite steps before doubling the scale
+    data_fingerprint: str = ""  # hash of the data/tokenizer the batches come from
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["model"] = self.model.to_dict()
+        d["betas"] = list(self.betas)
+        return d
+
+    def fingerprint(self) -> str:
+        """Hash of what makes two runs produce the same weights (not checkpoint/log cadence)."""
+        d = self.to_dict()
+        for key in ("checkpoint_every", "keep_checkpoints", "log_every"):
+            d.pop(key)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps done
+    adam_t: int = 0  # AdamW's own step count (amp: overflowed steps are skipped, as torch's scaler)
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    model: Any  # the trained CLIP Cell
+    summary: dict[str, float]
+    history: list[dict[str, float]]
+
+
+class RandomBatches:
+    """Random images and token rows, a pure function of (seed, epoch, batch index): for benchmarks
+    and tests. Tokens end in the highest id (EOT) like real captions."""
+
+    def __init__(self, cfg: CLIPConfig, batch_size: int, batches_per_epoch: int, seed: int = 0,
+                 rank: int = 0, group_size: int = 1) -> None:
+        self.cfg, self.batch_size, self.batches_per_epoch = cfg, batch_size, batches_per_epoch
+        self.seed, self.rank, self.group_size = seed, rank, group_size
+
+    def global_batch(self, epoch: int, index: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng([self.seed, epoch, index])
+        n, v, t = self.batch_size * self.group_size, self.cfg.vision, self.cfg.text
+        images = rng.standard_normal((n, 3, v.image_size, v.image_size), dtype=np.float32)
+        tokens = rng.integers(1, t.vocab_size - 1, (n, t.context_length), dtype=np.int32)
+        lengths = rng.integers(2, t.context_length + 1, n)
+        for row, length in zip(tokens, lengths, strict=True):
+            row[length - 1] = t.vocab_size - 1
+            row[length:] = 0
+        return images, tokens
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        lo, hi = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        for index in range(skip, self.batches_per_epoch):
+            images, tokens = self.global_batch(epoch, index)
+            yield images[lo:hi], tokens[lo:hi]
+
+
+def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | None = None,
+          callbacks: Sequence[Callback] = (), resume: bool = True,
+          distributed: bool = False) -> TrainResult:
+    """Train CLIP on `source`; checkpoints go to `checkpoint_dir` (rank 0 only).
+
+    With `resume`, a checkpoint in `checkpoint_dir` whose config fingerprint matches `cfg` is
+    continued; checkpoints of another configuration are deleted and the run starts fresh.
+    With `distributed`, `mindspore.communication.init()` must have run (msrun): gradients are
+    averaged, features all-gathered, and only rank 0 writes.
+    """
+    import mindspore as ms
+
+    rank, group_size = _setup(cfg, distributed)
+    model, network, named_trainable = _build_model(cfg)
+    step_cell = _build_step(cfg, model, network, named_trainable, distributed, group_size)
+    state = TrainState()
+    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if ckpt_dir is not None and resume:
+        state = _maybe_resume(cfg, ckpt_dir, step_cell, named_trainable, model)
+    elif ckpt_dir is not None and rank == 0:
+        checkpoint.clear(ckpt_dir)
+    writer = rank == 0 and ckpt_dir is not None
+
+    steps_per_epoch = source.batches_per_epoch // cfg.accum_steps
+    if steps_per_epoch < 1:
+        raise ValueError(f"{source.batches_per_epoch} batches per epoch is fewer than "
+                         f"accum_steps={cfg.accum_steps}: not one optimizer step per epoch")
+    total = cfg.max_steps if cfg.max_steps else cfg.epochs * steps_per_epoch
+    samples_per_step = cfg.batch_size * cfg.accum_steps * group_size
+    log.info("training %d steps (%d per epoch), %d samples a step, rank %d/%d, from step %d",
+             total, steps_per_epoch, samples_per_step, rank, group_size, state.step)
+
+    started = time.perf_counter()
+    trained_samples, train_seconds = 0, 0.0
+    while state.step < total:
+        epoch, in_epoch = divmod(state.step, steps_per_epoch)
+        batches = iter(source.epoch(epoch, skip=in_epoch * cfg.accum_steps))
+        for _ in range(in_epoch, steps_per_epoch):
+            if state.step >= total:
+                break
+            t0 = time.perf_counter()
+            loss, norm, applied = _one_step(cfg, step_cell, batches, state, total, ms)
+            if not math.isfinite(loss):
+                raise NonFiniteLossError(
+                    f"loss is {loss} at step {state.step + 1} (epoch {epoch}); stopping. The last "
+                    f"good checkpoint (if any) in {ckpt_dir} is untouched.")
+            seconds = time.perf_counter() - t0
+            state.step += 1
+            state.adam_t += int(applied)
+            if state.step > 1 or total == 1:  # the first step includes graph compilation
+                trained_samples += samples_per_step
+                train_seconds += seconds
+            row = {"step": state.step, "epoch": epoch, "loss": loss,
+                   "lr": _lr(cfg, state.step - 1, total), "grad_norm": norm,
+                   "logit_scale": float(np.exp(model.logit_scale.asnumpy())),
+                   "samples_per_s": samples_per_step / seconds}
+            state.history.append(row)
+            if rank == 0:
+                _report(cfg, row, total, callbacks)
+            if writer and (state.step % cfg.checkpoint_every == 0 or state.step == total):
+                _save(cfg, ckpt_dir, step_cell, named_trainable, model, state)
+
+    summary = {
+        "final_loss": state.history[-1]["loss"] if state.history else float("nan"),
+        "steps": float(state.step),
+        "epochs": float(math.ceil(state.step / steps_per_epoch)),
+        "samples_per_s": trained_samples / train_seconds if train_seconds else 0.0,
+        "wall_time_s": time.perf_counter() - started,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+    }
+    if rank == 0:
+        for callback in callbacks:
+            callback.on_train_end(summary)
+    return TrainResult(model=model, summary=summary, history=state.history)
+
+
+def model_tensors(model: Any) -> dict[str, Any]:
+    """The CLIP Cell's parameters under their names relative to the Cell (the models/clip.ckpt
+    contract; MindSpore renames Parameter.name when the Cell is wrapped)."""
+    return dict(model.parameters_and_names())
+
+
+def save_model(model: Any, path: Path | str) -> None:
+    """models/clip.ckpt: only the CLIP weights, atomically."""
+    import os
+    import tempfile
+
+    import mindspore as ms
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".ckpt")
+    os.close(fd)
+    try:
+        items = [{"name": name, "data": ms.Tensor(param.asnumpy())}
+                 for name, param in model_tensors(model).items()]
+        ms.save_checkpoint(items, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# setup
+
+
+def _setup(cfg: TrainConfig, distributed: bool) -> tuple[int, int]:
+    import mindspore as ms
+
+    mode = ms.GRAPH_MODE if cfg.mode == "graph" else ms.PYNATIVE_MODE
+    ms.set_context(mode=mode)
+    ms.set_device(cfg.device_target)
+    if not distributed:
+        ms.set_seed(cfg.seed)
+        return 0, 1
+    from mindspore.communication import get_group_size, get_rank, init
+
+    init()
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
+    ms.set_seed(cfg.seed)  # same seed on every rank: identical initial weights
+    return get_rank(), get_group_size()
+
+
+def _build_model(cfg: TrainConfig) -> tuple[Any, Any, list[tuple[str, Any]]]:
+    """(the CLIP Cell, the Cell to train (its O2 wrapper under amp), trainable (name, param))."""
+    import mindspore as ms
+
+    from clipms.model import CLIP
+
+    model = CLIP(cfg.model)
+    if cfg.init_from:
+        _init_from(model, cfg.init_from)
+    named = []
+    for name, param in model.parameters_and_names():
+        locked = (cfg.lock_image and name.startswith("visual.")) or (
+            cfg.lock_text and name.startswith("text."))
+        param.requires_grad = not locked
+        if not locked:
+            named.append((name, param))
+    if cfg.precision == "amp":
+        # O2: every Cell in fp16 except the black-listed LayerNorm; the model also keeps softmax in
+        # fp32, and the loss runs on fp32 outputs (ClipWithLoss casts).
+        return model, ms.amp.auto_mixed_precision(model, "O2"), named
+    return model, model, named
+
+
+def _init_from(model: Any, path: str) -> None:
+    import mindspore as ms
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"train.init_from: {path} does not exist "
+                                "(convert open_clip weights with `python -m clipms.convert`)")
+    params = ms.load_checkpoint(path)
+    expected = model_tensors(model)
+    missing = sorted(set(expected) - set(params))
+    if missing:
+        raise ValueError(f"train.init_from: {path} lacks {len(missing)} parameters of this model, "
+                         f"e.g. {missing[:5]}")
+    for name, param in expected.items():
+        value = params[name].asnumpy()
+        if value.shape != tuple(param.shape):
+            raise ValueError(f"train.init_from: {name} has shape {value.shape} in {path} but "
+                             f"{tuple(param.shape)} in the model (config mismatch?)")
+        param.set_data(ms.Tensor(value, param.dtype))
+
+
+def _build_step(cfg: TrainConfig, model: Any, network: Any,
+                named_trainable: list[tuple[str, Any]], distributed: bool, group_size: int) -> Any:
+    from clipms.loss import ClipLoss
+    from clipms.optim import build_adamw
+    from clipms.train_step import ClipWithLoss, TrainStep
+
+    net_with_loss = ClipWithLoss(network, ClipLoss(gather=distributed))
+    optimizer = build_adamw(named_trainable, cfg.betas)
+    return TrainStep(
+        net_with_loss, optimizer, accum_steps=cfg.accum_steps,
+        max_grad_norm=cfg.grad_clip_norm or 0.0,
+        loss_scale=cfg.loss_scale if cfg.precision == "amp" else None,
+        loss_scale_window=cfg.loss_scale_window, logit_scale=model.logit_scale,
+        max_logit_scale=MAX_LOGIT_SCALE, group_size=group_size if distributed else 1)
+
+
+# --------------------------------------------------------------------------------------------
+# the loop body
+
+
+def _lr(cfg: TrainConfig, step: int, total: int) -> float:
+    from clipms.optim import cosine_lr
+
+    return cosine_lr(step, cfg.lr, cfg.warmup_steps, total)
+
+
+def _one_step(cfg: TrainConfig, step_cell: Any, batches: Iterator, state: TrainState, total: int,
+              ms: Any) -> tuple[float, float, bool]:
+    """Run accum_steps micro-batches and one optimizer update; (loss, grad norm, update applied)."""
+    from clipms.optim import folded_hyper
+
+    hyper = folded_hyper(_lr(cfg, state.step, total), state.adam_t + 1, cfg.betas, cfg.eps,
+                         cfg.weight_decay)
+    scalars = [ms.Tensor(x) for x in hyper.tensors()]
+    losses = []
+    for micro in range(cfg.accum_steps):
+        images, tokens = next(batches)
+        apply = micro == cfg.accum_steps - 1
+        loss, norm, finite = step_cell(ms.Tensor(images), ms.Tensor(tokens), *scalars, apply)
+        losses.append(float(loss.asnumpy()))
+    return float(np.mean(losses)), float(norm.asnumpy()), bool(finite.asnumpy())
+
+
+def _report(cfg: TrainConfig, row: dict[str, float], total: int,
+            callbacks: Sequence[Callback]) -> None:
+    step = int(row["step"])
+    if step == 1 or step % cfg.log_every == 0 or step == total:
+        log.info("step %d/%d epoch %d loss %.4f lr %.3g logit_scale %.2f samples/s %.1f",
+                 step, total, row["epoch"], row["loss"], row["lr"], row["logit_scale"],
+                 row["samples_per_s"])
+    for callback in callbacks:
+        callback.on_step_end(step, dict(row))
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _state_tensors(step_cell: Any, named_trainable: list[tuple[str, Any]],
+                   model: Any) -> dict[str, Any]:
+    tensors = dict(model_tensors(model))
+    opt = step_cell.optimizer
+    for (name, _), m, v in zip(named_trainable, opt.exp_avg, opt.exp_avg_sq, strict=True):
+        tensors[f"adam_m.{name}"] = m
+        tensors[f"adam_v.{name}"] = v
+    tensors["loss_scale"] = step_cell.scale
+    tensors["loss_scale_good_steps"] = step_cell.good_steps
+    return tensors
+
+
+def _save(cfg: TrainConfig, folder: Path, step_cell: Any, named_trainable: list, model: Any,
+          state: TrainState) -> None:
+    meta = {"step": state.step, "adam_t": state.adam_t, "config": cfg.to_dict(),
+            "fingerprint": cfg.fingerprint(), "history": state.history}
+    path = checkpoint.save(folder, state.step, _state_tensors(step_cell, named_trainable, model),
+                           meta, keep=cfg.keep_checkpoints)
+    log.info("saved %s", path)
+
+
+def _maybe_resume(cfg: TrainConfig, folder: Path, step_cell: Any, named_trainable: list,
+                  model: Any) -> TrainState:
+    import mindspore as ms
+
+    found = checkpoint.load_latest(folder)
+    if found is None:
+        return TrainState()
+    if found.meta.get("fingerprint") != cfg.fingerprint():
+        removed = checkpoint.clear(folder)
+        log.warning("checkpoints in %s belong to another configuration; removed %d, starting "
+                    "fresh", folder, removed)
+        return TrainState()
+    for name, param in _state_tensors(step_cell, named_trainable, model).items():
+        if name not in found.tensors:
+            raise ValueError(f"{found.path}: missing '{name}'; cannot resume from it")
+        param.set_data(ms.Tensor(found.tensors[name], param.dtype))
+    log.info("resuming from %s (step %d)", found.path, found.meta["step"])
+    return TrainState(step=found.meta["step"], adam_t=found.meta["adam_t"],
+                      history=list(found.meta["history"]))
