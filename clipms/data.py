@@ -37,6 +37,7 @@ Evaluation
       `EvalBatch(images float32 (b, 3, S, S), keys list[str], captions list[list[str]] (ALL of
       them), labels list[dict | None])`.
   `eval_sample_count(shards_dir, split="val")` from the manifest.
+  `iter_captions(shards_dir, split)`: every caption of a split (the tokenizer stage trains on it).
 
 Errors: `DataError` naming the file/shard/key: a missing or malformed manifest, a shard whose sample
 count differs from the manifest, a truncated tar, a sample without image/json/captions.
@@ -138,21 +139,28 @@ class ShardIndex:
 
     def read(self, i: int, handles: dict[int, Any] | None = None) -> tuple[bytes, dict[str, Any]]:
         """Image bytes and parsed json of sample i (`handles` caches open shard files)."""
+        return self._read(i, (self.image[i], self.meta[i]), handles)
+
+    def read_meta(self, i: int, handles: dict[int, Any] | None = None) -> dict[str, Any]:
+        """Only the parsed json of sample i."""
+        return self._read(i, (self.meta[i],), handles)[0]
+
+    def _read(self, i: int, spans: tuple[tuple[int, int], ...],
+              handles: dict[int, Any] | None) -> tuple[Any, ...]:
         shard = self.shard_of[i]
         handle = handles.get(shard) if handles is not None else None
         if handle is None:
-            handle = open(self.shards[shard], "rb")  # noqa: SIM115 - cached by the caller
+            handle = open(self.shards[shard], "rb")  # noqa: SIM115 - closed below or by the owner
             if handles is not None:
                 handles[shard] = handle
         try:
-            image = _read_at(handle, *self.image[i])
-            meta = json.loads(_read_at(handle, *self.meta[i]))
+            data = [_read_at(handle, offset, size) for offset, size in spans]
+            return (*data[:-1], json.loads(data[-1]))
         except (OSError, ValueError) as err:
             raise DataError(f"{self.shards[shard]}: sample {self.keys[i]!r}: {err}") from err
         finally:
             if handles is None:
                 handle.close()
-        return image, meta
 
 
 def _read_at(handle: Any, offset: int, size: int) -> bytes:
@@ -216,6 +224,19 @@ def captions_of(meta: dict[str, Any], key: str) -> list[str]:
             isinstance(c, str) for c in captions):
         raise DataError(f"sample {key!r}: .json has no non-empty 'captions' list of strings")
     return captions
+
+
+def iter_captions(shards_dir: Path | str, split: str = "train") -> Iterator[str]:
+    """Every caption of every sample of `split`, reading only the .json members (to train the
+    tokenizer)."""
+    index = index_shards(shards_dir, split)
+    handles: dict[int, Any] = {}
+    try:
+        for i, key in enumerate(index.keys):
+            yield from captions_of(index.read_meta(i, handles), key)
+    finally:
+        for handle in handles.values():
+            handle.close()
 
 
 # --- training -------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from clipms.data import (
     build_train_dataset,
     eval_sample_count,
     index_shards,
+    iter_captions,
     iter_eval_batches,
     steps_per_epoch,
 )
@@ -183,6 +184,11 @@ def test_eval_reader_every_sample_once_in_order_with_all_captions(shards: Path) 
     assert first.labels[0] == {"shape": "square"} and first.labels[1] == {"shape": "circle"}
     assert np.array_equal(first.images[1], preprocess_image(jpeg(26), PRE))
     assert [decode_colour(im) for b in batches for im in b.images] == list(range(25, 32))
+
+
+def test_iter_captions_reads_every_train_caption(shards: Path) -> None:
+    captions = list(iter_captions(shards, "train"))
+    assert captions == [f"sample {n} caption {c}" for n in range(25) for c in range(CAPTIONS)]
 
 
 def test_bad_shards_give_clear_errors(tmp_path: Path) -> None:

@@ -105,3 +105,26 @@ def test_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"format": "something else"}')
     with pytest.raises(TokenizerError, match="not a clipms tokenizer"):
         Tokenizer.load(tmp_path / "bad.json")
+
+
+@pytest.mark.slow
+def test_tokenizer_stage_with_dvc(tmp_path: Path) -> None:
+    from tests.test_data import CAPTIONS, write_shards
+    from tests.workspace import make_workspace, run
+
+    ws = make_workspace(tmp_path / "ws", {"tokenizer.min_frequency": 1})
+    write_shards(ws / "data/shards", {"train": [6, 5], "val": [3]})
+    out = run(["dvc", "repro", "--single-item", "tokenizer"], cwd=ws)
+    assert "training a BPE on 33 train captions" in out.stdout  # 11 images x 3 captions
+    tok = Tokenizer.load(ws / "models/tokenizer.json")
+    assert tok.kind == "bpe" and tok.context_length == 16 and tok.vocab_size <= 600
+    ids = tok.encode(["sample 3 caption 1"])[0]
+    assert tok.decode(ids) == "sample 3 caption 1" and CAPTIONS == 3
+    assert "didn't change" in run(["dvc", "repro", "--single-item", "tokenizer"], cwd=ws).stdout
+
+    run(["dvc", "exp", "run", "--single-item", "tokenizer", "-S", "tokenizer.kind=openai"], cwd=ws)
+    assert Tokenizer.load(ws / "models/tokenizer.json").vocab_size == 49408
+
+    bad = run(["dvc", "exp", "run", "--single-item", "tokenizer", "-S", "tokenizer.kind=wordpiece"],
+              cwd=ws, check=False)
+    assert bad.returncode != 0 and "tokenizer.kind = 'wordpiece'" in bad.stdout + bad.stderr

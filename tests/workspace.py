@@ -27,7 +27,7 @@ TINY_PARAMS: dict[str, Any] = {
     "download.samples_per_shard": 32,
     "download.image_size": 64,
     "shard.samples_per_shard": 16,
-    "tokenizer.vocab_size": 400,
+    "tokenizer.vocab_size": 600,
     "tokenizer.context_length": 16,
     "train.batch_size": 8,
     "train.epochs": 1,
