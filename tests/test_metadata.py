@@ -36,10 +36,10 @@ def _parquet_bytes(tmp_path: Path, columns: dict[str, list]) -> bytes:
 
 class _Server:
     """Loopback HTTP server: `routes` maps a path to a list of responses, served in turn (the last
-    one repeats). A response is (status, body)."""
+    one repeats). A response is (status, body) or (status, body, declared Content-Length)."""
 
     def __init__(self) -> None:
-        self.routes: dict[str, list[tuple[int, bytes]]] = {}
+        self.routes: dict[str, list[tuple]] = {}
         self.hits: dict[str, int] = {}
         server = self
 
@@ -48,9 +48,10 @@ class _Server:
                 responses = server.routes.get(self.path, [(404, b"not found")])
                 hit = server.hits.get(self.path, 0)
                 server.hits[self.path] = hit + 1
-                status, body = responses[min(hit, len(responses) - 1)]
+                status, body, *declared = responses[min(hit, len(responses) - 1)]
                 self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
+                # a declared length above len(body) simulates a connection cut mid-download
+                self.send_header("Content-Length", str(declared[0] if declared else len(body)))
                 self.end_headers()
                 self.wfile.write(body)
 
@@ -166,6 +167,13 @@ def test_http_500_is_retried_then_succeeds(tmp_path, server):
     server.routes["/flaky"] = [(500, b"busy"), (503, b"busy"), (200, body)]
     table, _ = _build(tmp_path, source="mscoco", url=server.url("/flaky"), **FAST)
     assert server.hits["/flaky"] == 3 and table.num_rows == 2
+
+
+def test_a_download_cut_short_is_retried(tmp_path, server):
+    body = _coco_like(tmp_path)
+    server.routes["/cut"] = [(200, body[:100], len(body)), (200, body)]
+    table, _ = _build(tmp_path, source="mscoco", url=server.url("/cut"), **FAST)
+    assert server.hits["/cut"] == 2 and table.num_rows == 2
 
 
 def test_retries_are_bounded(tmp_path, server):

@@ -12,6 +12,7 @@ deterministically: the same inputs give the same bytes.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import os
 import shutil
 import tempfile
@@ -167,6 +168,7 @@ def download(url: str, dest: Path, *, timeout: float, retries: int, sha256: str 
     backoff; other HTTP errors and a checksum mismatch fail at once, since retrying cannot fix them.
     """
     last_error: Exception | None = None
+    print(f"metadata: downloading {url}", flush=True)
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(backoff_seconds * 2 ** (attempt - 1))
@@ -176,7 +178,7 @@ def download(url: str, dest: Path, *, timeout: float, retries: int, sha256: str 
             if err.code < 500 and err.code != 429:
                 raise MetadataError(f"downloading {url}: HTTP {err.code} {err.reason}") from err
             last_error = err
-        except (urllib.error.URLError, OSError) as err:  # refused, DNS, timeout, reset
+        except (OSError, http.client.HTTPException) as err:  # refused, DNS, timeout, cut short
             last_error = err
         else:
             if sha256 and digest != sha256.lower():
@@ -199,9 +201,15 @@ def _download_once(url: str, dest: Path, timeout: float) -> str:
     try:
         request = urllib.request.Request(url, headers={"User-Agent": "clipms-metadata"})
         with os.fdopen(fd, "wb") as handle, urllib.request.urlopen(request, timeout=timeout) as r:
+            expected = r.headers.get("Content-Length")
+            received = 0
             while chunk := r.read(_CHUNK):
                 digest.update(chunk)
                 handle.write(chunk)
+                received += len(chunk)
+        # http.client ends a chunked read quietly when the server hangs up early: check the size.
+        if expected is not None and received != int(expected):
+            raise ConnectionError(f"connection closed after {received} of {expected} bytes")
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
