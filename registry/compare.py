@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from registry.tracking import mlflow_key
+
 DEFAULT_METRICS = ("i2t_R@1", "i2t_R@5", "t2i_R@1", "t2i_R@5", "mAP@10", "zeroshot_top1")
 
 
@@ -49,7 +51,7 @@ def _short(value: str | None, n: int = 8) -> str:
 
 
 def _metric(row: VersionRow, key: str) -> str:
-    raw = row.tags.get(f"metric.{key}")
+    raw = row.tags.get(f"metric.{mlflow_key(key)}")
     return "-" if raw in (None, "") else f"{float(raw):.4f}"
 
 

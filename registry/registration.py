@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from registry import gate, pyfunc
-from registry.tracking import PipelineRun, client, val_digest
+from registry.tracking import PipelineRun, client, mlflow_key, val_digest
 
 MODEL_ARTIFACT = "clip"  # the logged model's name inside the run
 
@@ -36,7 +36,7 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, model_name: str,
     run_tags = mlflow_client.get_run(run.run_id).data.tags
     tags = {k: v for k, v in run_tags.items() if k.startswith("lineage.")}
     tags["lineage.val_digest"] = val_digest() or run_tags.get("lineage.val_digest", "")
-    tags.update({f"metric.{k}": repr(v) for k, v in metrics.items()})
+    tags.update({f"metric.{mlflow_key(k)}": repr(v) for k, v in metrics.items()})
     tags["run_id"] = run.run_id or ""
     for key, value in tags.items():
         mlflow_client.set_model_version_tag(model_name, number, key, value)

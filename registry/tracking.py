@@ -50,6 +50,12 @@ MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100
 SECRET_KEY = re.compile(r"(password|passwd|secret|credential|api_?key|(^|_)token$)", re.IGNORECASE)
 
 
+def mlflow_key(key: str) -> str:
+    """A metric/tag/param name MLflow accepts: `@` is not allowed, so `i2t_R@5` -> `i2t_R_at_5`."""
+    key = key.replace("@", "_at_")
+    return re.sub(r"[^A-Za-z0-9_\-. :/]", "_", key)
+
+
 class TrackingUnavailable(RuntimeError):
     """The tracking server could not be reached; the message says what is safe and what to do."""
 
@@ -274,16 +280,18 @@ class PipelineRun:
 
     def log_params(self, params: Mapping[str, str]) -> None:
         if params:
-            self.pending.append({"op": "params", "params": safe_params(params)})
+            clean = {mlflow_key(k): v for k, v in safe_params(params).items()}
+            self.pending.append({"op": "params", "params": clean})
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         if tags:
-            self.pending.append({"op": "tags", "tags": {k: str(v) for k, v in tags.items()}})
+            self.pending.append({"op": "tags",
+                                 "tags": {mlflow_key(k): str(v) for k, v in tags.items()}})
 
     def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
         """Queue metrics; consecutive calls share one batch until it is sent."""
         now = int(time.time() * 1000)
-        rows = [[k, float(v), now, int(step)] for k, v in metrics.items()
+        rows = [[mlflow_key(k), float(v), now, int(step)] for k, v in metrics.items()
                 if isinstance(v, int | float) and not isinstance(v, bool)]
         if not rows:
             return
@@ -313,13 +321,26 @@ class PipelineRun:
                     self.run_id = self._create(mlflow_client, op)
                 else:
                     self._require_run()
-                    self._send(mlflow_client, op)
+                    self._send_or_drop(mlflow_client, op)
                 self.pending.pop(0)
         except Exception as err:  # an unreachable server surfaces as many exception types
             self.last_error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
             return False
         self.last_error = None
         return True
+
+    def _send_or_drop(self, mlflow_client: Any, op: dict[str, Any]) -> None:
+        """Send one record; one the server rejects as invalid is reported and dropped, because
+        replaying it would fail forever and block everything queued behind it."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._send(mlflow_client, op)
+        except MlflowException as err:
+            if err.error_code != "INVALID_PARAMETER_VALUE":
+                raise
+            print(f"[mlflow] WARNING: dropped a {op['op']} record the server rejected: "
+                  f"{str(err).splitlines()[0][:300]}", file=sys.stderr)
 
     def _require_run(self) -> None:
         if self.run_id is None:
@@ -417,8 +438,9 @@ class PipelineRun:
         else:
             self.save_journal()
         if not sent:
-            print(f"[mlflow] WARNING: tracking server {redact_uri(tracking_uri())} unreachable "
-                  f"({self.last_error}); {len(self.pending)} queued record(s) saved to "
+            print(f"[mlflow] WARNING: could not send to the tracking server "
+                  f"{redact_uri(tracking_uri())} ({self.last_error}); "
+                  f"{len(self.pending)} queued record(s) saved to "
                   f"{JOURNAL_FILE}; they are replayed by the next stage that reaches the server "
                   "(register requires it). Model files are unaffected.", file=sys.stderr)
         return sent
@@ -448,6 +470,7 @@ class PipelineRun:
                 f"({self.last_error}). The trained and exported model is safe in models/; "
                 f"{len(self.pending)} queued record(s) are kept in {JOURNAL_FILE}. Start the "
                 "server (or fix MLFLOW_TRACKING_URI) and rerun `dvc repro` to replay and register.")
+        self.save_journal()  # records the run id if this replay created the run
 
 
 class TrainCallback:

@@ -135,6 +135,13 @@ def test_lineage_reads_git_dvc_lock_and_manifest(tmp_path: Path, monkeypatch) ->
     assert params["metadata.source"] == "synthetic" and params["tokenizer.vocab_size"] == "400"
 
 
+def test_metric_names_become_names_mlflow_accepts() -> None:
+    assert tracking.mlflow_key("i2t_R@5") == "i2t_R_at_5"
+    assert tracking.mlflow_key("mAP@10") == "mAP_at_10"
+    assert tracking.mlflow_key("system/cpu usage:1.x-y") == "system/cpu usage:1.x-y"
+    assert tracking.mlflow_key("a$b") == "a_b"
+
+
 def test_training_metrics_are_queued_into_one_batch() -> None:
     run = tracking.PipelineRun("key", None, "exp")
     callback = run.callback(flush_every_s=3600)
@@ -148,9 +155,10 @@ def test_training_metrics_are_queued_into_one_batch() -> None:
 
 def test_compare_shows_only_params_that_differ() -> None:
     rows = [
-        VersionRow(1, ["champion"], "r1" * 16, {"metric.i2t_R@5": "0.5", "gate.reason": "first"},
+        VersionRow(1, ["champion"], "r1" * 16,
+                   {"metric.i2t_R_at_5": "0.5", "gate.reason": "first"},
                    {"train.lr": "0.001", "train.epochs": "1"}),
-        VersionRow(2, ["challenger"], "r2" * 16, {"metric.i2t_R@5": "0.25"},
+        VersionRow(2, ["challenger"], "r2" * 16, {"metric.i2t_R_at_5": "0.25"},
                    {"train.lr": "0.002", "train.epochs": "1"}),
     ]
     assert differing_params(rows) == ["train.lr"]
