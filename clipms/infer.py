@@ -144,6 +144,7 @@ class ShardSample:
     image: bytes
     meta: dict[str, Any] = field(default_factory=dict)
     caption: str = ""
+    extra: dict[str, bytes] = field(default_factory=dict)  # other members, by extension (`cls`)
 
 
 def shard_files(shards: Path | str) -> list[Path]:
@@ -183,7 +184,9 @@ def _samples_of(tar: tarfile.TarFile) -> Iterator[ShardSample]:
             continue
         meta = json.loads(parts["json"]) if "json" in parts else {}
         caption = parts["txt"].decode("utf-8").strip() if "txt" in parts else ""
-        yield ShardSample(key=key, image=image, meta=meta, caption=caption)
+        known = {*IMAGE_EXTENSIONS, "json", "txt"}
+        extra = {ext: data for ext, data in parts.items() if ext not in known}
+        yield ShardSample(key=key, image=image, meta=meta, caption=caption, extra=extra)
 
 
 # ---------------------------------------------------------------------------------------- CLI
