@@ -73,8 +73,6 @@ from clipms.tokenizer import Tokenizer
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 # webdataset's rule: the key is the path up to the first dot of the file name.
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
-# Worker processes are forked after the tokenizer may have run: its Rust thread pool must not be.
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 RRC_SCALE = (0.9, 1.0)  # open_clip's default RandomResizedCrop for training
 RRC_RATIO = (3 / 4, 4 / 3)
 
@@ -360,6 +358,9 @@ def build_train_dataset(shards_dir: Path | str, tokenizer: Tokenizer, preprocess
     """The mindspore.dataset pipeline of (image, text) batches; see the module docstring."""
     import mindspore.dataset as ds  # heavy: only the training path needs it
 
+    # Decode workers are forked after the tokenizer may have used its Rust thread pool, which does
+    # not survive a fork; one caption per call needs no parallelism anyway.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     source = TrainSamples(index_shards(shards_dir, split), tokenizer, preprocess, batch_size,
                           epochs=epochs, start_step=start_step, seed=seed, rank=rank,
                           world_size=world_size, augment=augment,
