@@ -44,15 +44,15 @@ class ClipLoss(nn.Cell):
         self.gather = gather
         self.rank = 0
         if gather:
-            from mindspore.communication import get_rank
+            from mindspore.communication import GlobalComm, get_rank
 
-            try:
-                self.rank = get_rank()
-            except RuntimeError as err:
+            # get_rank() quietly answers 0 before init(); the AllGather would then fail late.
+            if not GlobalComm.INITED:
                 raise RuntimeError(
                     "ClipLoss(gather=True) needs mindspore.communication.init() first "
-                    "(launch with msrun)"
-                ) from err
+                    "(launch the script with msrun)"
+                )
+            self.rank = get_rank()
             self.all_gather = ops.AllGather()  # concatenates ranks along axis 0, rank order
 
     def construct(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor):
