@@ -117,6 +117,8 @@ def test_counts_shapes_and_drop_remainder(shards: Path, tok: Tokenizer) -> None:
         assert images.shape == (4, 3, 16, 16) and images.dtype == np.float32
         assert texts.shape == (4, CTX) and texts.dtype == np.int32
     epochs = ids_of(batches, tok)
+    first_sample = epochs[0][0][0]  # the pixels are exactly the shared preprocessing's
+    assert np.array_equal(batches[0][0][0], preprocess_image(jpeg(first_sample), PRE))
     for epoch in (epochs[:6], epochs[6:]):
         samples = [s for batch in epoch for s, _ in batch]
         assert len(set(samples)) == 24 and set(samples) <= set(range(25))  # no duplicates

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from clipms.prep.synthetic import image_rng, sample_scene, write_captions
 from clipms.tokenizer import Tokenizer, TokenizerError, clean_text
 
 GOLDEN = json.loads((Path(__file__).parent / "data/openclip_tokenizer/tokens.json").read_text())
@@ -19,19 +19,13 @@ def openai() -> Tokenizer:
     return Tokenizer.openai(context_length=GOLDEN["context_length"])
 
 
-def synthetic_captions(n: int = 600, seed: int = 0) -> list[str]:
-    """Captions in the style of the synthetic dataset, with case/spacing/punctuation variants."""
-    rng = random.Random(seed)
-    templates = ["A {size} {colour} {shape} on the {side}.", "a photo of a {colour} {shape}",
-                 "There is a {size} {shape}, coloured {colour}, near the {side}!",
-                 "{colour}  {shape}   on a plain background"]
-    words = {"size": ["small", "big", "tiny"], "colour": ["red", "green", "blue", "yellow"],
-             "shape": ["circle", "square", "triangle", "star"], "side": ["left", "right", "top"]}
-    out = []
-    for _ in range(n):
-        text = rng.choice(templates).format(**{k: rng.choice(v) for k, v in words.items()})
-        out.append(text.upper() if rng.random() < 0.05 else text)
-    return out
+def synthetic_captions(n_images: int = 150, seed: int = 0) -> list[str]:
+    """The captions of the project's synthetic dataset (5 per image, with near/exact duplicates)."""
+    captions = []
+    for index in range(n_images):
+        rng = image_rng(seed, index)
+        captions.extend(write_captions(sample_scene(rng), rng))
+    return captions
 
 
 @pytest.mark.parametrize("case", GOLDEN["cases"], ids=lambda c: repr(c["text"][:24]))
@@ -88,7 +82,7 @@ def test_trained_tokenizer_contract_and_round_trip(tmp_path: Path) -> None:
 
 
 def test_trained_tokenizer_truncates_keeping_eot_and_handles_unseen_text() -> None:
-    tok = Tokenizer.train(synthetic_captions(200), vocab_size=600, context_length=6)
+    tok = Tokenizer.train(synthetic_captions(40), vocab_size=600, context_length=6)
     ids = tok.encode(["a big red circle on the left of a blue square", "東京 😀 ÿ", ""])
     assert ids[0, -1] == tok.eot_id and ids[0, 0] == tok.sot_id and (ids[0, 1:-1] > 0).all()
     assert (ids[1] > 0).sum() >= 3  # unseen characters fall back to byte symbols, never dropped
