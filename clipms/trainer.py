@@ -36,12 +36,13 @@ class NonFiniteLossError(RuntimeError):
 
 
 class BatchSource(Protocol):
-    """Deterministic batches: `epoch(e, skip)` yields the batches of epoch e from index `skip` on,
-    identical for identical (seed, e) -- what makes resume exact."""
+    """Deterministic batches. `stream(start, stop)` yields this rank's batches of global batch
+    indices start..stop-1 (batch i is in epoch i // batches_per_epoch), identical for identical
+    (seed, i) whatever `start` is -- what makes a resumed run exact."""
 
     batches_per_epoch: int
 
-    def epoch(self, epoch: int, skip: int = 0) -> Iterable[tuple[np.ndarray, np.ndarray]]: ...
+    def stream(self, start: int, stop: int) -> Iterable[tuple[np.ndarray, np.ndarray]]: ...
 
 
 class Callback(Protocol):
@@ -127,11 +128,39 @@ class RandomBatches:
             row[length:] = 0
         return images, tokens
 
-    def epoch(self, epoch: int, skip: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def stream(self, start: int, stop: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         lo, hi = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
-        for index in range(skip, self.batches_per_epoch):
-            images, tokens = self.global_batch(epoch, index)
+        for index in range(start, stop):
+            images, tokens = self.global_batch(*divmod(index, self.batches_per_epoch))
             yield images[lo:hi], tokens[lo:hi]
+
+
+class ShardBatches:
+    """The webdataset shards through `clipms.data.build_train_dataset` as a BatchSource."""
+
+    def __init__(self, shards_dir: Path | str, tokenizer: Any, preprocess: Any, batch_size: int,
+                 seed: int = 0, rank: int = 0, group_size: int = 1, workers: int = 2,
+                 augment: bool = False) -> None:
+        from clipms import data
+
+        self.shards_dir, self.tokenizer, self.preprocess = shards_dir, tokenizer, preprocess
+        self.batch_size, self.seed, self.rank, self.group_size = batch_size, seed, rank, group_size
+        self.workers, self.augment = workers, augment
+        self.batches_per_epoch = data.steps_per_epoch(shards_dir, batch_size, group_size)
+
+    def stream(self, start: int, stop: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        from clipms import data
+
+        if start >= stop:
+            return
+        dataset = data.build_train_dataset(
+            self.shards_dir, self.tokenizer, self.preprocess, self.batch_size,
+            epochs=-(-stop // self.batches_per_epoch), start_step=start, seed=self.seed,
+            rank=self.rank, world_size=self.group_size, workers=self.workers,
+            augment=self.augment)
+        batches = dataset.create_tuple_iterator(num_epochs=1, output_numpy=True)
+        for _, (images, tokens) in zip(range(stop - start), batches, strict=False):
+            yield images, tokens
 
 
 def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | None = None,
@@ -157,49 +186,46 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
         checkpoint.clear(ckpt_dir)
     writer = rank == 0 and ckpt_dir is not None
 
-    steps_per_epoch = source.batches_per_epoch // cfg.accum_steps
-    if steps_per_epoch < 1:
-        raise ValueError(f"{source.batches_per_epoch} batches per epoch is fewer than "
-                         f"accum_steps={cfg.accum_steps}: not one optimizer step per epoch")
-    total = cfg.max_steps if cfg.max_steps else cfg.epochs * steps_per_epoch
+    per_epoch = source.batches_per_epoch  # batches (micro-batches) per epoch
+    total = cfg.max_steps or (cfg.epochs * per_epoch) // cfg.accum_steps
+    if total < 1:
+        raise ValueError(f"{per_epoch} batches per epoch x {cfg.epochs} epochs is fewer than "
+                         f"accum_steps={cfg.accum_steps}: not one optimizer step")
     samples_per_step = cfg.batch_size * cfg.accum_steps * group_size
-    log.info("training %d steps (%d per epoch), %d samples a step, rank %d/%d, from step %d",
-             total, steps_per_epoch, samples_per_step, rank, group_size, state.step)
+    log.info("training %d steps (%d batches per epoch), %d samples a step, rank %d/%d, from "
+             "step %d", total, per_epoch, samples_per_step, rank, group_size, state.step)
 
     started = time.perf_counter()
     trained_samples, train_seconds = 0, 0.0
+    batches = iter(source.stream(state.step * cfg.accum_steps, total * cfg.accum_steps))
     while state.step < total:
-        epoch, in_epoch = divmod(state.step, steps_per_epoch)
-        batches = iter(source.epoch(epoch, skip=in_epoch * cfg.accum_steps))
-        for _ in range(in_epoch, steps_per_epoch):
-            if state.step >= total:
-                break
-            t0 = time.perf_counter()
-            loss, norm, applied = _one_step(cfg, step_cell, batches, state, total, ms)
-            if not math.isfinite(loss):
-                raise NonFiniteLossError(
-                    f"loss is {loss} at step {state.step + 1} (epoch {epoch}); stopping. The last "
-                    f"good checkpoint (if any) in {ckpt_dir} is untouched.")
-            seconds = time.perf_counter() - t0
-            state.step += 1
-            state.adam_t += int(applied)
-            if state.step > 1 or total == 1:  # the first step includes graph compilation
-                trained_samples += samples_per_step
-                train_seconds += seconds
-            row = {"step": state.step, "epoch": epoch, "loss": loss,
-                   "lr": _lr(cfg, state.step - 1, total), "grad_norm": norm,
-                   "logit_scale": float(np.exp(model.logit_scale.asnumpy())),
-                   "samples_per_s": samples_per_step / seconds}
-            state.history.append(row)
-            if rank == 0:
-                _report(cfg, row, total, callbacks)
-            if writer and (state.step % cfg.checkpoint_every == 0 or state.step == total):
-                _save(cfg, ckpt_dir, step_cell, named_trainable, model, state)
+        epoch = state.step * cfg.accum_steps // per_epoch
+        t0 = time.perf_counter()
+        loss, norm, applied = _one_step(cfg, step_cell, batches, state, total, ms)
+        if not math.isfinite(loss):
+            raise NonFiniteLossError(
+                f"loss is {loss} at step {state.step + 1} (epoch {epoch}); stopping. The last "
+                f"good checkpoint (if any) in {ckpt_dir} is untouched.")
+        seconds = time.perf_counter() - t0
+        state.step += 1
+        state.adam_t += int(applied)
+        if state.step > 1 or total == 1:  # the first step includes graph compilation
+            trained_samples += samples_per_step
+            train_seconds += seconds
+        row = {"step": state.step, "epoch": epoch, "loss": loss,
+               "lr": _lr(cfg, state.step - 1, total), "grad_norm": norm,
+               "logit_scale": float(np.exp(model.logit_scale.asnumpy())),
+               "samples_per_s": samples_per_step / seconds}
+        state.history.append(row)
+        if rank == 0:
+            _report(cfg, row, total, callbacks)
+        if writer and (state.step % cfg.checkpoint_every == 0 or state.step == total):
+            _save(cfg, ckpt_dir, step_cell, named_trainable, model, state)
 
     summary = {
         "final_loss": state.history[-1]["loss"] if state.history else float("nan"),
         "steps": float(state.step),
-        "epochs": float(math.ceil(state.step / steps_per_epoch)),
+        "epochs": state.step * cfg.accum_steps / per_epoch,
         "samples_per_s": trained_samples / train_seconds if train_seconds else 0.0,
         "wall_time_s": time.perf_counter() - started,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
@@ -246,7 +272,8 @@ def _setup(cfg: TrainConfig, distributed: bool) -> tuple[int, int]:
 
     mode = ms.GRAPH_MODE if cfg.mode == "graph" else ms.PYNATIVE_MODE
     ms.set_context(mode=mode)
-    ms.set_device(cfg.device_target)
+    if ms.get_context("device_target") != cfg.device_target:
+        ms.set_device(cfg.device_target)  # may run only once per process, before any kernel
     if not distributed:
         ms.set_seed(cfg.seed)
         return 0, 1
