@@ -8,7 +8,6 @@ in test_pipeline_export (dvc repro on the synthetic data).
 
 from __future__ import annotations
 
-import io
 import json
 import tarfile
 
@@ -16,45 +15,11 @@ import numpy as np
 import pytest
 
 from clipms import metrics
-from clipms.jsonio import write_json
 from clipms.preprocess import preprocess_image
 from clipms.tokenizer import Tokenizer
 from clipms.trained import RunConfig, load_clip
-from tests.tiny_model import CAPTIONS, jpeg_bytes, random_images, write_trained
+from tests.tiny_model import add_member, jpeg_bytes, make_val_shards, random_images, write_trained
 from tests.workspace import PROJECT_ROOT, run, tool_env
-
-COLOURS = ["red", "blue", "green"]
-SHAPES = ["circle", "square"]
-
-
-def add_member(tar, name, payload):
-    info = tarfile.TarInfo(name)
-    info.size = len(payload)
-    tar.addfile(info, io.BytesIO(payload))
-
-
-def make_val_shards(root, n_images=11, per_shard=4):
-    """Shards + manifest in the shard stage's format; image i has 1-3 captions and labels."""
-    rng = np.random.default_rng(0)
-    images = random_images(n_images, seed=7)
-    samples = []
-    for i, image in enumerate(images):
-        captions = [CAPTIONS[(3 * i + j) % len(CAPTIONS)] for j in range(1 + i % 3)]
-        labels = None if i == 4 else {"colour": COLOURS[i % 3], "shape": SHAPES[rng.integers(2)]}
-        samples.append((f"{i:06d}", jpeg_bytes(image), captions, labels))
-    (root / "val").mkdir(parents=True)
-    shards = []
-    for s, start in enumerate(range(0, n_images, per_shard)):
-        name = f"val/{s:06d}.tar"
-        with tarfile.open(root / name, "w") as tar:
-            for key, data, captions, labels in samples[start:start + per_shard]:
-                add_member(tar, f"{key}.jpg", data)
-                meta = {"captions": captions, "key": key, "split": "val", "labels": labels}
-                add_member(tar, f"{key}.json", json.dumps(meta).encode())
-        shards.append({"name": name, "samples": len(samples[start:start + per_shard])})
-    write_json(root / "manifest.json", {"samples_per_shard": per_shard, "splits": {
-        "val": {"samples": n_images, "shards": shards}}})
-    return samples
 
 
 @pytest.fixture(scope="module")

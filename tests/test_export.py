@@ -87,3 +87,32 @@ def test_a_checkpoint_of_another_architecture_is_a_clear_error(trained):
         load_clip(trained["a"]["checkpoint"], wider)
     with pytest.raises(TrainedModelError, match="not found"):
         load_clip(trained["a"]["checkpoint"].with_name("missing.ckpt"), run.model)
+
+
+def test_stage_exports_checks_and_records_the_errors(tmp_path):
+    import json
+
+    from tests.tiny_model import make_val_shards
+    from tests.workspace import PROJECT_ROOT, run, tool_env
+
+    write_trained(tmp_path / "models", seed=0)  # laid out as the train stage leaves it
+    make_val_shards(tmp_path / "data" / "shards")
+    (tmp_path / "params.yaml").write_text("export:\n  batch_sizes: [1, 4, 16]\n")
+    env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT)}
+    proc = run(["python", "-m", "stages.export"], cwd=tmp_path, timeout=600, env=env)
+    assert "max abs error" in proc.stdout
+    report = json.loads((tmp_path / "metrics" / "export.json").read_text())
+    assert report["passed"] is True and report["tolerance"] == 1e-5
+    assert report["parity_images"] == 11  # all val images (< 16), cycled up to batch 16
+    for batch in (1, 4, 16):
+        assert report[f"image_max_abs_error_b{batch}"] <= 1e-5
+        assert report[f"text_max_abs_error_b{batch}"] <= 1e-5
+    assert sorted(p.name for p in (tmp_path / "models" / "export").iterdir()) == [
+        "bundle.json", "image_encoder.mindir", "preprocess.json", "text_encoder.mindir",
+        "tokenizer.json"]
+    # a rerun replaces the read-only MindIR files of the previous run
+    run(["python", "-m", "stages.export"], cwd=tmp_path, timeout=600, env=env)
+
+    (tmp_path / "params.yaml").write_text("export:\n  tolerance: -1\n")
+    bad = run(["python", "-m", "stages.export"], cwd=tmp_path, timeout=600, check=False, env=env)
+    assert bad.returncode == 1 and "export.tolerance" in bad.stderr

@@ -1,0 +1,86 @@
+"""Stage `export`: the two towers as MindIR (dynamic batch) + tokenizer + preprocessing spec in
+models/export/, then a parity check of each MindIR graph against the checkpoint on real val samples.
+
+`python -m stages.export`; reads the `export` section. Fails (exit 1) when any max abs error
+exceeds `export.tolerance`; metrics/export.json holds the errors either way.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from pydantic import Field
+
+from stages.params import ParamsError, Section, load_section
+
+CHECKPOINT = Path("models/clip.ckpt")
+RUN_CONFIG = Path("models/clip.json")
+TOKENIZER = Path("models/tokenizer.json")
+SHARDS_DIR = Path("data/shards")
+BUNDLE_DIR = Path("models/export")
+METRICS = Path("metrics/export.json")
+
+
+class ExportParams(Section):
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 7, 32], min_length=1)
+    tolerance: float = Field(1e-5, gt=0)  # max abs error, fp32 (1e-3 is the usual fp16 bar)
+    split: str = "val"  # where the real parity samples come from
+
+
+def parity_inputs(params: ExportParams, preprocess, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """The first max(batch_sizes) images of the split and all their captions, model-ready."""
+    from clipms.data import iter_eval_batches
+
+    wanted = max(params.batch_sizes)
+    batch = next(iter_eval_batches(SHARDS_DIR, preprocess, wanted, split=params.split), None)
+    if batch is None:
+        raise ValueError(f"{SHARDS_DIR}: split {params.split!r} has no samples to check against")
+    captions = [caption for captions in batch.captions for caption in captions]
+    return batch.images, tokenizer.encode(captions[:wanted])
+
+
+def main() -> int:
+    started = time.perf_counter()
+    try:
+        params = load_section("export", ExportParams)
+        if min(params.batch_sizes) < 1:
+            raise ParamsError(f"export.batch_sizes = {params.batch_sizes}: sizes must be >= 1")
+    except ParamsError as err:
+        print(f"export: error: {err}", file=sys.stderr)
+        return 1
+    from clipms.export import ParityError, assert_parity, export_bundle, parity_report
+    from clipms.jsonio import write_json
+    from clipms.tokenizer import Tokenizer
+    from clipms.trained import RunConfig, TrainedModelError, load_clip
+
+    try:
+        run = RunConfig.read(RUN_CONFIG)
+        export_bundle(load_clip(CHECKPOINT, run.model), run.preprocess, TOKENIZER, BUNDLE_DIR)
+        images, tokens = parity_inputs(params, run.preprocess, Tokenizer.load(TOKENIZER))
+        reference = load_clip(CHECKPOINT, run.model)  # fresh from disk: the checkpoint is truth
+        report = parity_report(reference, BUNDLE_DIR, images, tokens, params.batch_sizes,
+                               params.tolerance)
+    except (TrainedModelError, ValueError) as err:
+        print(f"export: error: {err}", file=sys.stderr)
+        return 1
+    report.update(parity_images=int(images.shape[0]), parity_captions=int(tokens.shape[0]),
+                  **{f"{p.stem}_mb": round(p.stat().st_size / 2**20, 3)
+                     for p in sorted(BUNDLE_DIR.glob("*.mindir"))})
+    write_json(METRICS, report)
+    try:
+        assert_parity(report)
+    except ParityError as err:
+        print(f"export: FAILED: {err}", file=sys.stderr)
+        return 1
+    print(f"export: {BUNDLE_DIR} written and checked in {time.perf_counter() - started:.1f} s: "
+          f"max abs error image {report['image_max_abs_error']:.2e}, text "
+          f"{report['text_max_abs_error']:.2e} (tolerance {params.tolerance:g}, batch sizes "
+          f"{params.batch_sizes})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
