@@ -33,6 +33,7 @@ TINY_PARAMS: dict[str, Any] = {
     "train.epochs": 1,
     "train.warmup_steps": 1,
     "evaluate.batch_size": 16,
+    "export.batch_sizes": [1, 3, 8],
 }
 
 
