@@ -1,0 +1,189 @@
+"""Benchmarks of the data stages (commands, not tests). Figures go to benchmarks/RESULTS.md.
+
+    python benchmarks/bench_data.py dedupe   [--images 120000 --captions 5]
+    python benchmarks/bench_data.py shard    [--samples 4000 --image-size 256]
+    python benchmarks/bench_data.py download [--images 2500 --shards 5 --processes 2 --threads 16]
+
+Each prints one line of JSON with the measured figures (and the 1-minute load average, since the
+machine is shared). Inputs are generated in a temporary folder that is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WORDS = (
+    "a", "an", "the", "man", "woman", "dog", "cat", "bus", "train", "plate", "pizza", "table",
+    "street", "kite", "sky", "red", "blue", "green", "small", "large", "two", "three",
+    "sitting", "standing", "next", "to", "on", "of", "with", "near", "holding", "riding",
+    "parked", "white", "black", "wooden", "old", "young", "people", "group", "field", "water",
+    "tree", "building", "road", "car"
+)
+
+
+def mscoco_like(images: int, captions: int, seed: int = 0) -> pd.DataFrame:
+    """~MSCOCO-shaped metadata: `captions` per image, with exact and near duplicates."""
+    rng = np.random.default_rng(seed)
+    n = images * captions
+    lengths = rng.integers(8, 15, size=n)
+    words = np.array(WORDS)[rng.integers(0, len(WORDS), size=int(lengths.sum()))]
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
+    text = [" ".join(words[bounds[i]:bounds[i + 1]]) for i in range(n)]
+    text = [t.capitalize() + "." for t in text]
+    ids = rng.choice(600_000, size=images, replace=False)
+    urls = np.repeat([f"http://images.cocodataset.org/train2017/{i:012d}.jpg" for i in ids],
+                     captions)
+    frame = pd.DataFrame({"URL": urls, "TEXT": text})
+    first = frame.index[::captions]
+    exact = rng.choice(first, size=images // 20, replace=False)        # 5% exact duplicate rows
+    near = rng.choice(first, size=images // 10, replace=False)         # 10% near duplicates
+    extra = pd.concat([
+        frame.loc[exact],
+        frame.loc[near].assign(TEXT=lambda f: f.TEXT.str.upper().str.rstrip(".") + " !"),
+    ])
+    return pd.concat([frame, extra], ignore_index=True).sample(frac=1.0, random_state=seed)
+
+
+def bench_dedupe(args: argparse.Namespace) -> dict:
+    from clipms.prep.captions import dedupe, read_metadata, write_images
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "metadata.parquet"
+        mscoco_like(args.images, args.captions).to_parquet(path, index=False)
+        started, cpu = time.perf_counter(), time.process_time()
+        result = dedupe(read_metadata(path), {"http", "https"}, log=lambda _m: None)
+        write_images(result.images, Path(tmp) / "images.parquet")
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return {"bench": "dedupe", "rows_in": result.stats["rows_in"],
+            "images_out": result.stats["images_out"], "seconds": round(seconds, 2),
+            "cpu_seconds": round(cpu, 2),
+            "removed": result.stats["removed"]}
+
+
+def _jpeg(rng: np.random.Generator, size: int) -> bytes:
+    """A photo-like JPEG (smooth gradients + noise), ~10-20 KB at 256 px."""
+    from PIL import Image
+
+    yy, xx = np.mgrid[0:size, 0:size] / size
+    base = np.stack([xx * rng.uniform(50, 255), yy * rng.uniform(50, 255),
+                     (xx + yy) * rng.uniform(20, 120)], axis=-1)
+    noisy = base + rng.normal(0, 12, size=base.shape)
+    out = io.BytesIO()
+    Image.fromarray(noisy.clip(0, 255).astype(np.uint8)).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def write_download_like(folder: Path, samples: int, per_tar: int, size: int) -> None:
+    """Tars shaped like img2dataset's output (jpg/txt/json with captions, split, image_key)."""
+    import webdataset as wds
+
+    rng = np.random.default_rng(0)
+    pool = [_jpeg(rng, size) for _ in range(64)]  # distinct images are not what is measured
+    for shard in range(-(-samples // per_tar)):
+        with wds.TarWriter(str(folder / f"{shard:05d}.tar")) as sink:
+            for i in range(shard * per_tar, min(samples, (shard + 1) * per_tar)):
+                meta = {"captions": [f"caption {i}", f"another caption {i}"],
+                        "split": "val" if i % 10 == 0 else "train", "image_key": f"{i:016x}",
+                        "url": f"http://x/{i}.jpg", "labels": None}
+                sink.write({"__key__": f"{i:09d}", "jpg": pool[i % len(pool)],
+                            "txt": meta["captions"][0], "json": json.dumps(meta)})
+
+
+def bench_shard(args: argparse.Namespace) -> dict:
+    from clipms.prep.shards import ShardSettings, build_shards
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp) / "download", Path(tmp) / "shards"
+        src.mkdir()
+        write_download_like(src, args.samples, args.per_tar, args.image_size)
+        settings = ShardSettings(samples_per_shard=512, min_image_size=32, seed=0,
+                                 workers=args.workers)
+        started = time.perf_counter()
+        metrics = build_shards(src, dst, settings, print_fn=lambda _m: None)
+        seconds = time.perf_counter() - started
+    return {"bench": "shard", "samples": metrics["samples_out"], "workers": args.workers,
+            "seconds": round(seconds, 2), "samples_per_s": round(metrics["samples_out"] / seconds)}
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, *_args) -> None:
+        pass
+
+
+def bench_download(args: argparse.Namespace) -> dict:
+    from clipms.prep.download import DownloadSettings, download_images
+
+    with tempfile.TemporaryDirectory() as tmp:
+        www = Path(tmp) / "www"
+        www.mkdir()
+        rng = np.random.default_rng(0)
+        for i in range(64):
+            (www / f"{i}.jpg").write_bytes(_jpeg(rng, args.source_size))
+        server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_Quiet, directory=str(www)))
+        server.daemon_threads = True
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            port = server.server_address[1]
+            urls = [f"http://127.0.0.1:{port}/{i % 64}.jpg?n={i}" for i in range(args.images)]
+            images = pd.DataFrame({"url": urls, "key": [f"{i:016x}" for i in range(len(urls))],
+                                   "caption": "a caption", "captions": [["a caption"]] * len(urls),
+                                   "split": "train", "labels": None})
+            images_file = Path(tmp) / "images.parquet"
+            images.to_parquet(images_file, index=False)
+            settings = DownloadSettings(image_size=256, processes=args.processes,
+                                        threads=args.threads, timeout=10, retries=0,
+                                        samples_per_shard=-(-args.images // args.shards))
+            metrics = download_images(images_file, Path(tmp) / "out", settings,
+                                      frozenset({"http"}), print_fn=lambda _m: None)
+        finally:
+            server.shutdown()
+            server.server_close()
+    return {"bench": "download", "images": args.images, "successes": metrics["successes"],
+            "shards": args.shards, "processes": args.processes, "threads": args.threads,
+            "seconds": metrics["seconds"],
+            "images_per_s": round(metrics["successes"] / metrics["seconds"])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="bench", required=True)
+    p = sub.add_parser("dedupe", help="dedupe on generated MSCOCO-sized metadata")
+    p.add_argument("--images", type=int, default=120_000)
+    p.add_argument("--captions", type=int, default=5)
+    p = sub.add_parser("shard", help="shard validation + writing, samples/s")
+    p.add_argument("--samples", type=int, default=4000)
+    p.add_argument("--per-tar", type=int, default=1000)
+    p.add_argument("--image-size", type=int, default=256)
+    p.add_argument("--workers", type=int, default=2)
+    p = sub.add_parser("download", help="img2dataset against a loopback HTTP server, images/s")
+    p.add_argument("--images", type=int, default=2500)
+    p.add_argument("--shards", type=int, default=5)
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--threads", type=int, default=16)
+    p.add_argument("--source-size", type=int, default=320)
+    args = parser.parse_args(argv)
+    result = {"dedupe": bench_dedupe, "shard": bench_shard, "download": bench_download}[
+        args.bench](args)
+    result["load_avg_1m"] = round(os.getloadavg()[0], 2)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

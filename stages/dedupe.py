@@ -1,0 +1,49 @@
+"""Stage `dedupe`: data/metadata.parquet (a row per caption) -> data/images.parquet (per image).
+
+`python -m stages.dedupe`; reads the `dedupe` section, plus `download.allowed_schemes` and
+`metadata.source` so that rows the download stage would refuse are dropped (and counted) here.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from clipms.jsonio import write_json
+from clipms.prep.captions import MetadataError, dedupe, read_metadata, summary, write_images
+from stages.download import fetch_schemes
+from stages.params import ParamsError, Section, load_section
+
+IN_PATH = Path("data/metadata.parquet")
+OUT_PATH = Path("data/images.parquet")
+METRICS_PATH = Path("metrics/dedupe.json")
+
+
+class DedupeParams(Section):
+    keep: Literal["all", "first"] = "all"
+    min_caption_chars: int = Field(5, ge=1, le=1000)
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    split_salt: str = "clipms"
+
+
+def main() -> int:
+    started = time.perf_counter()
+    try:
+        params = load_section("dedupe", DedupeParams)
+        _, schemes = fetch_schemes()
+        result = dedupe(read_metadata(IN_PATH), schemes, **params.model_dump())
+    except (ParamsError, MetadataError) as err:
+        print(f"dedupe: error: {err}", file=sys.stderr)
+        return 1
+    write_images(result.images, OUT_PATH)
+    write_json(METRICS_PATH, result.stats)
+    print(summary(result.stats, time.perf_counter() - started))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
