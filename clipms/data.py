@@ -287,6 +287,8 @@ class TrainSamples:
                  shuffle_window_shards: int = 0) -> None:
         if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} out of range for world size {world_size}")
+        if batch_size < 1 or epochs < 1:
+            raise DataError(f"batch_size and epochs must be >= 1, got {batch_size}, {epochs}")
         self.index, self.tokenizer, self.preprocess = index, tokenizer, preprocess
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
         self.augment, self.window = augment, shuffle_window_shards

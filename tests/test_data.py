@@ -171,6 +171,8 @@ def test_sample_ids_without_decoding(shards: Path, tok: Tokenizer) -> None:
     assert len(source) == 12 and len(source.sample_ids(0)) == 4
     with pytest.raises(DataError, match="rank 2 out of range"):
         TrainSamples(index_shards(shards, "train"), tok, PRE, 4, epochs=1, world_size=2, rank=2)
+    with pytest.raises(DataError, match="epochs must be >= 1, got 4, 0"):
+        TrainSamples(index_shards(shards, "train"), tok, PRE, 4, epochs=0)
     with pytest.raises(DataError, match="cannot fill one global batch"):
         TrainSamples(index_shards(shards, "train"), tok, PRE, 26, epochs=1)
 
