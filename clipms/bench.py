@@ -1,0 +1,246 @@
+"""`clipms-bench <subcommand>`: throughput benchmarks; each run prints one JSON line.
+
+Subcommands live in one registry, `SUBCOMMANDS`. To add one, write `add_<name>_arguments(parser)`
+and `run_<name>(args) -> dict`, then `register(Subcommand("<name>", "<help>", add, run))`.
+Shared pieces: `add_common_arguments` (--mode/--warmup/--steps/--threads), `setup_mindspore`
+(mode + threads) and `time_steps` (warm-up, then per-step wall times in ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], dict[str, Any]]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def register(command: Subcommand) -> Subcommand:
+    SUBCOMMANDS[command.name] = command
+    return command
+
+
+# ---- shared helpers -------------------------------------------------------------------------
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", choices=("graph", "pynative"), default="graph",
+                        help="MindSpore execution mode (graph is faster on CPU)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (graph compile)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps; the median is kept")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="MindSpore runtime threads (default: all cores)")
+
+
+def setup_mindspore(args: argparse.Namespace) -> None:
+    import mindspore as ms  # after clipms/__init__.py has set MindSpore's environment
+
+    mode = ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE
+    ms.set_context(mode=mode, device_target="CPU", runtime_num_threads=args.threads)
+    ms.set_seed(0)
+
+
+def time_steps(step: Callable[[], Any], warmup: int, steps: int) -> list[float]:
+    """Run `step` warmup times untimed, then `steps` times; wall time of each in ms.
+    `step` must block until its result exists (e.g. end with .asnumpy())."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1000)
+    return times
+
+
+def random_tokens(n: int, context_length: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+    """Caption-like tokens: SOT, 5-20 words, EOT (the highest id), zero padding."""
+    rng = np.random.default_rng(seed)
+    tokens = np.zeros((n, context_length), np.int32)
+    for row in range(n):
+        words = int(rng.integers(5, min(20, context_length - 2) + 1))
+        tokens[row, 0] = vocab_size - 2
+        tokens[row, 1 : words + 1] = rng.integers(1, vocab_size - 2, words)
+        tokens[row, words + 1] = vocab_size - 1
+    return tokens
+
+
+def random_images(n: int, image_size: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, 3, image_size, image_size)).astype(
+        np.float32)
+
+
+def _base_result(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    return {"mode": args.mode, "threads": args.threads, "batch_size": args.batch_size,
+            "warmup": args.warmup, "steps": args.steps, **extra}
+
+
+# ---- encode --preset / forward: the model on random inputs ----------------------------------
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="tiny", help="model preset (tiny, small, ViT-B-32...)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    add_common_arguments(parser)
+
+
+def _build_model(args: argparse.Namespace):
+    setup_mindspore(args)
+    import mindspore as ms
+
+    from clipms.config import get_preset
+    from clipms.model import CLIP
+
+    cfg = get_preset(args.preset)
+    net = CLIP(cfg)
+    net.set_train(False)
+    images = ms.Tensor(random_images(args.batch_size, cfg.vision.image_size))
+    tokens = ms.Tensor(random_tokens(args.batch_size, cfg.text.context_length,
+                                     cfg.text.vocab_size))
+    return net, images, tokens
+
+
+def run_encode(args: argparse.Namespace) -> dict[str, Any]:
+    """encode_image and encode_text (no gradient), each on a batch; one line with both rates."""
+    net, images, tokens = _build_model(args)
+    image_ms = statistics.median(
+        time_steps(lambda: net.encode_image(images).asnumpy(), args.warmup, args.steps))
+    text_ms = statistics.median(
+        time_steps(lambda: net.encode_text(tokens).asnumpy(), args.warmup, args.steps))
+    n = args.batch_size
+    return _base_result(
+        args, bench="encode", preset=args.preset,
+        images_per_s=round(n / image_ms * 1000, 2), texts_per_s=round(n / text_ms * 1000, 2),
+        median_step_ms=round(image_ms + text_ms, 2), median_image_step_ms=round(image_ms, 2),
+        median_text_step_ms=round(text_ms, 2),
+    )
+
+
+def run_forward(args: argparse.Namespace) -> dict[str, Any]:
+    """CLIP construct (both towers, normalised features, exp'd scale), no gradient."""
+    net, images, tokens = _build_model(args)
+    step_ms = statistics.median(
+        time_steps(lambda: net(images, tokens)[0].asnumpy(), args.warmup, args.steps))
+    return _base_result(
+        args, bench="forward", preset=args.preset,
+        samples_per_s=round(args.batch_size / step_ms * 1000, 2),
+        median_step_ms=round(step_ms, 2),
+    )
+
+
+register(Subcommand("encode", "encode_image + encode_text throughput", _add_model_arguments,
+                    run_encode))
+register(Subcommand("forward", "CLIP forward (both towers) throughput", _add_model_arguments,
+                    run_forward))
+
+
+# ---- encode --bundle: the exported MindIR graphs; retrieval: metrics time ---------------------
+
+
+def _add_encode_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_model_arguments(parser)
+    parser.add_argument("--bundle", default=None,
+                        help="an export bundle (models/export): time its MindIR graphs "
+                             "(ms.load + GraphCell) instead of the --preset model")
+
+
+def run_bundle_encode(args: argparse.Namespace) -> dict[str, Any]:
+    """The two MindIR graphs of a bundle on random inputs of the bundle's shapes."""
+    setup_mindspore(args)
+    import mindspore as ms
+
+    from clipms.infer import read_bundle
+
+    bundle = read_bundle(args.bundle)
+    image_graph = ms.nn.GraphCell(ms.load(f"{args.bundle}/{bundle['image_encoder']['file']}"))
+    text_graph = ms.nn.GraphCell(ms.load(f"{args.bundle}/{bundle['text_encoder']['file']}"))
+    size = bundle["image_encoder"]["input"]["shape"][2]
+    ctx = bundle["text_encoder"]["input"]["shape"][1]
+    images = ms.Tensor(random_images(args.batch_size, size))
+    tokens = ms.Tensor(random_tokens(args.batch_size, ctx, bundle["model"]["text"]["vocab_size"]))
+    image_ms = statistics.median(
+        time_steps(lambda: image_graph(images).asnumpy(), args.warmup, args.steps))
+    text_ms = statistics.median(
+        time_steps(lambda: text_graph(tokens).asnumpy(), args.warmup, args.steps))
+    n = args.batch_size
+    return _base_result(
+        args, bench="encode", source="mindir", bundle=str(args.bundle),
+        images_per_s=round(n / image_ms * 1000, 2), texts_per_s=round(n / text_ms * 1000, 2),
+        median_image_step_ms=round(image_ms, 2), median_text_step_ms=round(text_ms, 2),
+    )
+
+
+def run_encode_or_bundle(args: argparse.Namespace) -> dict[str, Any]:
+    return run_bundle_encode(args) if args.bundle else run_encode(args)
+
+
+def _add_retrieval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--images", type=int, default=5000)
+    parser.add_argument("--captions-per-image", type=int, default=5)
+    parser.add_argument("--dim", type=int, default=256, help="embedding size (tiny: 256)")
+    parser.add_argument("--chunk", type=int, default=512, help="rows per similarity chunk")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs; the median is kept")
+
+
+def run_retrieval(args: argparse.Namespace) -> dict[str, Any]:
+    """clipms.metrics.retrieval_metrics on random embeddings (captions near their image)."""
+    from clipms.metrics import retrieval_metrics
+
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(args.images, args.dim)).astype(np.float32)
+    owners = np.repeat(np.arange(args.images), args.captions_per_image)
+    texts = images[owners] + 2.0 * rng.normal(size=(owners.size, args.dim)).astype(np.float32)
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        retrieval_metrics(images, texts, owners, chunk=args.chunk)
+        times.append(time.perf_counter() - start)
+    return {"bench": "retrieval", "images": args.images, "captions": int(owners.size),
+            "dim": args.dim, "chunk": args.chunk, "median_s": round(statistics.median(times), 3),
+            "times_s": [round(t, 3) for t in times]}
+
+
+register(Subcommand("encode", "encode_image + encode_text throughput (--bundle: the MindIR)",
+                    _add_encode_arguments, run_encode_or_bundle))
+register(Subcommand("retrieval", "time of retrieval metrics (N images x 5N captions)",
+                    _add_retrieval_arguments, run_retrieval))
+
+
+# ---- entry point ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="clipms-bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in SUBCOMMANDS.values():
+        command.add_arguments(sub.add_parser(command.name, help=command.help))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = SUBCOMMANDS[args.command].run(args)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
