@@ -1,0 +1,230 @@
+"""`clip-pipeline`: the DVC pipeline as a Prefect flow, one task per stage, in dependency order.
+
+The flow orchestrates and does no ML: each task is `dvc repro --single-item <stage>`, so DVC decides
+whether a stage is stale and the UI shows every stage with its own state, duration and logs. Stages
+run one at a time (DVC is not safe to run in parallel) and whole runs never overlap on one workspace
+(a global concurrency limit keyed by the workspace path).
+
+Parameters (all optional):
+  stages     only these stages (pipeline order kept), default all
+  force      rerun the selected stages even if DVC says they are up to date
+  refresh    stages forced every run (the nightly deployment refreshes `metadata`; when its output
+             hash is unchanged DVC skips everything downstream)
+  overrides  {"train.epochs": 3}: params applied with DVC's `-S` code path, saved as a DVC
+             experiment named after the flow run, params.yaml restored afterwards
+  dry_run    show what DVC would run (`dvc status`, `dvc repro --dry`), change nothing
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+from prefect.tasks import exponential_backoff
+
+from flows import dvc_cli, summary
+from flows.notify import notify_failure
+
+ARTIFACT_KEY = "clip-pipeline-summary"
+# Network-bound stages get retries with exponential backoff (10 s, 20 s, 40 s, +-50% jitter).
+# Every other stage fails fast: training resumes from its own checkpoint on the next run instead.
+NETWORK_RETRIES = {"metadata": 3, "download": 3}
+RETRY_BACKOFF_SECONDS = float(os.environ.get("CLIPMS_RETRY_BACKOFF_SECONDS", "10"))
+LOCK_LIMIT_PREFIX = "clip-pipeline-workspace"
+LOCK_TIMEOUT_SECONDS = float(os.environ.get("CLIPMS_LOCK_TIMEOUT_SECONDS", str(6 * 3600)))
+
+
+def _logger() -> Any:
+    """The Prefect run logger inside a run; a plain logger when `.fn` is called directly."""
+    try:
+        return get_run_logger()
+    except Exception:  # MissingContextError outside a run (e.g. unit tests of `.fn`)
+        import logging
+
+        return logging.getLogger("clipms.flows")
+
+
+def _retry_unless_config_error(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry transient failures only: a params validation error fails at once."""
+    error = state.result(raise_on_failure=False)
+    return not (isinstance(error, dvc_cli.DvcError) and error.is_config_error)
+
+
+@task(name="plan", cache_policy=NO_CACHE)
+def plan_stages(workdir: Path, stages: list[str] | None) -> list[str]:
+    """The stages to run, in the order DVC would run them (read from dvc.yaml, never hard-coded)."""
+    order = dvc_cli.select(dvc_cli.stage_order(workdir), stages)
+    _logger().info("pipeline order: %s", " -> ".join(order))
+    return order
+
+
+@task(name="dvc-status", cache_policy=NO_CACHE)
+def stale_stages(workdir: Path) -> list[str]:
+    """Stages `dvc status` reports as changed before anything runs."""
+    changed = dvc_cli.changed_stages(workdir)
+    _logger().info("dvc status: %s", ", ".join(changed) if changed else "everything up to date")
+    return list(changed)
+
+
+@task(name="stage", task_run_name="{stage}", cache_policy=NO_CACHE)
+def run_stage(workdir: Path, stage: str, force: bool = False,
+              known_up_to_date: bool = False) -> dict[str, Any]:
+    """One DVC stage: `dvc repro --single-item [--force] <stage>`, its output streamed to the log.
+
+    `known_up_to_date` is set when `dvc status` found the stage clean and nothing upstream changed
+    in this run: then there is nothing to ask DVC, and the task records the skip at no cost.
+    """
+    logger = _logger()
+    if known_up_to_date and not force:
+        logger.info("stage '%s' is up to date (dvc status), skipping", stage)
+        return {"stage": stage, "outcome": "up to date", "seconds": 0.0, "changed": False}
+    result = dvc_cli.repro_stage(workdir, stage, force=force, on_line=logger.info)
+    outcome = "up to date"
+    if result.restored:
+        outcome = "restored from the run cache"
+    elif result.ran:
+        outcome = "ran" if result.changed else "ran, outputs unchanged"
+    logger.info("stage '%s': %s in %.1f s", stage, outcome, result.seconds)
+    return {"stage": stage, "outcome": outcome, "seconds": result.seconds,
+            "changed": result.changed}
+
+
+def stage_task(stage: str) -> Any:
+    """`run_stage` with the retry policy of this stage."""
+    retries = NETWORK_RETRIES.get(stage, 0)
+    if not retries:
+        return run_stage
+    return run_stage.with_options(
+        retries=retries, retry_delay_seconds=exponential_backoff(RETRY_BACKOFF_SECONDS),
+        retry_jitter_factor=0.5, retry_condition_fn=_retry_unless_config_error)
+
+
+@task(name="apply-overrides", cache_policy=NO_CACHE)
+def apply_overrides(workdir: Path, overrides: dict[str, Any]) -> str:
+    """Apply param overrides as `dvc exp run -S` would; return the original params.yaml text."""
+    original = dvc_cli.apply_overrides(workdir, overrides)
+    _logger().info("params overridden for this run: %s", " ".join(dvc_cli.override_args(overrides)))
+    return original
+
+
+@task(name="save-experiment", cache_policy=NO_CACHE)
+def save_experiment(workdir: Path, name: str) -> str | None:
+    """Record the run as DVC experiment `name`; a failure here is reported, not fatal."""
+    try:
+        dvc_cli.save_experiment(workdir, name)
+    except dvc_cli.DvcError as err:
+        _logger().warning("could not save DVC experiment '%s': %s", name, err)
+        return None
+    _logger().info("saved as DVC experiment '%s' (dvc exp show; dvc exp apply %s)", name, name)
+    return name
+
+
+@task(name="dry-run", cache_policy=NO_CACHE)
+def preview(workdir: Path, stages: list[str], force: bool) -> summary.RunReport:
+    """What DVC would run, without running it."""
+    status, text = dvc_cli.dry_run(workdir, stages, force)
+    rows = [{"stage": s, "outcome": "would run" if force or s in status else "up to date"}
+            for s in stages]
+    stale = [r["stage"] for r in rows if r["outcome"] == "would run"]
+    headline = "dry run: " + (f"would run {', '.join(stale)}" if stale else summary.UP_TO_DATE)
+    notes = ["Stages downstream of a stage that runs also run if its outputs change."]
+    return summary.RunReport(headline=headline, stages=rows, notes=notes, details=text)
+
+
+@task(name="publish-summary", cache_policy=NO_CACHE)
+def publish_summary(workdir: Path, report: summary.RunReport, run_name: str) -> str:
+    """The markdown artifact (stable key, so the UI shows its history across runs)."""
+    markdown = summary.render(report, workdir, run_name)
+    create_markdown_artifact(key=ARTIFACT_KEY, markdown=markdown,
+                             description=f"clip-pipeline: {report.headline}")
+    return markdown
+
+
+def lock_name(workdir: Path) -> str:
+    """The concurrency limit for this workspace: one slot, so runs on it never overlap."""
+    digest = hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:10]
+    return f"{LOCK_LIMIT_PREFIX}-{digest}"
+
+
+@contextmanager
+def workspace_lock(workdir: Path) -> Iterator[None]:
+    """Hold the workspace's 1-slot global concurrency limit (created on first use)."""
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    name = lock_name(workdir)
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(name=name, limit=1)
+    _logger().info("waiting for the workspace lock '%s' (%s)", name, workdir)
+    with concurrency(name, occupy=1, strict=True, timeout_seconds=LOCK_TIMEOUT_SECONDS):
+        _logger().info("workspace lock acquired")
+        yield
+
+
+def _run_stages(workdir: Path, order: list[str], force: bool, refresh: set[str],
+                outcomes: list[dict[str, Any]]) -> None:
+    """Run the stages one after another into `outcomes`; the first failure raises, later stages
+    do not run."""
+    stale = set(stale_stages(workdir))
+    upstream_changed = False
+    for stage in order:
+        clean = stage not in stale and not upstream_changed
+        outcomes.append({"stage": stage, "outcome": "FAILED", "seconds": 0.0, "changed": False})
+        outcome = stage_task(stage)(workdir, stage, force=force or stage in refresh,
+                                    known_up_to_date=clean)
+        upstream_changed = upstream_changed or outcome["changed"]
+        outcomes[-1] = outcome
+
+
+@flow(name="clip-pipeline", on_failure=[notify_failure], on_crashed=[notify_failure])
+def clip_pipeline(stages: list[str] | None = None, force: bool = False,
+                  refresh: list[str] | None = None, overrides: dict[str, Any] | None = None,
+                  dry_run: bool = False) -> dict[str, Any]:
+    """Run the DVC pipeline in the current directory (the deployment's working directory)."""
+    from prefect.runtime import flow_run
+
+    workdir = Path.cwd()
+    run_name = flow_run.get_name() or "local"
+    order = plan_stages(workdir, stages)
+    with workspace_lock(workdir):
+        if dry_run:
+            report = preview(workdir, order, force)
+        else:
+            report = _run_with_overrides(workdir, order, force, set(refresh or []),
+                                         overrides or {}, run_name)
+        publish_summary(workdir, report, run_name)
+    return {"headline": report.headline, "stages": report.stages}
+
+
+def _run_with_overrides(workdir: Path, order: list[str], force: bool, refresh: set[str],
+                        overrides: dict[str, Any], run_name: str) -> summary.RunReport:
+    """Run the stages; with overrides, as a DVC experiment whose params are restored afterwards."""
+    original = apply_overrides(workdir, overrides) if overrides else None
+    notes = [f"workspace `{workdir}`"]
+    outcomes: list[dict[str, Any]] = []
+    try:
+        _run_stages(workdir, order, force, refresh, outcomes)
+        if overrides:
+            notes.append(f"overrides `{' '.join(dvc_cli.override_args(overrides))}`")
+            name = save_experiment(workdir, f"clip-{run_name}")
+            notes.append(f"DVC experiment `{name}` (reproduce: `dvc exp apply {name}`)" if name
+                         else "DVC experiment not saved (see the logs)")
+    except Exception as err:
+        failed = [o["stage"] for o in outcomes if o["outcome"] == "FAILED"]
+        where = f"at stage '{failed[0]}'" if failed else "before the first stage"
+        report = summary.RunReport(headline=f"failed {where}", stages=outcomes, notes=notes,
+                                   details=str(err))
+        publish_summary(workdir, report, run_name)
+        raise
+    finally:
+        if original is not None:
+            (workdir / "params.yaml").write_text(original)
+    return summary.RunReport(headline=summary.headline_for(outcomes), stages=outcomes, notes=notes)

@@ -1,0 +1,95 @@
+"""The markdown summary a pipeline run publishes: stage outcomes, metrics, gate decision, MLflow.
+
+It only reads files the stages wrote (metrics/eval.json, metrics/register.json,
+models/mlflow_run.json); each may be missing (stage not in the pipeline yet, or not run) or
+malformed, and the summary says so instead of failing the run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+EVAL_METRICS = Path("metrics/eval.json")
+REGISTER_DECISION = Path("metrics/register.json")
+MLFLOW_RUN = Path("models/mlflow_run.json")
+UP_TO_DATE = "up to date"
+
+
+@dataclass
+class RunReport:
+    """What one flow run did, in the words of the summary."""
+
+    headline: str
+    stages: list[dict[str, Any]] = field(default_factory=list)  # stage, outcome, seconds
+    notes: list[str] = field(default_factory=list)
+    details: str = ""                                          # e.g. dry-run output
+
+
+def headline_for(stages: list[dict[str, Any]]) -> str:
+    """"up to date" when no stage changed its results (dvc.lock entry), else the stages that did."""
+    changed = [s["stage"] for s in stages if s.get("changed")]
+    return UP_TO_DATE if not changed else "updated " + ", ".join(changed)
+
+
+def read_json(workdir: Path, rel: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(data, None) or (None, why it is unavailable)."""
+    path = workdir / rel
+    if not path.is_file():
+        return None, f"`{rel}` not produced"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        return None, f"`{rel}` unreadable: {err}"
+    if not isinstance(data, dict):
+        return None, f"`{rel}` is not a JSON object"
+    return data, None
+
+
+def render(report: RunReport, workdir: Path, run_name: str = "") -> str:
+    """The whole markdown document."""
+    parts = [f"# clip-pipeline{f' `{run_name}`' if run_name else ''}: {report.headline}", ""]
+    parts += [f"- {note}" for note in report.notes]
+    parts += ["", "## Stages", "", "| stage | outcome | seconds |", "|---|---|---:|"]
+    parts += [f"| {s['stage']} | {s['outcome']} | {s.get('seconds', 0):.1f} |"
+              for s in report.stages]
+    if report.details:
+        parts += ["", "```", report.details.strip(), "```"]
+    parts += _section("Evaluation metrics", workdir, EVAL_METRICS, _metric_rows)
+    parts += _section("Registry decision", workdir, REGISTER_DECISION, _flat_rows)
+    parts += _section("MLflow run", workdir, MLFLOW_RUN, _flat_rows)
+    return "\n".join(parts) + "\n"
+
+
+def _section(title: str, workdir: Path, rel: Path, rows: Any) -> list[str]:
+    data, problem = read_json(workdir, rel)
+    lines = ["", f"## {title}", ""]
+    if data is None:
+        return [*lines, f"_{problem}_"]
+    return [*lines, f"From `{rel}`:", "", "| key | value |", "|---|---|", *rows(data)]
+
+
+def _metric_rows(data: dict[str, Any]) -> list[str]:
+    return [f"| {k} | {_fmt(v)} |" for k, v in data.items() if not isinstance(v, dict | list)]
+
+
+def _flat_rows(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """Nested keys flattened (champion.value); URLs become links."""
+    rows: list[str] = []
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            rows += _flat_rows(value, prefix=f"{name}.")
+        else:
+            rows.append(f"| {name} | {_fmt(value)} |")
+    return rows
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    if isinstance(value, str) and value.startswith(("http://", "https://")):
+        return f"[{value}]({value})"
+    return str(value).replace("|", "\\|")

@@ -1,0 +1,178 @@
+"""Unit tests of the pipeline flow's tasks (through `.fn()`) on a toy DVC project in a git repo.
+
+The toy pipeline has the shape that matters to the flow: stages declared out of dependency order,
+an independent stage, a stage that fails with a message, a params section per stage.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows import dvc_cli, summary
+from flows.notify import failure_notice, post
+from flows.pipeline import (
+    NETWORK_RETRIES,
+    apply_overrides,
+    lock_name,
+    plan_stages,
+    preview,
+    run_stage,
+    save_experiment,
+    stage_task,
+)
+from tests.prefect_server import WebhookReceiver
+from tests.workspace import run
+
+PY = sys.executable
+TOY_PARAMS = {"first": {"x": 1}, "second": {"y": 2}, "lone": {"z": 3}}
+# Declared out of order on purpose: the flow must follow dependencies, not the file.
+TOY_STAGES = {
+    "third": {"cmd": "cat b.txt > c.txt", "deps": ["b.txt"], "outs": ["c.txt"]},
+    "second": {"cmd": f"{PY} -c \"open('b.txt','w').write(open('a.txt').read() + "
+                      "'${second.y}')\"",
+               "deps": ["a.txt"], "params": ["second"], "outs": ["b.txt"]},
+    "first": {"cmd": "echo ${first.x} > a.txt", "params": ["first"], "outs": ["a.txt"]},
+    "lone": {"cmd": f"{PY} -c \"import sys; z = ${{lone.z}}; "
+                    "sys.exit(f'lone: invalid z = {z}: must be positive') if z < 0 else "
+                    "open('lone.txt', 'w').write(str(z))\"",
+             "params": ["lone"], "outs": ["lone.txt"]},
+}
+
+
+@pytest.fixture()
+def toy(tmp_path: Path) -> Path:
+    """A committed git + DVC project with the toy pipeline (nothing reproduced yet)."""
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(TOY_PARAMS, sort_keys=False))
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": TOY_STAGES}, sort_keys=False))
+    run(["git", "init", "-q", "-b", "main"], tmp_path)
+    run([PY, "-m", "dvc", "init", "-q"], tmp_path)
+    _commit(tmp_path, "toy")
+    return tmp_path
+
+
+def _commit(repo: Path, message: str) -> None:
+    run(["git", "add", "-A"], repo)
+    run(["git", "-c", "user.email=t@clipms", "-c", "user.name=t", "commit", "-qm", message], repo)
+
+
+def test_plan_follows_dependencies_and_keeps_declared_order_for_ties(toy: Path) -> None:
+    # ready first: `first` and `lone`; `first` is declared before `lone`, and so on
+    assert plan_stages.fn(toy, None) == ["first", "second", "third", "lone"]
+    assert plan_stages.fn(toy, ["third", "first"]) == ["first", "third"]
+
+
+def test_plan_rejects_unknown_stage_naming_the_pipeline(toy: Path) -> None:
+    with pytest.raises(ValueError, match=r"unknown stage\(s\) \['trian'\].*'first'"):
+        plan_stages.fn(toy, ["trian"])
+
+
+def test_topological_order_is_deterministic() -> None:
+    rank = {"c": 0, "b": 1, "a": 2, "d": 3}
+    order = dvc_cli.topological(["a", "b", "c", "d"], [("a", "b"), ("b", "c")], key=rank.get)
+    assert order == ["a", "b", "c", "d"]  # c waits for b waits for a; d comes after ready ones
+    with pytest.raises(ValueError, match="cycle"):
+        dvc_cli.topological(["a", "b"], [("a", "b"), ("b", "a")], key=rank.get)
+
+
+def test_run_stage_runs_then_skips_then_forces(toy: Path) -> None:
+    first = run_stage.fn(toy, "first")
+    assert (first["outcome"], first["changed"]) == ("ran", True)
+    assert (toy / "a.txt").read_text().strip() == "1"
+    again = run_stage.fn(toy, "first")
+    assert (again["outcome"], again["changed"]) == ("up to date", False)
+    forced = run_stage.fn(toy, "first", force=True)
+    assert (forced["outcome"], forced["changed"]) == ("ran, outputs unchanged", False)
+    # known clean (from `dvc status`): no dvc call at all
+    assert run_stage.fn(toy, "second", known_up_to_date=True)["outcome"] == "up to date"
+    assert not (toy / "b.txt").exists()
+
+
+def test_failing_stage_raises_with_the_stage_own_message(toy: Path) -> None:
+    (toy / "params.yaml").write_text(yaml.safe_dump({**TOY_PARAMS, "lone": {"z": -4}}))
+    with pytest.raises(dvc_cli.DvcError, match="lone: invalid z = -4: must be positive") as err:
+        run_stage.fn(toy, "lone")
+    assert not err.value.is_config_error
+    assert dvc_cli.DvcError("x", "stages.params.ParamsError: bad").is_config_error
+
+
+def test_retry_policy_network_stages_only() -> None:
+    assert NETWORK_RETRIES == {"metadata": 3, "download": 3}
+    assert stage_task("metadata").retries == 3 and stage_task("download").retries == 3
+    assert stage_task("train").retries == 0  # training resumes from its checkpoint instead
+    assert stage_task("evaluate").retries == 0
+
+
+def test_overrides_use_dvc_set_param_syntax(toy: Path) -> None:
+    assert dvc_cli.override_args({"a.b": 3, "a.c": "x y", "a.d": True, "a.e": [1, 2],
+                                  "a.f": None, "a.g": "bpe"}) == [
+        "a.b=3", 'a.c="x y"', "a.d=true", "a.e=[1,2]", "a.f=null", "a.g=bpe"]
+    original = apply_overrides.fn(toy, {"second.y": 5})
+    assert yaml.safe_load(original) == TOY_PARAMS
+    assert yaml.safe_load((toy / "params.yaml").read_text())["second"] == {"y": 5}
+    with pytest.raises(ValueError, match="no section 'secnd'"):
+        apply_overrides.fn(toy, {"secnd.y": 1})
+    with pytest.raises(ValueError, match="second.nope"):
+        apply_overrides.fn(toy, {"second.nope": 1})  # DVC/Hydra refuse new keys without '+'
+    assert yaml.safe_load((toy / "params.yaml").read_text())["second"] == {"y": 5}
+
+
+def test_experiment_is_saved_and_listed(toy: Path) -> None:
+    for stage in ("first", "second", "third", "lone"):
+        run_stage.fn(toy, stage)
+    _commit(toy, "baseline results")
+    apply_overrides.fn(toy, {"first.x": 9})
+    run_stage.fn(toy, "first")
+    assert save_experiment.fn(toy, "clip-test-run") == "clip-test-run"
+    shown = run([PY, "-m", "dvc", "exp", "show", "--no-pager", "--json"], toy).stdout
+    assert "clip-test-run" in shown
+
+
+def test_dry_run_reports_stale_stages_without_running(toy: Path) -> None:
+    report = preview.fn(toy, ["first", "second", "third", "lone"], force=False)
+    assert {s["stage"]: s["outcome"] for s in report.stages}["first"] == "would run"
+    assert "Running stage 'first'" in report.details
+    assert not (toy / "a.txt").exists() and not (toy / "dvc.lock").exists()
+
+
+def test_summary_holds_metrics_decision_and_mlflow_run(tmp_path: Path) -> None:
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "models").mkdir()
+    (tmp_path / "metrics/eval.json").write_text(json.dumps({"i2t_R@5": 0.8125, "count": 16}))
+    (tmp_path / "metrics/register.json").write_text(json.dumps(
+        {"decision": "challenger", "champion": {"version": 1, "i2t_R@5": 0.9}}))
+    (tmp_path / "models/mlflow_run.json").write_text("{not json")
+    stages = [{"stage": "train", "outcome": "ran", "seconds": 3.0, "changed": True}]
+    text = summary.render(summary.RunReport(summary.headline_for(stages), stages), tmp_path, "r1")
+    assert text.startswith("# clip-pipeline `r1`: updated train")
+    assert "| i2t_R@5 | 0.8125 |" in text and "| champion.i2t_R@5 | 0.9000 |" in text
+    assert "| decision | challenger |" in text and "`models/mlflow_run.json` unreadable" in text
+    clean = [{"stage": "train", "outcome": "up to date", "seconds": 0.0, "changed": False}]
+    assert summary.headline_for(clean) == summary.UP_TO_DATE
+
+
+def test_failure_notice_is_posted_to_the_webhook() -> None:
+    receiver = WebhookReceiver()
+    try:
+        notice = failure_notice("clip-pipeline", "brave-owl", "1234", "stage 'train' failed")
+        assert post(receiver.url, notice) == 204
+    finally:
+        receiver.stop()
+    assert receiver.received[0]["flow_run"] == "brave-owl"
+    assert "stage 'train' failed" in receiver.received[0]["text"]
+
+
+def test_lock_name_is_per_workspace(tmp_path: Path) -> None:
+    assert lock_name(tmp_path / "a") != lock_name(tmp_path / "b")
+    assert lock_name(tmp_path / "a") == lock_name(tmp_path / "a" / ".." / "a")
+
+
+def test_flow_module_imports_nothing_heavy() -> None:
+    code = ("import sys, flows.pipeline; heavy = {'mindspore', 'mlflow', 'clipms', 'dvc'}"
+            " & set(m.split('.')[0] for m in sys.modules); assert not heavy, heavy")
+    subprocess.run([PY, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
