@@ -1,0 +1,291 @@
+"""dedupe -> download (real img2dataset) -> shard against a loopback HTTP server started here.
+
+The server serves good JPEGs plus the failure cases img2dataset meets on the web: 404s, a truncated
+JPEG, a text file named .jpg and a URL slower than the timeout. The metadata also holds a file://
+URL pointing at a real local JPEG, empty captions and duplicate rows. The stages run as the
+`python -m stages.<name>` subprocesses DVC would run, in a temporary folder with a params.yaml.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from PIL import Image
+
+from clipms.prep.download import read_parquet
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+SLOW_SECONDS = 2.5       # the slow URL answers after this; the download timeout is 1 s
+COLOURS = [(200, 30, 30), (30, 160, 60), (40, 60, 220), (230, 200, 40), (140, 50, 180),
+           (240, 130, 20), (20, 20, 20)]
+LOCAL_COLOUR = (255, 0, 255)  # the local file only: magenta never appears in a served image
+
+
+def jpeg(colour: tuple[int, int, int], size: tuple[int, int] = (96, 80)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, colour).save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+class Site:
+    """A loopback HTTP server: `/good/<i>.jpg`, `/missing.jpg` (404), `/truncated.jpg`,
+    `/text.jpg` (plain text) and `/slow.jpg` (answers after SLOW_SECONDS)."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        site = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                site.requests.append(self.path)
+                body = site.body(self.path)
+                if body is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "image/jpeg")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                # The client may have given up (the slow URL): that is the point.
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self.wfile.write(body)
+
+            def log_message(self, *_args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def body(self, path: str) -> bytes | None:
+        if path.startswith("/good/"):
+            return jpeg(COLOURS[int(path.split("/")[-1].split(".")[0])])
+        if path == "/truncated.jpg":
+            data = jpeg((10, 120, 120))
+            return data[: len(data) // 2]
+        if path == "/text.jpg":
+            return b"this is not an image, whatever its name says\n"
+        if path == "/slow.jpg":
+            time.sleep(SLOW_SECONDS)
+            return jpeg((120, 120, 120))
+        return None
+
+    def __enter__(self) -> Site:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def stage_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(PROJECT_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def run_stage(name: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=cwd, env=stage_env(),
+                          capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"stage {name} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-4000:]}")
+    return proc
+
+
+def write_params(folder: Path, **download: object) -> None:
+    params = {
+        "metadata": {"source": "local", "path": "unused.parquet"},
+        "dedupe": {"keep": "all", "min_caption_chars": 5, "val_fraction": 0.3},
+        "download": {"image_size": 64, "resize_mode": "center_crop", "encode_quality": 90,
+                     "processes": 1, "threads": 8, "timeout": 1, "retries": 0,
+                     "samples_per_shard": 4, "allowed_schemes": ["http", "https"], **download},
+        "shard": {"samples_per_shard": 2, "min_image_size": 32, "seed": 0, "workers": 1},
+    }
+    (folder / "params.yaml").write_text(yaml.safe_dump(params))
+
+
+def read_shards(folder: Path) -> dict[str, dict]:
+    """{key: {"json": ..., "txt": ..., "jpg": bytes, "split_dir": ...}} over data/shards/*/*.tar."""
+    samples: dict[str, dict] = {}
+    for tar_path in sorted(folder.glob("*/*.tar")):
+        with tarfile.open(tar_path) as tar:
+            for member in tar:
+                key, _, ext = member.name.partition(".")
+                data = tar.extractfile(member).read()
+                entry = samples.setdefault(key, {"split_dir": tar_path.parent.name})
+                entry[ext] = json.loads(data) if ext == "json" else data
+    return samples
+
+
+def metadata_rows(base: str, local_file: Path) -> tuple[list[dict], dict[str, list[str]]]:
+    """The metadata rows, and the captions each good image must arrive with."""
+    good = {f"{base}/good/{i}.jpg": i for i in range(6)}
+    url = list(good)
+    rows = [
+        (url[0], "A red square."), (url[0], "a  red square"),          # near duplicate
+        (url[0], "A red square."),                                   # exact duplicate row
+        (url[0], "Two red squares on white"),
+        (url[1], "Blue circle on grey"), (url[1], ""), (url[1], "   "),  # empty captions
+        (url[2], "Green triangle"), (url[2], "Green triangle"),     # duplicate row
+        (url[3], "hi"), (url[3], "Yellow star shape"),              # "hi" is too short
+        (url[4], "A purple blob"), (url[5], "An orange thing"),
+        (f"{base}/good/6.jpg", ""), (f"{base}/good/6.jpg", " "),    # only empty captions
+        (f"{base}/missing.jpg", "This one is a 404"),
+        (f"{base}/truncated.jpg", "A truncated jpeg"),
+        (f"{base}/text.jpg", "A text file named jpg"),
+        (f"{base}/slow.jpg", "Too slow to arrive"),
+        (local_file.as_uri(), "A local file that must stay local"),
+    ]
+    expected = {
+        url[0]: ["A red square.", "Two red squares on white"],
+        url[1]: ["Blue circle on grey"],
+        url[2]: ["Green triangle"],
+        url[3]: ["Yellow star shape"],
+        url[4]: ["A purple blob"],
+        url[5]: ["An orange thing"],
+    }
+    return [{"URL": u, "TEXT": t, "LABELS": None} for u, t in rows], expected
+
+
+@pytest.mark.slow
+def test_dedupe_download_shard_against_loopback_server(tmp_path):
+    local_file = tmp_path / "secret.jpg"
+    local_file.write_bytes(jpeg(LOCAL_COLOUR))
+    write_params(tmp_path)
+    with Site() as site:
+        rows, expected = metadata_rows(site.base, local_file)
+        (tmp_path / "data").mkdir()
+        pd.DataFrame(rows).to_parquet(tmp_path / "data/metadata.parquet", index=False)
+
+        run_stage("dedupe", tmp_path)
+        dedupe = json.loads((tmp_path / "metrics/dedupe.json").read_text())
+        assert dedupe["rows_in"] == 20 and dedupe["images_in"] == 12
+        assert dedupe["removed"] == {
+            "missing_url": 0, "disallowed_scheme": 1, "empty_caption": 4, "short_caption": 1,
+            "exact_duplicate": 2, "duplicate_caption": 1, "not_first_caption": 0,
+        }
+        assert dedupe["images_out"] == 10 and dedupe["captions_kept"] == 11
+
+        # An images.parquet from elsewhere is untrusted: slip a file:// row past dedupe.
+        images = read_parquet(tmp_path / "data/images.parquet")
+        smuggled = images.iloc[[0]].assign(url=local_file.as_uri(), key="f" * 16)
+        pd.concat([images, smuggled]).to_parquet(tmp_path / "data/images.parquet", index=False)
+
+        started = time.perf_counter()
+        run_stage("download", tmp_path)
+        elapsed = time.perf_counter() - started
+        run_stage("shard", tmp_path)
+        requests = list(site.requests)
+
+    download = json.loads((tmp_path / "metrics/download.json").read_text())
+    assert download["rows_in"] == 11 and download["disallowed_scheme"] == 1
+    assert download["attempted"] == 10 and download["successes"] == 6
+    assert download["failed_to_download"] == 2 and download["failed_to_resize"] == 2
+    reasons = download["failure_reasons"]
+    assert sum(reasons.values()) == 4
+    assert reasons.get("HTTP Error 404: Not Found") == 1
+    assert reasons.get("Image decoding error") == 2
+    assert any("timed out" in reason for reason in reasons), reasons
+    assert download["shards_done"] == download["shards_expected"] == 3
+    assert elapsed < 120  # bounded: the slow URL costs ~timeout, not SLOW_SECONDS per retry
+
+    # Only our http URLs were requested, each once (retries: 0); the local file was never read.
+    assert sorted(requests) == sorted(u.removeprefix(site.base) for u in images["url"])
+    attempted = pd.concat(read_parquet(p) for p in (tmp_path / "data/download").glob("*.parquet"))
+    assert not attempted["url"].str.startswith("file:").any()
+
+    shard = json.loads((tmp_path / "metrics/shard.json").read_text())
+    assert shard["samples_in"] == 6 and shard["samples_out"] == 6
+    assert sum(shard["dropped"].values()) == 0 and shard["input_shards_corrupt"] == 0
+    assert shard["train"]["samples"] + shard["val"]["samples"] == 6
+
+    samples = read_shards(tmp_path / "data/shards")
+    by_url = {s["json"]["url"]: s for s in samples.values()}
+    assert set(by_url) == set(expected)
+    for url, captions in expected.items():
+        sample = by_url[url]
+        assert sample["json"]["captions"] == captions
+        assert sample["txt"].decode() == captions[0]
+        assert sample["json"]["split"] == sample["split_dir"]
+        assert sample["json"]["key"] == images.set_index("url").loc[url, "key"]
+        pixels = np.asarray(Image.open(io.BytesIO(sample["jpg"])).convert("RGB"), dtype=float)
+        assert pixels.shape == (64, 64, 3)
+        colour = COLOURS[int(url.split("/")[-1].split(".")[0])]
+        assert np.abs(pixels.mean(axis=(0, 1)) - colour).max() < 12  # the image of that URL
+    manifest = json.loads((tmp_path / "data/shards/manifest.json").read_text())
+    assert sum(s["samples"] for s in manifest["splits"].values()) == 6
+
+
+def test_download_refuses_file_urls_before_img2dataset(tmp_path):
+    """Only file:// rows: nothing may reach img2dataset, and the refusals are counted."""
+    local_file = tmp_path / "secret.jpg"
+    local_file.write_bytes(jpeg(LOCAL_COLOUR))
+    write_params(tmp_path)
+    (tmp_path / "data").mkdir()
+    pd.DataFrame({"url": [local_file.as_uri(), "FILE://" + str(local_file), " " +
+                          local_file.as_uri()],
+                  "key": ["a" * 16, "b" * 16, "c" * 16], "caption": "a local file",
+                  "captions": [["a local file"]] * 3, "split": "train", "labels": None,
+                  }).to_parquet(tmp_path / "data/images.parquet", index=False)
+    run_stage("download", tmp_path)
+    metrics = json.loads((tmp_path / "metrics/download.json").read_text())
+    assert metrics["disallowed_scheme"] == 3 and metrics["attempted"] == 0
+    assert not list((tmp_path / "data/download").glob("*.tar"))
+
+
+@pytest.mark.slow
+def test_download_resumes_finished_shards_and_restarts_on_new_input(tmp_path):
+    write_params(tmp_path, samples_per_shard=2)
+    (tmp_path / "data").mkdir()
+    with Site() as site:
+        urls = [f"{site.base}/good/{i}.jpg" for i in range(6)]
+        images = pd.DataFrame({"url": urls, "key": [f"{i:016x}" for i in range(6)],
+                               "caption": "a caption", "captions": [["a caption"]] * 6,
+                               "split": "train", "labels": None})
+        images.to_parquet(tmp_path / "data/images.parquet", index=False)
+        run_stage("download", tmp_path)
+        out = tmp_path / "data/download"
+        first = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar")}
+        assert len(first) == 3
+        # Simulate an interruption during shard 1: its stats file never got written.
+        (out / "00001_stats.json").unlink()
+        (out / "00001.tar").unlink()
+        site.requests.clear()
+        proc = run_stage("download", tmp_path)
+        assert "resuming" in proc.stdout
+        assert sorted(site.requests) == ["/good/2.jpg", "/good/3.jpg"]  # shard 1 only
+        assert (out / "00000.tar").stat().st_mtime_ns == first["00000.tar"]
+        assert json.loads((tmp_path / "metrics/download.json").read_text())["successes"] == 6
+
+        # Different input: the old shards are not reused.
+        images.iloc[:4].to_parquet(tmp_path / "data/images.parquet", index=False)
+        site.requests.clear()
+        run_stage("download", tmp_path)
+        assert len(site.requests) == 4
+        assert sorted(p.name for p in out.glob("*.tar")) == ["00000.tar", "00001.tar"]
+
+
+def test_download_reports_bad_params(tmp_path):
+    write_params(tmp_path, allowed_schemes=["http", "file"])
+    proc = run_stage("download", tmp_path, check=False)
+    assert proc.returncode == 1
+    assert "download.allowed_schemes" in proc.stderr and "'file' is not allowed" in proc.stderr
