@@ -73,30 +73,29 @@ def _check_index_vector(
 
 def _ranks_of_targets(scores: np.ndarray, targets: np.ndarray) -> np.ndarray:
     """0-based rank of column targets[r] in each row r of `scores`, lower index winning ties."""
-    rows = np.arange(scores.shape[0])
-    target_scores = scores[rows, targets][:, None]
-    higher = (scores > target_scores).sum(axis=1)
-    columns = np.arange(scores.shape[1])[None, :]
-    tied_before = ((scores == target_scores) & (columns < targets[:, None])).sum(axis=1)
-    return higher + tied_before
+    target_scores = scores[np.arange(scores.shape[0]), targets]
+    return _ranks_of_values(scores, target_scores, targets)
 
 
-def _top_k_columns(scores: np.ndarray, k: int) -> np.ndarray:
-    """(rows, k) column indices of each row's k best scores, best first, lower index on ties."""
-    n_cols = scores.shape[1]
-    k = min(k, n_cols)
-    kth_best = np.partition(scores, n_cols - k, axis=1)[:, n_cols - k]
-    # Everything >= the k-th best value is a candidate (more than k when the k-th value is tied);
-    # order candidates by (row, score descending, column ascending) and keep the first k per row.
-    rows, cols = np.nonzero(scores >= kth_best[:, None])
-    order = np.lexsort((cols, -scores[rows, cols], rows))
-    rows, cols = rows[order], cols[order]
-    row_start = np.searchsorted(rows, np.arange(scores.shape[0]))
-    position = np.arange(rows.size) - row_start[rows]
-    keep = position < k
-    top = np.empty((scores.shape[0], k), dtype=np.int64)
-    top[rows[keep], position[keep]] = cols[keep]
-    return top
+def _ranks_of_values(scores: np.ndarray, values: np.ndarray, columns: np.ndarray) -> np.ndarray:
+    """Rank of the entry `values[r]` (found at column `columns[r]`) within row r of `scores`:
+    the entries above it, plus the equal entries at a lower column (the tie-break)."""
+    ranks = np.count_nonzero(scores > values[:, None], axis=1)
+    equal = np.count_nonzero(scores == values[:, None], axis=1)
+    # An exact tie is rare with real embeddings: only those rows pay for the per-row slice.
+    for row in np.flatnonzero(equal > 1):
+        ranks[row] += np.count_nonzero(scores[row, :columns[row]] == values[row])
+    return ranks
+
+
+def _captions_by_image(text_to_image: np.ndarray, n_images: int) -> np.ndarray:
+    """(n_images, max captions) caption indices in ascending order, padded with -1."""
+    counts = np.bincount(text_to_image, minlength=n_images)
+    order = np.argsort(text_to_image, kind="stable")  # by image, then caption index
+    slot = np.arange(order.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    table = np.full((n_images, max(int(counts.max()), 1)), -1, dtype=np.int64)
+    table[text_to_image[order], slot] = order
+    return table
 
 
 def _rank_summary(prefix: str, ranks: np.ndarray, ks: Sequence[int]) -> dict[str, float]:
@@ -130,23 +129,33 @@ def text_to_image_ranks(
 def image_to_text_ranks(
     images: np.ndarray, texts: np.ndarray, text_to_image: np.ndarray, chunk: int = DEFAULT_CHUNK
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per image: 0-based rank of its best caption and AP@10 of its captions (normalised input)."""
+    """Per image: 0-based rank of its best caption and AP@10 of its captions (normalised input).
+
+    Only the ranks of an image's own captions are needed: the best is the minimum, and AP@10
+    sums h / (rank_h + 1) over the h-th best own caption while its rank is below 10 (ranks are
+    distinct thanks to the tie-break, so h own captions fill the first rank_h + 1 places).
+    """
     n_images = images.shape[0]
-    captions_per_image = np.bincount(text_to_image, minlength=n_images)
+    own = _captions_by_image(text_to_image, n_images)
+    denominator = np.minimum(np.count_nonzero(own >= 0, axis=1), MAP_DEPTH)
     best_ranks = np.empty(n_images, dtype=np.int64)
     average_precision = np.empty(n_images, dtype=np.float64)
+    beyond = max(texts.shape[0], MAP_DEPTH)  # the rank of padding slots: never a hit
     for start in range(0, n_images, chunk):
         stop = min(start + chunk, n_images)
         scores = images[start:stop] @ texts.T  # (chunk, n_texts)
-        own = text_to_image[None, :] == np.arange(start, stop)[:, None]
-        # The best-ranked own caption is the highest-scoring one (lowest index among equals).
-        best_caption = np.argmax(np.where(own, scores, -np.inf), axis=1)
-        best_ranks[start:stop] = _ranks_of_targets(scores, best_caption)
-        top = _top_k_columns(scores, MAP_DEPTH)
-        relevant = text_to_image[top] == np.arange(start, stop)[:, None]
-        precision = np.cumsum(relevant, axis=1) / np.arange(1, top.shape[1] + 1)
-        denominator = np.minimum(captions_per_image[start:stop], MAP_DEPTH)
-        average_precision[start:stop] = (precision * relevant).sum(axis=1) / denominator
+        rows = np.arange(stop - start)
+        ranks = np.full(own[start:stop].shape, beyond, dtype=np.int64)
+        for slot, columns in enumerate(own[start:stop].T):
+            present = columns >= 0
+            safe = np.where(present, columns, 0)
+            found = _ranks_of_values(scores, scores[rows, safe], safe)
+            ranks[present, slot] = found[present]
+        ranks.sort(axis=1)
+        best_ranks[start:stop] = ranks[:, 0]
+        hits = np.arange(1, ranks.shape[1] + 1)
+        precision = np.where(ranks < MAP_DEPTH, hits / (ranks + 1), 0.0)
+        average_precision[start:stop] = precision.sum(axis=1) / denominator[start:stop]
     return best_ranks, average_precision
 
 
