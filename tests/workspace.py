@@ -27,6 +27,7 @@ TINY_PARAMS: dict[str, Any] = {
     "download.samples_per_shard": 32,
     "download.image_size": 64,
     "shard.samples_per_shard": 16,
+    "shard.workers": 1,
     "tokenizer.vocab_size": 600,
     "tokenizer.context_length": 16,
     "train.batch_size": 8,
