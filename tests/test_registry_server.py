@@ -3,9 +3,17 @@ and its lineage, batched metrics, the server going away mid-run (journal + repla
 
 from __future__ import annotations
 
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from registry import tracking
@@ -95,6 +103,8 @@ def test_server_going_away_mid_run_loses_nothing(workspace: Path, server: Mlflow
     train_like(run, 10)
     assert not run.pending  # flushed while the server was up
 
+    # Fail fast instead of MLflow's ~3 s of retries per request (the default set by tracking.py).
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     server.stop()
     started = time.monotonic()
     train_like(run, 10, start=11)  # training goes on; the failed flush backs off
@@ -132,3 +142,173 @@ def test_server_going_away_mid_run_loses_nothing(workspace: Path, server: Mlflow
     assert late.data.params["train.lr"] == "0.002"
     assert len(client.get_metric_history(resumed.run_id, "loss")) == 5
     assert late.data.tags["lineage.data_shards_md5"] == "1" * 32
+
+
+# ---------------------------------------------------------------------------------------------
+# the model: register stage + gate on real logged models, loading by alias, serving over HTTP
+
+MODEL = "clip-test"
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real export bundle (two MindIR graphs) of a tiny random-init CLIP."""
+    from clipms.export import export_bundle
+    from clipms.trained import RunConfig, load_clip
+    from tests.tiny_model import write_trained
+
+    paths = write_trained(tmp_path_factory.mktemp("trained"), seed=0)
+    run = RunConfig.read(paths["config"])
+    out = tmp_path_factory.mktemp("export") / "bundle"
+    export_bundle(load_clip(paths["checkpoint"], run.model), run.preprocess, paths["tokenizer"],
+                  out)
+    return out
+
+
+def pipeline_run(root: Path, bundle: Path, score: float, val_sha: str = "f" * 64) -> dict:
+    """One pipeline run as the stages leave it (train opens the run, evaluate logs), then the
+    real register stage, in a workspace of its own."""
+    import shutil
+
+    from clipms.jsonio import read_json, write_json
+    from stages import register
+
+    root.mkdir(parents=True)
+    write_pipeline_state(root, val_sha=val_sha)
+    (root / "params.yaml").write_text(
+        f"register:\n  model_name: {MODEL}\n  experiment: test-exp\n"
+        "  primary_metric: i2t_R@5\n  margin: 0.0\n")
+    shutil.copytree(bundle, root / "models" / "export")
+    eval_metrics = {"i2t_R@1": score / 2, "i2t_R@5": score, "mAP@10": score / 3, "images": 10}
+    write_json(root / "metrics" / "eval.json", eval_metrics)
+    cwd = Path.cwd()
+    os.chdir(root)
+    try:
+        tracking.PipelineRun.open("train", {"lr": score}).close()
+        tracking.log_stage("evaluate", {"batch_size": 16}, eval_metrics)
+        assert register.main() == 0
+        return read_json("metrics/register.json")
+    finally:
+        os.chdir(cwd)
+
+
+def test_gate_sequence_on_real_registered_models(workspace: Path, bundle: Path) -> None:
+    first = pipeline_run(workspace / "run1", bundle, 0.50)
+    assert (first["version"], first["alias"]) == (1, "champion")
+    worse = pipeline_run(workspace / "run2", bundle, 0.40)
+    assert (worse["alias"], worse["new_value"], worse["champion_value"]) == \
+        ("challenger", 0.40, 0.50)
+    better = pipeline_run(workspace / "run3", bundle, 0.60)
+    assert (better["alias"], better["champion_version"]) == ("champion", "1")
+    other_set = pipeline_run(workspace / "run4", bundle, 0.99, val_sha="0" * 64)
+    assert other_set["alias"] == "challenger" and other_set["compared"] is False
+    assert "different evaluation set" in other_set["reason"]
+
+    client = tracking.client()
+    assert client.get_model_version_by_alias(MODEL, "champion").version == "3"
+    assert client.get_model_version_by_alias(MODEL, "challenger").version == "4"
+    v2 = client.get_model_version(MODEL, "2")
+    assert v2.tags["gate.alias"] == "challenger" and v2.tags["metric.i2t_R_at_5"] == "0.4"
+    assert v2.tags["lineage.data_shards_md5"] == "1" * 32
+    assert v2.run_id == worse["run_id"]
+    run = client.get_run(worse["run_id"])
+    assert run.data.tags["register.decision"] == "challenger"
+    assert run.data.params["register.model_name"] == MODEL
+
+    out = subprocess.run([sys.executable, "-m", "registry", "compare", "--name", MODEL],
+                         capture_output=True, text=True, check=True, timeout=120,
+                         env=dict(os.environ))
+    assert "4 version(s)" in out.stdout and "champion" in out.stdout
+    assert "train.lr" in out.stdout  # the only param that differs between the runs
+    assert "different evaluation set" in out.stdout
+
+
+def champion_input(tmp_path: Path) -> tuple[object, list[str], list[str]]:
+    import pandas as pd
+
+    from registry.pyfunc import example_image
+
+    image_file = tmp_path / "disc.png"
+    image_file.write_bytes(base64.b64decode(example_image(40)))
+    texts = ["a red circle", "a blue square"]
+    images = [example_image(24), str(image_file)]
+    return pd.DataFrame({"text": texts, "image": images}), texts, images
+
+
+def expected(bundle: Path, texts: list[str], images: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    from clipms.infer import Encoder
+
+    encoder = Encoder(bundle)
+    raw = [base64.b64decode(images[0]), images[1]]
+    return encoder.encode_texts(texts), encoder.encode_images(raw)
+
+
+def test_champion_loads_and_matches_clipms_infer(workspace: Path, bundle: Path) -> None:
+    import mlflow
+
+    if not tracking.client().search_model_versions(f"name = '{MODEL}'"):
+        pipeline_run(workspace / "run1", bundle, 0.5)
+    model = mlflow.pyfunc.load_model(f"models:/{MODEL}@champion")
+    frame, texts, images = champion_input(workspace)
+    out = model.predict(frame)
+    want_text, want_image = expected(bundle, texts, images)
+    np.testing.assert_allclose(np.stack(out["text_embedding"]), want_text, atol=1e-6)
+    np.testing.assert_allclose(np.stack(out["image_embedding"]), want_image, atol=1e-6)
+    only_text = model.predict(frame[["text"]])
+    assert list(only_text.columns) == ["text_embedding"]
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{MODEL}@champion"))
+    files = {p.name for p in local.rglob("*") if p.is_file() and "code" not in p.parts}
+    assert {"image_encoder.mindir", "text_encoder.mindir", "MLmodel"} <= files
+    assert not any(name.endswith((".pkl", ".pickle")) for name in files)
+
+
+def test_mlflow_models_serve_answers_invocations(workspace: Path, bundle: Path,
+                                                 server: MlflowServer) -> None:
+    from tests.mlflow_server import free_port
+
+    if not tracking.client().search_model_versions(f"name = '{MODEL}'"):
+        pipeline_run(workspace / "run1", bundle, 0.5)
+    port = free_port()
+    mlflow_bin = str(Path(sys.executable).parent / "mlflow")
+    env = dict(os.environ, MLFLOW_TRACKING_URI=server.uri,
+               PATH=str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"])
+    log = (workspace / "serve.log").open("wb")
+    proc = subprocess.Popen(
+        [mlflow_bin, "models", "serve", "-m", f"models:/{MODEL}@champion", "--env-manager",
+         "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_for(f"http://127.0.0.1:{port}/ping", proc, workspace / "serve.log", timeout=240)
+        frame, texts, images = champion_input(workspace)
+        body = json.dumps({"dataframe_split": frame.to_dict(orient="split")}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            predictions = json.loads(response.read())["predictions"]
+        want_text, want_image = expected(bundle, texts, images)
+        np.testing.assert_allclose([p["text_embedding"] for p in predictions], want_text,
+                                   atol=1e-5)
+        np.testing.assert_allclose([p["image_embedding"] for p in predictions], want_image,
+                                   atol=1e-5)
+    finally:
+        os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+            proc.wait(timeout=20)
+        log.close()
+
+
+def wait_for(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if http_get(url, timeout=2)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{url} not answering after {timeout} s:\n{log.read_text()[-3000:]}")
