@@ -223,6 +223,124 @@ register(Subcommand("retrieval", "time of retrieval metrics (N images x 5N capti
                     _add_retrieval_arguments, run_retrieval))
 
 
+# ---- loader: the training input pipeline (clipms.data) ---------------------------------------
+
+
+def write_synthetic_shards(out: Any, samples: int, image_size: int, per_shard: int = 256) -> Any:
+    """Train shards of the synthetic dataset in the shard contract (jpg/txt/json + manifest)."""
+    import hashlib
+    import io
+    import tarfile
+    from pathlib import Path
+
+    from clipms.prep.synthetic import make_image
+
+    out, shards = Path(out), []
+    (out / "train").mkdir(parents=True, exist_ok=True)
+    for first in range(0, samples, per_shard):
+        name, last = f"train/{first // per_shard:06d}.tar", min(samples, first + per_shard)
+        with tarfile.open(out / name, "w") as tar:
+            for index in range(first, last):
+                record, pixels = make_image(0, index, image_size)
+                jpeg = io.BytesIO()
+                pixels.convert("RGB").save(jpeg, format="JPEG", quality=95)
+                key = f"{index:09d}"
+                meta = {"captions": list(record.captions), "url": record.file_name, "key": key,
+                        "split": "train", "labels": record.scene.labels()}
+                for ext, data in (("jpg", jpeg.getvalue()), ("txt", record.captions[0].encode()),
+                                  ("json", json.dumps(meta).encode())):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        data = (out / name).read_bytes()
+        shards.append({"name": name, "samples": last - first, "bytes": len(data),
+                       "sha256": hashlib.sha256(data).hexdigest()})
+    split = {"samples": samples, "bytes": sum(s["bytes"] for s in shards), "shards": shards}
+    (out / "manifest.json").write_text(json.dumps({"samples_per_shard": per_shard,
+                                                   "splits": {"train": split}}))
+    return out
+
+
+def _tree_cpu_s(process: Any) -> float:
+    """CPU-seconds of a process and its live children (the loader's decode workers)."""
+    total = 0.0
+    for proc in [process, *process.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except Exception:  # noqa: BLE001 - a worker may exit while we look
+            continue
+        total += times.user + times.system
+    return total
+
+
+def add_loader_arguments(parser: argparse.ArgumentParser) -> None:
+    from pathlib import Path
+
+    parser.add_argument("--shards", type=Path, default=None,
+                        help="shards folder with manifest.json (default: synthetic shards in a "
+                             "temporary folder)")
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--samples", type=int, default=1024, help="synthetic shards: samples")
+    parser.add_argument("--source-size", type=int, default=256,
+                        help="synthetic shards: JPEG side (download.image_size)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="a tokenizer.json (default: the OpenAI vocabulary)")
+    parser.add_argument("--context-length", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=64, help="model input side (tiny: 64)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=2, help="decode worker processes")
+    parser.add_argument("--augment", action="store_true", help="random resized crop")
+    parser.add_argument("--warmup", type=int, default=3, help="batches not timed")
+    parser.add_argument("--batches", type=int, default=30, help="batches timed")
+
+
+def run_loader(args: argparse.Namespace) -> dict[str, Any]:
+    """samples/s of the whole training input pipeline: read, decode, preprocess, tokenize, batch.
+    Also the CPU cost per sample, which is robust to a busy machine and is what the loader takes
+    away from training on the same cores."""
+    import tempfile
+
+    import psutil  # a MindSpore dependency
+
+    import clipms  # noqa: F401  (sets MindSpore's environment before its first import)
+    from clipms.data import build_train_dataset, steps_per_epoch
+    from clipms.preprocess import PreprocessConfig
+    from clipms.tokenizer import Tokenizer
+
+    tokenizer = (Tokenizer.load(args.tokenizer) if args.tokenizer
+                 else Tokenizer.openai(args.context_length))
+    with tempfile.TemporaryDirectory(prefix="clipms-loader-") as tmp:
+        shards = args.shards or write_synthetic_shards(tmp, args.samples, args.source_size)
+        wanted = args.warmup + args.batches
+        epochs = -(-wanted // steps_per_epoch(shards, args.batch_size, split=args.split))
+        load_before, started = os.getloadavg()[0], time.perf_counter()
+        dataset = build_train_dataset(shards, tokenizer, PreprocessConfig(args.image_size),
+                                      args.batch_size, epochs=epochs, workers=args.workers,
+                                      augment=args.augment, split=args.split)
+        build_s = time.perf_counter() - started
+        cpu_before, batch_ms = _tree_cpu_s(psutil.Process()), []
+        tick = time.perf_counter()
+        batches = dataset.create_tuple_iterator(num_epochs=1, output_numpy=True)
+        for _, _batch in zip(range(wanted), batches, strict=False):
+            batch_ms.append((time.perf_counter() - tick) * 1000)
+            tick = time.perf_counter()
+        cpu_s = _tree_cpu_s(psutil.Process()) - cpu_before
+    timed = batch_ms[args.warmup:]
+    return {"bench": "loader", "samples_per_s": round(args.batch_size * len(timed)
+                                                      / (sum(timed) / 1000), 1),
+            "median_batch_ms": round(statistics.median(timed), 1), "batches": len(timed),
+            "batch_size": args.batch_size, "image_size": args.image_size,
+            "workers": args.workers, "augment": args.augment, "tokenizer": tokenizer.kind,
+            "context_length": tokenizer.context_length,
+            "cpu_ms_per_sample": round(1000 * cpu_s / (len(batch_ms) * args.batch_size), 2),
+            "build_s": round(build_s, 2), "first_batch_s": round(batch_ms[0] / 1000, 2),
+            "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+
+
+register(Subcommand("loader", "training data pipeline samples/s (decode, preprocess, tokenize, "
+                    "batch)", add_loader_arguments, run_loader))
+
+
 # ---- entry point ----------------------------------------------------------------------------
 
 
