@@ -210,3 +210,14 @@ def test_bad_shards_give_clear_errors(tmp_path: Path) -> None:
     shard.write_bytes(shard.read_bytes()[:700])
     with pytest.raises(DataError, match="000000.tar: (unreadable or truncated|.*short read)"):
         list(iter_eval_batches(root, PRE, batch_size=2))
+
+
+@pytest.mark.slow
+def test_loader_benchmark_command_runs_on_generated_shards(capsys) -> None:
+    from clipms.bench import main
+
+    assert main(["loader", "--samples", "40", "--source-size", "48", "--image-size", "32",
+                 "--batch-size", "8", "--warmup", "1", "--batches", "4", "--workers", "2"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["bench"] == "loader" and result["batches"] == 4 and result["samples_per_s"] > 0
+    assert result["cpu_ms_per_sample"] > 0 and result["image_size"] == 32
