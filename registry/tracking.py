@@ -143,12 +143,23 @@ def read_lock(path: Path = Path("dvc.lock")) -> dict[str, Any]:
 
 
 def lock_hash(lock: Mapping[str, Any], out_path: str) -> str | None:
-    """The DVC hash (md5, `.dir` suffix dropped) recorded for an out path in dvc.lock."""
+    """The DVC hash (md5, `.dir` suffix dropped) of an out path in dvc.lock. For a folder whose
+    parts are separate outs (data/shards/train, .../val, .../manifest.json), the md5 of their
+    sorted "path md5" lines: it changes exactly when one of their DVC hashes changes."""
+    import hashlib
+
+    found = {}
     for stage in lock.values():
         for out in stage.get("outs", []):
-            if out.get("path") == out_path and out.get("md5"):
-                return str(out["md5"]).removesuffix(".dir")
-    return None
+            path, md5 = out.get("path", ""), out.get("md5")
+            if md5 and (path == out_path or path.startswith(out_path.rstrip("/") + "/")):
+                found[path] = str(md5).removesuffix(".dir")
+    if not found:
+        return None
+    if list(found) == [out_path]:
+        return found[out_path]
+    lines = "\n".join(f"{path} {md5}" for path, md5 in sorted(found.items()))
+    return hashlib.md5(lines.encode()).hexdigest()
 
 
 def lock_params(lock: Mapping[str, Any], stages: Iterable[str]) -> dict[str, str]:
@@ -241,10 +252,11 @@ class PipelineRun:
 
     @classmethod
     def open(cls, stage: str, params: Mapping[str, Any], experiment: str | None = None,
-             run_name: str | None = None) -> PipelineRun:
+             run_name: str | None = None, run_file: Path | None = RUN_FILE) -> PipelineRun:
         """Start the run of a new pipeline run (the train stage): params, lineage, dataset input.
 
-        The experiment defaults to `register.experiment` in params.yaml.
+        The experiment defaults to `register.experiment` in params.yaml. `run_file=None` (a stage
+        other than train) keeps the run in memory instead of writing train's DVC out.
         """
         JOURNAL_FILE.unlink(missing_ok=True)  # a new run: an old journal belongs to an old run
         run = cls(uuid.uuid4().hex, None, experiment or experiment_from_params())
@@ -257,9 +269,10 @@ class PipelineRun:
         dataset = dataset_record(tags)
         if dataset:
             run.pending.append({"op": "dataset", "dataset": dataset, "context": "training"})
-        run.owns_run_file = True
+        run.owns_run_file = run_file is not None
         run.flush()
-        run.save()
+        if run.owns_run_file:
+            run.save()
         return run
 
     @classmethod

@@ -32,7 +32,11 @@ def main() -> int:
     from registry.registration import register_version
     from registry.tracking import PipelineRun, TrackingUnavailable, flatten
 
-    run = PipelineRun.resume()
+    try:
+        run = PipelineRun.resume()
+    except FileNotFoundError as err:  # train ran without tracking: the model still gets a run
+        print(f"register: {err}; opening a run here", file=sys.stderr)
+        run = PipelineRun.open("register", {}, run_file=None)
     run.log_params(flatten("register", params.model_dump()))
     try:
         record = register_version(run, BUNDLE_DIR, params.model_name, params.primary_metric,

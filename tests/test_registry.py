@@ -93,6 +93,9 @@ def write_pipeline_state(root: Path, shards_md5: str = "1" * 32, val_sha: str = 
         "shard": {"cmd": "python -m stages.shard",
                   "params": {"params.yaml": {"shard": {"samples_per_shard": 16}}},
                   "outs": [{"path": "data/shards", "md5": shards_md5 + ".dir", "size": 99}]},
+        "split_outs": {"cmd": "true",  # as dvc.yaml declares the shard outs: one per part
+                       "outs": [{"path": "data/parts/val", "md5": "4" * 32 + ".dir"},
+                                {"path": "data/parts/manifest.json", "md5": "5" * 32}]},
         "tokenizer": {"cmd": "python -m stages.tokenizer",
                       "params": {"params.yaml": {"tokenizer.vocab_size": 400}},
                       "outs": [{"path": "models/tokenizer.json", "md5": "3" * 32, "size": 5}]},
@@ -131,6 +134,10 @@ def test_lineage_reads_git_dvc_lock_and_manifest(tmp_path: Path, monkeypatch) ->
     dataset = tracking.dataset_record(tags)
     assert dataset is not None and dataset["digest"] == "1" * 32
     assert json.loads(dataset["profile"]) == {"train": 30, "val": 10}
+    combined = tracking.lock_hash(tracking.read_lock(), "data/parts")
+    assert combined is not None and len(combined) == 32 and combined not in ("4" * 32, "5" * 32)
+    assert tracking.lock_hash(tracking.read_lock(), "data/parts/val") == "4" * 32
+    assert tracking.lock_hash(tracking.read_lock(), "data/part") is None
     params = tracking.lock_params(tracking.read_lock(), tracking.DATA_STAGES)
     assert params["metadata.source"] == "synthetic" and params["tokenizer.vocab_size"] == "400"
 
