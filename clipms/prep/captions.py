@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import unicodedata
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,8 +61,18 @@ def comparison_keys(normalised: pd.Series) -> pd.Series:
 # The string work runs in Arrow's C++ kernels (RE2 regexes): pandas' .str methods loop in Python
 # and took ~15 s on 600k captions here. RE2's \w/\s are ASCII-only, hence the Unicode classes.
 def _normalise(text: pa.Array) -> pa.Array:
-    text = pc.utf8_normalize(text, "NFC")
+    text = _nfc(text)
     return pc.utf8_trim_whitespace(pc.replace_substring_regex(text, r"[\s\p{Z}]+", " "))
+
+
+def _nfc(text: pa.Array) -> pa.Array:
+    """Unicode NFC. Arrow 18's utf8_normalize leaves NFC/NFD input unchanged ('e' + U+0301 stays
+    two code points), so Python's unicodedata does it, only for the (rare) non-ASCII captions."""
+    non_ascii = pc.fill_null(pc.match_substring_regex(text, r"[^\x00-\x7F]"), False)
+    if not pc.any(non_ascii).as_py():
+        return text
+    composed = [unicodedata.normalize("NFC", s) for s in text.filter(non_ascii).to_pylist()]
+    return pc.replace_with_mask(text, non_ascii, pa.array(composed, type=pa.string()))
 
 
 def _comparison(normalised: pa.Array) -> pa.Array:
@@ -236,7 +247,8 @@ def _labels(metadata: pd.DataFrame) -> pa.Array | None:
 
 def _stats(rows_in: int, urls: pa.Array, images: pd.DataFrame,
            removed: dict[str, int]) -> dict[str, Any]:
-    images_in = int(pc.count_distinct(urls, mode="only_valid").as_py())
+    named = urls.filter(pc.not_equal(urls, ""))  # a blank URL is no image
+    images_in = int(pc.count_distinct(named, mode="only_valid").as_py())
     return {
         "rows_in": rows_in,
         "images_in": images_in,

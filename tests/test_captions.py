@@ -1,0 +1,188 @@
+"""Caption normalisation, dedupe rules, split stability and the dedupe/download params."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from clipms.prep.captions import (
+    MetadataError,
+    assign_splits,
+    comparison_keys,
+    dedupe,
+    normalise_captions,
+    read_metadata,
+    stable_keys,
+    write_images,
+)
+from clipms.prep.download import allowed_schemes, read_parquet, url_schemes
+from stages.dedupe import DedupeParams
+from stages.download import fetch_schemes
+from stages.params import ParamsError, load_section
+
+HTTP = frozenset({"http", "https"})
+
+
+def quiet(_message: str) -> None:
+    pass
+
+
+def frame(rows: list[tuple], labels: bool = False) -> pd.DataFrame:
+    data = pd.DataFrame(rows, columns=["URL", "TEXT", "LABELS"] if labels else ["URL", "TEXT"])
+    return data
+
+
+def test_normalise_nfc_whitespace_and_strip():
+    decomposed = "Cafe\u0301"  # e + combining acute accent
+    got = normalise_captions(pd.Series([f"  {decomposed}\tby the\u00a0 sea \n", None, "   "]))
+    assert got.tolist() == ["Caf\u00e9 by the sea", None, ""]
+
+
+def test_comparison_ignores_case_punctuation_and_spacing():
+    keys = comparison_keys(pd.Series(["A red circle.", "a RED, circle!", "a red  circle",
+                                      "a red square", "Éclair_"]))
+    assert keys[0] == keys[1] == keys[2] == "a red circle"
+    assert keys[3] != keys[0] and keys[4] == "éclair"
+
+
+def test_dedupe_rules_count_every_removed_row_once():
+    rows = [
+        ("http://x/1.jpg", "A red circle."),
+        ("http://x/1.jpg", "A red circle."),         # exact duplicate row
+        ("http://x/1.jpg", "a red  CIRCLE"),         # near duplicate (same image)
+        ("http://x/1.jpg", "Another view"),
+        ("http://x/2.jpg", "A red circle."),         # same caption, other image: kept
+        ("http://x/2.jpg", "ok"),                    # too short
+        ("http://x/2.jpg", ""),                      # empty
+        ("http://x/2.jpg", None),                    # empty (null)
+        (None, "no url at all"),
+        ("  ", "blank url"),
+        ("ftp://x/3.jpg", "scheme not allowed"),
+        ("file:///etc/passwd", "never fetched"),
+        ("/etc/passwd", "no scheme"),
+    ]
+    result = dedupe(frame(rows), HTTP, min_caption_chars=5, log=quiet)
+    assert result.stats["removed"] == {
+        "missing_url": 2, "disallowed_scheme": 3, "empty_caption": 2, "short_caption": 1,
+        "exact_duplicate": 1, "duplicate_caption": 1, "not_first_caption": 0,
+    }
+    assert result.stats["rows_in"] == 13 and result.stats["images_out"] == 2
+    assert result.stats["captions_kept"] == 3 and result.stats["images_removed"] == 3
+    images = result.images.set_index("url")
+    assert list(images.loc["http://x/1.jpg", "captions"]) == ["A red circle.", "Another view"]
+    assert images.loc["http://x/1.jpg", "caption"] == "A red circle."
+    assert list(images.loc["http://x/2.jpg", "captions"]) == ["A red circle."]
+    assert sum(result.stats["removed"].values()) + result.stats["captions_kept"] == 13
+
+
+def test_keep_first_matches_drop_duplicates_on_url():
+    rows = [("http://x/a", "first caption a"), ("http://x/b", "first caption b"),
+            ("http://x/a", "second caption a"), ("http://x/c", "only caption c"),
+            ("http://x/b", "second caption b")]
+    data = frame(rows)
+    result = dedupe(data, HTTP, keep="first", log=quiet)
+    seed_guide = data.drop_duplicates(subset="URL", keep="first")
+    assert result.images["url"].tolist() == seed_guide["URL"].tolist()
+    assert result.images["caption"].tolist() == seed_guide["TEXT"].tolist()
+    assert [list(c) for c in result.images["captions"]] == [[t] for t in seed_guide["TEXT"]]
+    assert result.stats["removed"]["not_first_caption"] == 2
+
+
+def test_file_scheme_only_for_synthetic():
+    assert allowed_schemes(["http", "https"], "synthetic") == {"http", "https", "file"}
+    assert allowed_schemes(["http", "https", "file"], "local") == {"http", "https"}
+    rows = [("file:data/synthetic/000001.png", "a synthetic image"),
+            ("http://x/1.jpg", "a web image")]
+    synthetic = dedupe(frame(rows), allowed_schemes(["http"], "synthetic"), log=quiet)
+    web = dedupe(frame(rows), allowed_schemes(["http"], "mscoco"), log=quiet)
+    assert synthetic.stats["images_out"] == 2
+    assert web.images["url"].tolist() == ["http://x/1.jpg"]
+    assert web.stats["removed"]["disallowed_scheme"] == 1
+
+
+def test_url_schemes_do_not_strip_or_guess():
+    schemes = url_schemes(pd.Series(["HTTP://x", " file:///a", "<URL:file:///a>", "x", "file:a"]))
+    assert schemes.tolist() == ["http", "", "", "", "file"]
+
+
+def test_labels_travel_per_image():
+    rows = [("http://x/1", "a red circle", None),
+            ("http://x/1", "the red circle", '{"shape": "circle"}'),
+            ("http://x/2", "a blue square", {"shape": "square"}),
+            ("http://x/3", "no labels here", None)]
+    images = dedupe(frame(rows, labels=True), HTTP, log=quiet).images.set_index("url")
+    assert json.loads(images.loc["http://x/1", "labels"]) == {"shape": "circle"}
+    assert json.loads(images.loc["http://x/2", "labels"]) == {"shape": "square"}
+    assert images.loc["http://x/3", "labels"] is None
+
+
+def test_keys_and_splits_are_stable_and_by_image():
+    urls = [f"http://images.example/{i}.jpg" for i in range(20_000)]
+    keys, splits = stable_keys(urls), assign_splits(urls, 0.1, "clipms")
+    assert keys == stable_keys(urls) and len(set(keys)) == len(urls)
+    assert splits == assign_splits(list(reversed(urls)), 0.1, "clipms")[::-1]  # order-free
+    assert stable_keys(["http://a/b.jpg"]) == ["d3236963e615a081"]  # blake2b-64, any machine
+    val = splits.count("val") / len(splits)
+    assert abs(val - 0.1) < 0.01  # binomial sd ~0.002
+    assert assign_splits(urls, 0.1, "other salt") != splits
+    assert set(assign_splits(urls[:100], 0.0, "s")) == {"train"}
+
+
+def test_split_is_by_image_and_survives_more_data():
+    rows = [(f"http://x/{i % 50}.jpg", f"caption number {i}") for i in range(250)]
+    small = dedupe(frame(rows), HTTP, val_fraction=0.3, log=quiet).images
+    bigger_rows = rows + [(f"http://y/{i}.jpg", f"new caption {i}") for i in range(100)]
+    bigger = dedupe(frame(bigger_rows), HTTP, val_fraction=0.3, log=quiet).images
+    assert len(small) == 50 and all(len(c) == 5 for c in small["captions"])
+    merged = small.merge(bigger, on="url", suffixes=("", "_b"))
+    assert (merged["split"] == merged["split_b"]).all() and (merged["key"] == merged["key_b"]).all()
+
+
+def test_images_parquet_round_trip(tmp_path):
+    rows = [("http://x/1", "a red circle"), ("http://x/1", "a red disc")]
+    result = dedupe(frame(rows), HTTP, log=quiet)
+    write_images(result.images, tmp_path / "images.parquet")
+    back = read_parquet(tmp_path / "images.parquet")
+    assert back.columns.tolist() == ["url", "key", "caption", "captions", "split", "labels"]
+    assert list(back.loc[0, "captions"]) == ["a red circle", "a red disc"]
+
+
+def test_metadata_errors_are_clear(tmp_path):
+    with pytest.raises(MetadataError, match="not found"):
+        read_metadata(tmp_path / "missing.parquet")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(MetadataError, match="not a readable parquet file"):
+        read_metadata(tmp_path / "bad.parquet")
+    pd.DataFrame({"url": ["x"], "TEXT": ["y"]}).to_parquet(tmp_path / "cols.parquet")
+    with pytest.raises(MetadataError, match=r"missing column\(s\) \['URL'\]"):
+        read_metadata(tmp_path / "cols.parquet")
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_dedupe_params_validation(tmp_path):
+    with pytest.raises(ParamsError, match=r"dedupe.keep = 'last'.*'all'.*'first'"):
+        load_section("dedupe", DedupeParams, write(tmp_path, "dedupe:\n  keep: last\n"))
+    with pytest.raises(ParamsError, match=r"dedupe.val_fraction = 1.5"):
+        load_section("dedupe", DedupeParams, write(tmp_path, "dedupe:\n  val_fraction: 1.5\n"))
+    with pytest.raises(ParamsError, match="dedupe.min_chars: unknown key"):
+        load_section("dedupe", DedupeParams, write(tmp_path, "dedupe:\n  min_chars: 3\n"))
+
+
+def test_download_params_and_scheme_policy(tmp_path):
+    params, schemes = fetch_schemes(write(tmp_path, "metadata:\n  source: synthetic\n"))
+    assert params.image_size == 256 and schemes == {"http", "https", "file"}
+    _, schemes = fetch_schemes(write(tmp_path, "metadata:\n  source: mscoco\n"))
+    assert schemes == {"http", "https"}
+    with pytest.raises(ParamsError, match=r"download.allowed_schemes = \['http', 'file'\]"):
+        fetch_schemes(write(tmp_path, "download:\n  allowed_schemes: [http, file]\n"))
+    with pytest.raises(ParamsError, match=r"metadata.source = 'web'"):
+        fetch_schemes(write(tmp_path, "metadata:\n  source: web\n"))
+    with pytest.raises(ParamsError, match=r"download.resize_mode = 'stretch'"):
+        fetch_schemes(write(tmp_path, "download:\n  resize_mode: stretch\n"))
