@@ -499,7 +499,7 @@ class TrainCallback:
 
     def on_step_end(self, step: int, metrics: Mapping[str, float]) -> None:
         self.run.log_metrics({self.prefix + k: v for k, v in metrics.items()
-                              if _finite_number(v)}, step=step)
+                              if k != "step" and _finite_number(v)}, step=step)
         if time.monotonic() >= self._next_flush:
             ok = self.run.flush()
             wait = self.flush_every_s if ok else self.retry_after_s
