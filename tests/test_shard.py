@@ -1,0 +1,172 @@
+"""Shard stage: per-sample checks, corrupt input tars, deterministic output, the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from clipms.prep.shards import ShardError, ShardSettings, build_shards
+
+
+def quiet(_message: str) -> None:
+    pass
+
+
+def image_bytes(size=(64, 64), colour=(200, 40, 40), fmt="JPEG") -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, colour).save(out, format=fmt)
+    return out.getvalue()
+
+
+def meta(i: int, split: str | None = "train", captions=None, **extra) -> dict:
+    return {"url": f"http://x/{i}.jpg", "image_key": f"{i:016x}", "split": split,
+            "captions": [f"caption {i}", f"second caption {i}"] if captions is None else captions,
+            "labels": json.dumps({"shape": "circle"}), "key": f"{i:09d}", "status": "success",
+            **extra}
+
+
+def write_tar(path: Path, samples: list[dict]) -> None:
+    """An img2dataset-like webdataset tar."""
+    with wds.TarWriter(str(path)) as sink:
+        for sample in samples:
+            sink.write(sample)
+
+
+def good(i: int, split: str = "train") -> dict:
+    data = meta(i, split)
+    return {"__key__": f"{i:09d}", "jpg": image_bytes(colour=(i * 20 % 255, 80, 80)),
+            "txt": data["captions"][0], "json": json.dumps(data)}
+
+
+def read_output(folder: Path) -> dict[str, dict]:
+    samples: dict[str, dict] = {}
+    for tar_path in sorted(folder.glob("*/*.tar")):
+        with tarfile.open(tar_path) as tar:
+            names = tar.getnames()
+            assert names == [n for k in dict.fromkeys(n.split(".")[0] for n in names)
+                             for n in (f"{k}.jpg", f"{k}.json", f"{k}.txt")]
+            for member in tar:
+                assert member.mtime == 0 and member.uid == 0 and member.uname == ""
+                key, _, ext = member.name.partition(".")
+                data = tar.extractfile(member).read()
+                samples.setdefault(key, {"tar": tar_path.relative_to(folder).as_posix()})[ext] = (
+                    json.loads(data) if ext == "json" else data)
+    return samples
+
+
+def test_bad_samples_are_dropped_and_counted(tmp_path):
+    src = tmp_path / "download"
+    src.mkdir()
+    truncated = image_bytes()[:300]
+    bad = [
+        {"__key__": "000000100", "jpg": image_bytes(size=(16, 16)), "json": json.dumps(meta(100))},
+        {"__key__": "000000101", "jpg": b"not an image", "json": json.dumps(meta(101))},
+        {"__key__": "000000102", "jpg": truncated, "json": json.dumps(meta(102))},
+        {"__key__": "000000103", "jpg": image_bytes(), "txt": " ",
+         "json": json.dumps(meta(103, captions=["", "  "]))},
+        {"__key__": "000000104", "jpg": image_bytes(), "json": json.dumps(meta(104, split=None))},
+        {"__key__": "000000105", "jpg": image_bytes(), "json": "{not json"},
+        {"__key__": "000000106", "txt": "caption", "json": json.dumps(meta(106))},
+    ]
+    png = {"__key__": "000000107", "png": image_bytes(fmt="PNG"), "json": json.dumps(meta(107))}
+    write_tar(src / "00000.tar", [good(0), good(1, "val"), *bad, png])
+    write_tar(src / "00001.tar", [good(2), good(0)])  # good(0) again: a duplicate key
+    metrics = build_shards(src, tmp_path / "shards", ShardSettings(samples_per_shard=2,
+                                                                   workers=1), quiet)
+    assert metrics["dropped"] == {
+        "missing_image": 1, "undecodable_image": 2, "too_small": 1, "no_caption": 1,
+        "missing_split": 1, "bad_metadata": 1, "duplicate_key": 1,
+    }
+    assert metrics["samples_in"] == 12 and metrics["samples_out"] == 4
+    out = read_output(tmp_path / "shards")
+    assert set(out) == {f"{i:016x}" for i in (0, 1, 2, 107)}
+    assert (metrics["train"]["samples"], metrics["val"]["samples"]) == (3, 1)
+    png = Image.open(io.BytesIO(out[f"{107:016x}"]["jpg"]))
+    assert png.format == "JPEG" and png.size == (64, 64)  # a PNG input is converted to JPEG
+
+
+def test_truncated_input_tar_is_reported_and_skipped(tmp_path):
+    src = tmp_path / "download"
+    src.mkdir()
+    write_tar(src / "00000.tar", [good(i) for i in range(4)])
+    write_tar(src / "00001.tar", [good(i) for i in range(4, 8)])
+    write_tar(src / "00002.tar", [good(i) for i in range(8, 12)])
+    whole = (src / "00001.tar").read_bytes()
+    (src / "00001.tar").write_bytes(whole[: len(whole) // 3])          # cut inside a member
+    with tarfile.open(src / "00002.tar") as tar:
+        members = tar.getmembers()
+    boundary = members[3].offset                                        # cut between members
+    (src / "00002.tar").write_bytes((src / "00002.tar").read_bytes()[:boundary])
+    lines: list[str] = []
+    metrics = build_shards(src, tmp_path / "shards", ShardSettings(workers=1), lines.append)
+    assert metrics["input_shards"] == 3 and metrics["input_shards_corrupt"] == 2
+    assert [c.split(":")[0] for c in metrics["corrupt_input_shards"]] == ["00001.tar", "00002.tar"]
+    assert metrics["samples_in"] == metrics["samples_out"] == 4
+    assert any("skipping corrupt input 00001.tar" in line for line in lines)
+    assert set(read_output(tmp_path / "shards")) == {f"{i:016x}" for i in range(4)}
+
+
+def test_output_format_manifest_and_fixed_shard_size(tmp_path):
+    src = tmp_path / "download"
+    src.mkdir()
+    write_tar(src / "00000.tar", [good(i, "val" if i % 4 == 0 else "train") for i in range(12)])
+    write_tar(src / "00001.tar", [good(i, "val" if i % 4 == 0 else "train") for i in range(12, 23)])
+    metrics = build_shards(src, tmp_path / "shards", ShardSettings(samples_per_shard=4,
+                                                                   workers=2), quiet)
+    manifest = json.loads((tmp_path / "shards/manifest.json").read_text())
+    assert manifest["samples_per_shard"] == 4
+    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+    assert (train["samples"], val["samples"]) == (17, 6)
+    assert [s["samples"] for s in train["shards"]] == [4, 4, 4, 4, 1]
+    assert [s["name"] for s in val["shards"]] == ["val/000000.tar", "val/000001.tar"]
+    for entry in (train, val):
+        for shard in entry["shards"]:
+            data = (tmp_path / "shards" / shard["name"]).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == shard["sha256"]
+            assert len(data) == shard["bytes"]
+        assert entry["bytes"] == sum(s["bytes"] for s in entry["shards"])
+    assert metrics["train"]["samples"] == 17 and metrics["val"]["shards"] == 2
+
+    out = read_output(tmp_path / "shards")
+    sample = out[f"{5:016x}"]
+    assert sample["tar"].startswith("train/")
+    assert sample["json"] == {"captions": ["caption 5", "second caption 5"],
+                              "url": "http://x/5.jpg", "key": f"{5:016x}", "split": "train",
+                              "labels": {"shape": "circle"}}
+    assert sample["txt"] == b"caption 5"
+    assert sample["jpg"] == good(5)["jpg"]  # validated JPEG bytes are copied, not re-encoded
+    assert all(s["tar"].split("/")[0] == s["json"]["split"] for s in out.values())
+
+
+def test_same_input_same_bytes_and_seed_shuffles(tmp_path):
+    src = tmp_path / "download"
+    src.mkdir()
+    write_tar(src / "00000.tar", [good(i) for i in range(20)])
+    first = build_shards(src, tmp_path / "a", ShardSettings(samples_per_shard=8, workers=1), quiet)
+    # Same samples, other input order and tar layout: same output bytes.
+    (src / "00000.tar").unlink()
+    write_tar(src / "00007.tar", [good(i) for i in reversed(range(10, 20))])
+    write_tar(src / "00003.tar", [good(i) for i in range(10)])
+    build_shards(src, tmp_path / "b", ShardSettings(samples_per_shard=8, workers=2), quiet)
+    manifest_a = (tmp_path / "a/manifest.json").read_text()
+    assert manifest_a == (tmp_path / "b/manifest.json").read_text()
+    build_shards(src, tmp_path / "c", ShardSettings(samples_per_shard=8, seed=1, workers=1), quiet)
+    assert manifest_a != (tmp_path / "c/manifest.json").read_text()
+
+    def order(folder: str) -> list[str]:
+        with tarfile.open(tmp_path / folder / "train/000000.tar") as tar:
+            return [n for n in tar.getnames() if n.endswith(".json")]
+    assert order("a") != order("c") and sorted(order("a")) != order("a")
+    assert first["train"]["samples"] == 20
+
+
+def test_missing_input_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(ShardError, match="input folder not found"):
+        build_shards(tmp_path / "nope", tmp_path / "out", ShardSettings(workers=1), quiet)
