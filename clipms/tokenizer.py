@@ -236,6 +236,8 @@ class Tokenizer:
             row[:len(ids)] = ids
         return out
 
+    __call__ = encode  # open_clip style: tokenizer(texts)
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of one id row, without SOT/EOT/padding (lower-cased and cleaned, as encoded)."""
         ids = [int(i) for i in ids]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -40,6 +41,7 @@ def test_openai_batch_equals_single_and_special_ids(openai: Tokenizer) -> None:
     batch = openai.encode(texts)
     assert batch.tolist() == [c["ids"] for c in GOLDEN["cases"]]
     assert openai.encode(texts[1]).tolist() == [GOLDEN["cases"][1]["ids"]]  # a bare str works too
+    assert np.array_equal(openai(texts), batch)  # callable, as open_clip's tokenizer
     assert (openai.vocab_size, openai.sot_id, openai.eot_id) == (
         GOLDEN["vocab_size"], GOLDEN["sot"], GOLDEN["eot"])
 
@@ -96,6 +98,11 @@ def test_clear_errors(tmp_path: Path) -> None:
         Tokenizer.openai(8).encode(["ok", 3])  # type: ignore[list-item]
     with pytest.raises(TokenizerError, match="not found"):
         Tokenizer.load(tmp_path / "missing.json")
+    with pytest.raises(TokenizerError, match="vocabulary not found"):
+        Tokenizer.openai(8, bpe_path=tmp_path / "missing.txt.gz")
+    (tmp_path / "short.txt.gz").write_bytes(gzip.compress(b"#version: 0.2\na b\n"))
+    with pytest.raises(TokenizerError, match="not an OpenAI CLIP BPE merges file"):
+        Tokenizer.openai(8, bpe_path=tmp_path / "short.txt.gz")
     (tmp_path / "bad.json").write_text('{"format": "something else"}')
     with pytest.raises(TokenizerError, match="not a clipms tokenizer"):
         Tokenizer.load(tmp_path / "bad.json")
