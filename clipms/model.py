@@ -25,6 +25,12 @@ from clipms.config import CLIPConfig, TextConfig, VisionConfig
 _MASKED = -1e9
 
 
+def cast(x: Tensor, dtype: ms.dtype) -> Tensor:
+    """x in dtype. Skips the Cast when the dtype already matches: a same-dtype Cast is not free
+    (it made fp32 LayerNorm ~30% slower on CPU). dtypes are static, so graphs fold the test."""
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
 class LayerNorm(nn.LayerNorm):
     """LayerNorm over the last axis with open_clip's epsilon (1e-5; MindSpore's default is 1e-7),
     computed in fp32 and cast back to the input dtype, so mixed precision keeps it fp32."""
@@ -33,8 +39,8 @@ class LayerNorm(nn.LayerNorm):
         super().__init__((width,), epsilon=1e-5)
 
     def construct(self, x: Tensor) -> Tensor:
-        y, _, _ = self.layer_norm(x.astype(ms.float32), self.gamma, self.beta)
-        return y.astype(x.dtype)
+        y, _, _ = self.layer_norm(cast(x, ms.float32), self.gamma, self.beta)
+        return cast(y, x.dtype)
 
 
 class QuickGELU(nn.Cell):
@@ -77,10 +83,10 @@ class Attention(nn.Cell):
         q = self._split_heads(self.q_proj(x) * self.scale)  # (N, H, L, Dh)
         k = self._split_heads(self.k_proj(x))  # (N, H, L, Dh)
         v = self._split_heads(self.v_proj(x))  # (N, H, L, Dh)
-        scores = ops.matmul(q, k.transpose(0, 1, 3, 2)).astype(ms.float32)  # (N, H, L, L)
+        scores = cast(ops.matmul(q, k.transpose(0, 1, 3, 2)), ms.float32)  # (N, H, L, L)
         if mask is not None:
             scores = scores + mask
-        weights = ops.softmax(scores, axis=-1).astype(v.dtype)  # softmax in fp32
+        weights = cast(ops.softmax(scores, axis=-1), v.dtype)  # softmax in fp32
         out = ops.matmul(weights, v)  # (N, H, L, Dh)
         out = out.transpose(0, 2, 1, 3).reshape(n, length, width)  # (N, L, D)
         return self.out_proj(out)
@@ -158,12 +164,12 @@ class VisionTransformer(nn.Cell):
         # (N, 3, g*p, g*p) -> (N, g*g, 3*p*p): each patch flattened in conv-weight order (c, y, x)
         x = image.reshape(n, 3, g, p, g, p).transpose(0, 2, 4, 1, 3, 5).reshape(n, g * g, 3 * p * p)
         x = self.patch_embed(x)  # (N, g*g, D)
-        cls = ops.broadcast_to(self.class_embedding.astype(x.dtype).reshape(1, 1, -1),
+        cls = ops.broadcast_to(cast(self.class_embedding, x.dtype).reshape(1, 1, -1),
                                (n, 1, self.width))
-        x = ops.cat((cls, x), axis=1) + self.positional_embedding.astype(x.dtype)  # (N, L, D)
+        x = ops.cat((cls, x), axis=1) + cast(self.positional_embedding, x.dtype)  # (N, L, D)
         x = self.transformer(self.ln_pre(x))  # (N, L, D)
         pooled = self.ln_post(x[:, 0])  # (N, D); per-token LN, so pooling first is the same
-        return ops.matmul(pooled, self.proj.astype(pooled.dtype))  # (N, E)
+        return ops.matmul(pooled, cast(self.proj, pooled.dtype))  # (N, E)
 
 
 class TextTransformer(nn.Cell):
@@ -183,13 +189,13 @@ class TextTransformer(nn.Cell):
     def construct(self, text: Tensor) -> Tensor:
         n = text.shape[0]
         x = self.token_embedding(text)  # (N, L, D)
-        x = x + self.positional_embedding.astype(x.dtype)
+        x = x + cast(self.positional_embedding, x.dtype)
         x = self.ln_final(self.transformer(x, self.attn_mask))  # (N, L, D)
         # EOT is the highest id, so argmax finds it (ids < 2**24 are exact in float32).
         eot = ops.argmax(text.astype(ms.float32), dim=-1).astype(ms.int32)  # (N,)
         rows = ops.arange(n, dtype=ms.int32)
         pooled = ops.gather_nd(x, ops.stack((rows, eot), axis=-1))  # (N, D)
-        return ops.matmul(pooled, self.text_projection.astype(pooled.dtype))  # (N, E)
+        return ops.matmul(pooled, cast(self.text_projection, pooled.dtype))  # (N, E)
 
 
 def l2_normalize(x: Tensor) -> Tensor:
