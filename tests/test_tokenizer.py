@@ -111,7 +111,7 @@ def test_clear_errors(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_tokenizer_stage_with_dvc(tmp_path: Path) -> None:
     from tests.test_data import CAPTIONS, write_shards
-    from tests.workspace import make_workspace, run
+    from tests.workspace import make_workspace, run, set_params
 
     ws = make_workspace(tmp_path / "ws", {"tokenizer.min_frequency": 1})
     write_shards(ws / "data/shards", {"train": [6, 5], "val": [3]})
@@ -123,9 +123,12 @@ def test_tokenizer_stage_with_dvc(tmp_path: Path) -> None:
     assert tok.decode(ids) == "sample 3 caption 1" and CAPTIONS == 3
     assert "didn't change" in run(["dvc", "repro", "--single-item", "tokenizer"], cwd=ws).stdout
 
-    run(["dvc", "exp", "run", "--single-item", "tokenizer", "-S", "tokenizer.kind=openai"], cwd=ws)
+    # A param change reruns the stage (set in params.yaml: `dvc exp run` would check out the
+    # shard stage's outputs, which this test wrote by hand instead of running that stage).
+    set_params(ws / "params.yaml", {"tokenizer.kind": "openai"})
+    run(["dvc", "repro", "--single-item", "tokenizer"], cwd=ws)
     assert Tokenizer.load(ws / "models/tokenizer.json").vocab_size == 49408
 
-    bad = run(["dvc", "exp", "run", "--single-item", "tokenizer", "-S", "tokenizer.kind=wordpiece"],
-              cwd=ws, check=False)
+    set_params(ws / "params.yaml", {"tokenizer.kind": "wordpiece"})
+    bad = run(["dvc", "repro", "--single-item", "tokenizer"], cwd=ws, check=False)
     assert bad.returncode != 0 and "tokenizer.kind = 'wordpiece'" in bad.stdout + bad.stderr
