@@ -28,6 +28,37 @@ class ClipWithLoss(nn.Cell):
                          logit_scale.astype(ms.float32))
 
 
+class AllGatherSumGrad(nn.Cell):
+    """AllGather along axis 0 whose gradient is AllReduce(sum) + this rank's slice.
+
+    That is exactly AllGather's own gradient (a ReduceScatter), which MindSpore has no CPU kernel
+    for; AllReduce has one on every backend. `clipms.loss.ClipLoss(gather=True)` gets this Cell as
+    its `all_gather` in `use_cpu_safe_gather`.
+    """
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank = rank
+        self.all_gather = ops.AllGather()
+        self.all_reduce = ops.AllReduce()
+
+    def construct(self, x: Tensor) -> Tensor:
+        return self.all_gather(x)
+
+    def bprop(self, x: Tensor, out: Tensor, dout: Tensor) -> tuple[Tensor]:
+        n = x.shape[0]
+        total = self.all_reduce(dout)  # sum over ranks of d(loss_r)/d(all features)
+        return (total[self.rank * n:(self.rank + 1) * n],)
+
+
+def use_cpu_safe_gather(loss: nn.Cell) -> nn.Cell:
+    """Swap the gather of a `ClipLoss(gather=True)` for `AllGatherSumGrad` (same forward, same
+    gradient, runs on CPU too)."""
+    if getattr(loss, "gather", False):
+        loss.all_gather = AllGatherSumGrad(loss.rank)
+    return loss
+
+
 _add_into = ops.MultitypeFuncGraph("clipms_add_into")
 _times = ops.MultitypeFuncGraph("clipms_times")
 

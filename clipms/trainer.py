@@ -86,6 +86,13 @@ class TrainConfig:
         d["betas"] = list(self.betas)
         return d
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        d = dict(d)
+        d["model"] = CLIPConfig.from_dict(d["model"])
+        d["betas"] = tuple(d.get("betas", (0.9, 0.98)))
+        return cls(**d)
+
     def fingerprint(self) -> str:
         """Hash of what makes two runs produce the same weights (not checkpoint/log cadence)."""
         d = self.to_dict()
@@ -274,15 +281,26 @@ def _setup(cfg: TrainConfig, distributed: bool) -> tuple[int, int]:
     ms.set_context(mode=mode)
     if ms.get_context("device_target") != cfg.device_target:
         ms.set_device(cfg.device_target)  # may run only once per process, before any kernel
-    if not distributed:
-        ms.set_seed(cfg.seed)
-        return 0, 1
-    from mindspore.communication import get_group_size, get_rank, init
-
-    init()
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
     ms.set_seed(cfg.seed)  # same seed on every rank: identical initial weights
-    return get_rank(), get_group_size()
+    return init_distributed() if distributed else (0, 1)
+
+
+_DISTRIBUTED: tuple[int, int] | None = None
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join the msrun process group once (HCCL on Ascend, NCCL on GPU, mccl on CPU, chosen by
+    MindSpore from the device); returns (rank, group size)."""
+    global _DISTRIBUTED
+    if _DISTRIBUTED is None:
+        from mindspore.communication import get_group_size, get_rank, init
+
+        # No auto-parallel context: the train step averages gradients itself
+        # (DistributedGradReducer) and the loss all-gathers features, so the graph stays the
+        # single-device graph plus three collectives.
+        init()
+        _DISTRIBUTED = (get_rank(), get_group_size())
+    return _DISTRIBUTED
 
 
 def _build_model(cfg: TrainConfig) -> tuple[Any, Any, list[tuple[str, Any]]]:
@@ -332,9 +350,10 @@ def _build_step(cfg: TrainConfig, model: Any, network: Any,
                 named_trainable: list[tuple[str, Any]], distributed: bool, group_size: int) -> Any:
     from clipms.loss import ClipLoss
     from clipms.optim import build_adamw
-    from clipms.train_step import ClipWithLoss, TrainStep
+    from clipms.train_step import ClipWithLoss, TrainStep, use_cpu_safe_gather
 
-    net_with_loss = ClipWithLoss(network, ClipLoss(gather=distributed))
+    loss = use_cpu_safe_gather(ClipLoss(gather=distributed))
+    net_with_loss = ClipWithLoss(network, loss)
     optimizer = build_adamw(named_trainable, cfg.betas)
     return TrainStep(
         net_with_loss, optimizer, accum_steps=cfg.accum_steps,

@@ -1,0 +1,136 @@
+"""One training run from files to files: shards + tokenizer in; clip.ckpt, clip.json, train metrics
+and the per-step CSV out. The same function runs in-process and in every `msrun` worker (rank 0
+writes), so single-device and data-parallel runs share all their code.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clipms.jsonio import read_json, write_json
+from clipms.trainer import Callback, TrainConfig, TrainResult
+
+CSV_COLUMNS = ("step", "epoch", "loss", "lr", "logit_scale", "samples_per_s", "grad_norm")
+
+
+@dataclass(frozen=True)
+class Outputs:
+    checkpoint: str = "models/clip.ckpt"
+    run_config: str = "models/clip.json"
+    metrics: str = "metrics/train.json"
+    plot: str = "plots/train.csv"
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """Everything a training process needs; JSON round-trips (the msrun workers read it)."""
+
+    config: TrainConfig
+    shards_dir: str
+    tokenizer: str
+    checkpoint_dir: str
+    outputs: Outputs = field(default_factory=Outputs)
+    resume: bool = True
+    loader_workers: int = 2
+    augment: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["config"] = self.config.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainJob:
+        d = dict(d)
+        d["config"] = TrainConfig.from_dict(d["config"])
+        d["outputs"] = Outputs(**d["outputs"])
+        return cls(**d)
+
+
+def data_fingerprint(shards_dir: Path | str, tokenizer: Path | str) -> str:
+    """Hash of the shard manifest (which holds every shard's sha256) and the tokenizer file: a
+    checkpoint is resumed only when the data it was trained on is the same."""
+    digest = hashlib.sha256()
+    for path in (Path(shards_dir) / "manifest.json", Path(tokenizer)):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def run(job: TrainJob, callbacks: Sequence[Callback] = (),
+        distributed: bool = False) -> TrainResult:
+    """Train as `job` says and (on rank 0) write its outputs."""
+    from clipms.preprocess import PreprocessConfig
+    from clipms.tokenizer import Tokenizer
+    from clipms.trainer import ShardBatches, init_distributed, train
+
+    tokenizer = Tokenizer.load(job.tokenizer)
+    preprocess = PreprocessConfig(image_size=job.config.model.vision.image_size)
+    if distributed:
+        import mindspore as ms
+
+        ms.set_device(job.config.device_target)  # before init(): it binds the device
+        rank, group_size = init_distributed()
+    else:
+        rank, group_size = 0, 1
+    source = ShardBatches(job.shards_dir, tokenizer, preprocess, job.config.batch_size,
+                          seed=job.config.seed, rank=rank, group_size=group_size,
+                          workers=job.loader_workers, augment=job.augment)
+    result = train(job.config, source, job.checkpoint_dir, callbacks=callbacks,
+                   resume=job.resume, distributed=distributed)
+    if rank == 0:
+        write_outputs(job, result, preprocess.to_dict(), group_size)
+    return result
+
+
+def write_outputs(job: TrainJob, result: TrainResult, preprocess: dict[str, Any],
+                  group_size: int = 1) -> None:
+    from clipms.trainer import save_model
+
+    out = job.outputs
+    save_model(result.model, out.checkpoint)
+    write_json(out.run_config, {"model": job.config.model.to_dict(), "tokenizer": job.tokenizer,
+                                "preprocess": preprocess, "train": job.config.to_dict()})
+    write_json(out.metrics, {**result.summary, "devices": group_size,
+                             "global_batch_size": job.config.batch_size
+                             * job.config.accum_steps * group_size})
+    _write_text(out.plot, history_csv(result.history))
+
+
+def history_csv(history: Sequence[dict[str, float]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=CSV_COLUMNS, extrasaction="ignore",
+                            lineterminator="\n")
+    writer.writeheader()
+    for row in history:
+        writer.writerow({k: (f"{row[k]:.6g}" if isinstance(row[k], float) else row[k])
+                         for k in CSV_COLUMNS})
+    return buffer.getvalue()
+
+
+def replay(outputs: Outputs, callbacks: Sequence[Callback]) -> dict[str, float]:
+    """Feed a finished run's CSV and metrics to callbacks (the msrun launcher's process never saw
+    the steps happen); returns the summary."""
+    summary = read_json(outputs.metrics)
+    with open(outputs.plot, newline="") as handle:
+        for row in csv.DictReader(handle):
+            metrics = {k: float(v) for k, v in row.items() if k != "step"}
+            for callback in callbacks:
+                callback.on_step_end(int(row["step"]), metrics)
+    for callback in callbacks:
+        callback.on_train_end(summary)
+    return summary
+
+
+def _write_text(path: str, text: str) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, target)
