@@ -29,7 +29,6 @@ from typing import Any
 from PIL import Image
 
 from clipms.jsonio import write_json
-from clipms.prep.captions import stable_keys
 
 SPLITS = ("train", "val")
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -160,12 +159,20 @@ def _validate(key: str, files: dict[str, tuple[bytes, int]], path: str,
         labels = json.loads(labels) if isinstance(labels, str) else labels
     except json.JSONDecodeError:
         return None, "bad_metadata"
-    key = meta.get("image_key") or (stable_keys([url])[0] if url else key)
+    key = meta.get("image_key") or (_url_key(url) if url else key)
     out = {"captions": captions, "url": url, "key": key, "split": split, "labels": labels}
     return Sample(
         key=key, split=split, meta=json.dumps(out, ensure_ascii=False, sort_keys=True).encode(),
         text=captions[0].encode(), source=path, offset=offset, size=len(data), image=converted,
     ), ""
+
+
+def _url_key(url: str) -> str:
+    """dedupe's stable key, for a sample that lost ours (imported here only: captions.py pulls in
+    pandas/pyarrow, which every spawned worker would otherwise pay for)."""
+    from clipms.prep.captions import stable_keys
+
+    return stable_keys([url])[0]
 
 
 def _captions(meta: dict[str, Any], text: str) -> list[str]:
