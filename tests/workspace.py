@@ -33,6 +33,11 @@ TINY_PARAMS: dict[str, Any] = {
     "train.batch_size": 8,
     "train.epochs": 1,
     "train.warmup_steps": 1,
+    "train.model": {"embed_dim": 32, "vision": {"width": 64, "layers": 1, "head_width": 32},
+                    "text": {"width": 64, "heads": 2, "layers": 1}},
+    "train.workers": 1,
+    "train.checkpoint_every": 2,
+    "train.log_every": 1,
     "evaluate.batch_size": 16,
     "export.batch_sizes": [1, 3, 8],
 }

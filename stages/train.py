@@ -1,0 +1,130 @@
+"""Stage `train`: data/shards + models/tokenizer.json -> models/clip.ckpt, models/clip.json,
+metrics/train.json, plots/train.csv (checkpoints in models/checkpoints, kept across runs).
+
+`python -m stages.train`; reads the `train` section. The model is a preset with optional
+overrides; its vocabulary size and context length always come from the tokenizer, its image size
+sets the preprocessing. `distributed.workers: N > 1` runs N data-parallel processes via msrun.
+To add metric sinks (MLflow), append objects with `on_step_end`/`on_train_end` to `callbacks()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from stages.params import ParamsError, Section, load_section
+
+SHARDS_DIR = Path("data/shards")
+TOKENIZER = Path("models/tokenizer.json")
+CHECKPOINT_DIR = Path("models/checkpoints")
+MSRUN_LOG_DIR = Path("models/checkpoints/msrun")
+
+
+class DistributedParams(Section):
+    workers: int = Field(1, ge=1, le=1024)  # data-parallel processes (devices); 1 = no msrun
+
+
+class TrainParams(Section):
+    preset: str = "tiny"  # tiny | small | ViT-B-32 | ViT-B-16
+    model: dict[str, Any] = Field(default_factory=dict)  # overrides, e.g. {vision: {layers: 2}}
+    device_target: Literal["CPU", "GPU", "Ascend"] = "CPU"
+    mode: Literal["graph", "pynative"] = "graph"
+    precision: Literal["fp32", "amp"] = "fp32"
+    batch_size: int = Field(64, ge=1)  # per device and micro-batch
+    accum_steps: int = Field(1, ge=1)  # micro-batches per optimizer step
+    epochs: int = Field(8, ge=1)
+    max_steps: int | None = Field(None, ge=1)  # stop early after this many optimizer steps
+    lr: float = Field(5.0e-4, ge=0)
+    warmup_steps: int = Field(30, ge=0)
+    weight_decay: float = Field(0.2, ge=0)
+    grad_clip_norm: float | None = Field(1.0, ge=0)  # null/0: no clipping
+    seed: int = 0
+    augment: bool = False  # open_clip's RandomResizedCrop(0.9-1.0) on training images
+    workers: int = Field(2, ge=0)  # image-decoding processes of the loader
+    checkpoint_every: int = Field(100, ge=1)  # optimizer steps
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(10, ge=1)
+    resume: Literal["auto", "never"] = "auto"
+    init_from: str | None = None  # a MindSpore checkpoint from `python -m clipms.convert`
+    lock_image: bool = False
+    lock_text: bool = False
+    distributed: DistributedParams = Field(default_factory=DistributedParams)
+
+
+def callbacks() -> list[Any]:
+    """Metric sinks for the training loop (duck-typed: on_step_end, on_train_end)."""
+    return []
+
+
+def build_job(params: TrainParams) -> Any:
+    from clipms.config import CLIPConfig, get_preset
+    from clipms.tokenizer import Tokenizer
+    from clipms.train_job import TrainJob, data_fingerprint
+    from clipms.trainer import TrainConfig
+
+    tokenizer = Tokenizer.load(TOKENIZER)
+    base = get_preset(params.preset).to_dict()
+    model = CLIPConfig.from_dict(_merge(base, params.model))
+    model = dataclasses.replace(model, text=dataclasses.replace(
+        model.text, vocab_size=tokenizer.vocab_size, context_length=tokenizer.context_length))
+    config = TrainConfig(
+        model=model, batch_size=params.batch_size, epochs=params.epochs,
+        max_steps=params.max_steps, lr=params.lr, warmup_steps=params.warmup_steps,
+        weight_decay=params.weight_decay, grad_clip_norm=params.grad_clip_norm or None,
+        accum_steps=params.accum_steps, precision=params.precision, seed=params.seed,
+        lock_image=params.lock_image, lock_text=params.lock_text, init_from=params.init_from,
+        mode=params.mode, device_target=params.device_target,
+        checkpoint_every=params.checkpoint_every, keep_checkpoints=params.keep_checkpoints,
+        log_every=params.log_every, data_fingerprint=data_fingerprint(SHARDS_DIR, TOKENIZER))
+    return TrainJob(config=config, shards_dir=str(SHARDS_DIR), tokenizer=str(TOKENIZER),
+                    checkpoint_dir=str(CHECKPOINT_DIR), resume=params.resume == "auto",
+                    loader_workers=params.workers, augment=params.augment)
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merged[key] = _merge(base[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        stream=sys.stdout)
+    try:
+        params = load_section("train", TrainParams)
+        job = build_job(params)
+    except (ParamsError, ValueError, FileNotFoundError) as err:
+        print(f"train: error: {err}", file=sys.stderr)
+        return 1
+    from clipms import train_job
+    from clipms.trainer import NonFiniteLossError
+
+    try:
+        if params.distributed.workers > 1:
+            from clipms.distributed import launch
+
+            launch(job, params.distributed.workers, MSRUN_LOG_DIR)
+            summary = train_job.replay(job.outputs, callbacks())
+        else:
+            summary = train_job.run(job, callbacks()).summary
+    except NonFiniteLossError as err:
+        print(f"train: error: {err}", file=sys.stderr)
+        return 1
+    print(f"train: {int(summary['steps'])} steps, final loss {summary['final_loss']:.4f}, "
+          f"{summary['samples_per_s']:.1f} samples/s, {summary['wall_time_s']:.0f} s; wrote "
+          f"{job.outputs.checkpoint}, {job.outputs.run_config}, {job.outputs.metrics}, "
+          f"{job.outputs.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
