@@ -103,7 +103,7 @@ def export_bundle(net: CLIP, preprocess: PreprocessConfig, tokenizer_path: Path 
                          f"{cfg.vision.image_size}")
     out = Path(out_dir)
     if out.exists():
-        shutil.rmtree(out)  # ms.export writes read-only files; a stale bundle must not survive
+        shutil.rmtree(out)  # a stale file of an older bundle must not survive
     out.mkdir(parents=True)
     net.set_train(False)
     size, ctx = cfg.vision.image_size, cfg.text.context_length
@@ -116,6 +116,8 @@ def export_bundle(net: CLIP, preprocess: PreprocessConfig, tokenizer_path: Path 
     logit_scale = float(np.exp(net.logit_scale.asnumpy()))
     bundle = describe_bundle(cfg, preprocess, logit_scale)
     write_json(out / BUNDLE, bundle)
+    for path in out.iterdir():
+        path.chmod(0o644)  # a bundle is shipped and served by other users: readable by all
     return bundle
 
 
@@ -123,7 +125,6 @@ def _export_graph(cell: nn.Cell, example: ms.Tensor, path: Path) -> None:
     ms.export(cell, example, file_name=str(path.with_suffix("")), file_format="MINDIR")
     if not path.is_file():
         raise RuntimeError(f"ms.export did not write {path}")
-    path.chmod(0o644)  # MindSpore writes 0400; DVC and later re-exports need to replace it
 
 
 def load_graph(path: Path | str) -> nn.GraphCell:

@@ -3,7 +3,7 @@
 The numbers of a random model are near chance; what these tests pin down is the plumbing: every
 caption is kept with its own image through batching, the zero-shot sets read their classes right,
 and the stage writes exactly its declared outputs. The trained model's skill is checked end to end
-in test_pipeline_export (dvc repro on the synthetic data).
+in test_export.py (dvc repro to export on the tiny synthetic config).
 """
 
 from __future__ import annotations
