@@ -14,7 +14,7 @@ import mindspore as ms
 
 from clipms.config import PRESETS, CLIPConfig, TextConfig, get_preset
 from clipms.convert import openclip_shapes
-from clipms.model import CLIP, count_parameters, l2_normalize, set_matmul_dtype
+from clipms.model import CLIP, GELU, count_parameters, l2_normalize, set_matmul_dtype
 
 MODES = {"graph": ms.GRAPH_MODE, "pynative": ms.PYNATIVE_MODE}
 
@@ -151,6 +151,15 @@ def test_matmul_dtype_can_be_lowered(pynative):
     assert lowered.dtype == ms.float16
     assert np.abs(lowered.asnumpy().astype(np.float32) - reference).max() < 0.05
     assert net.encode_text(tokens).shape == (2, cfg.embed_dim)
+
+
+@pytest.mark.parametrize("mode", ["graph", "pynative"], indirect=True)
+def test_gelu_is_the_exact_erf_gelu(mode):
+    x = ms.Tensor(np.linspace(-6, 6, 2001, dtype=np.float32))
+    reference = ms.nn.GELU(approximate=False)(x).asnumpy()  # MindSpore's own erf GELU
+    np.testing.assert_allclose(GELU()(x).asnumpy(), reference, atol=1e-6)
+    tanh_approx = ms.nn.GELU()(x).asnumpy()
+    assert np.abs(tanh_approx - reference).max() > 1e-4  # the default nn.GELU() is not it
 
 
 def test_l2_normalize_matches_numpy(pynative):
