@@ -101,6 +101,8 @@ class CLIPConfig:
         """Build from an open_clip model config (a dict or a path to its JSON file)."""
         if not isinstance(cfg, dict):
             cfg = json.loads(Path(cfg).read_text())
+        if "model_cfg" in cfg:  # a Hugging Face hub `open_clip_config.json` wraps it
+            cfg = cfg["model_cfg"]
         return _from_openclip(cfg)
 
     def to_openclip(self) -> dict[str, Any]:

@@ -172,6 +172,8 @@ def test_config_round_trips_and_replaces():
     for cfg in PRESETS.values():
         assert CLIPConfig.from_dict(cfg.to_dict()) == cfg
         assert CLIPConfig.from_openclip(cfg.to_openclip()) == cfg
+    hub_style = {"model_cfg": PRESETS["ViT-B-16"].to_openclip(), "preprocess_cfg": {}}
+    assert CLIPConfig.from_openclip(hub_style) == PRESETS["ViT-B-16"]
     tiny = get_preset("tiny")
     swapped = dataclasses.replace(tiny, text=dataclasses.replace(tiny.text, vocab_size=1000))
     assert swapped.text.vocab_size == 1000 and tiny.text.vocab_size == 49408
