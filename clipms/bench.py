@@ -57,16 +57,22 @@ def setup_mindspore(args: argparse.Namespace) -> None:
     ms.set_seed(0)
 
 
-def time_steps(step: Callable[[], Any], warmup: int, steps: int) -> list[float]:
+def time_steps(step: Callable[[], Any], warmup: int, steps: int,
+               cpu_ms: list[float] | None = None) -> list[float]:
     """Run `step` warmup times untimed, then `steps` times; wall time of each in ms.
-    `step` must block until its result exists (e.g. end with .asnumpy())."""
+    `step` must block until its result exists (e.g. end with .asnumpy()). If `cpu_ms` is a list,
+    the process CPU time (all threads) per timed step is appended to it: less sensitive than wall
+    time to other processes on a shared machine."""
     for _ in range(warmup):
         step()
     times = []
+    cpu_start = time.process_time()
     for _ in range(steps):
         start = time.perf_counter()
         step()
         times.append((time.perf_counter() - start) * 1000)
+    if cpu_ms is not None:
+        cpu_ms.append((time.process_time() - cpu_start) * 1000 / max(steps, 1))
     return times
 
 
@@ -120,28 +126,31 @@ def _build_model(args: argparse.Namespace):
 def run_encode(args: argparse.Namespace) -> dict[str, Any]:
     """encode_image and encode_text (no gradient), each on a batch; one line with both rates."""
     net, images, tokens = _build_model(args)
+    cpu: list[float] = []
     image_ms = statistics.median(
-        time_steps(lambda: net.encode_image(images).asnumpy(), args.warmup, args.steps))
+        time_steps(lambda: net.encode_image(images).asnumpy(), args.warmup, args.steps, cpu))
     text_ms = statistics.median(
-        time_steps(lambda: net.encode_text(tokens).asnumpy(), args.warmup, args.steps))
+        time_steps(lambda: net.encode_text(tokens).asnumpy(), args.warmup, args.steps, cpu))
     n = args.batch_size
     return _base_result(
         args, bench="encode", preset=args.preset,
         images_per_s=round(n / image_ms * 1000, 2), texts_per_s=round(n / text_ms * 1000, 2),
         median_step_ms=round(image_ms + text_ms, 2), median_image_step_ms=round(image_ms, 2),
-        median_text_step_ms=round(text_ms, 2),
+        median_text_step_ms=round(text_ms, 2), cpu_image_step_ms=round(cpu[0], 1),
+        cpu_text_step_ms=round(cpu[1], 1),
     )
 
 
 def run_forward(args: argparse.Namespace) -> dict[str, Any]:
     """CLIP construct (both towers, normalised features, exp'd scale), no gradient."""
     net, images, tokens = _build_model(args)
+    cpu: list[float] = []
     step_ms = statistics.median(
-        time_steps(lambda: net(images, tokens)[0].asnumpy(), args.warmup, args.steps))
+        time_steps(lambda: net(images, tokens)[0].asnumpy(), args.warmup, args.steps, cpu))
     return _base_result(
         args, bench="forward", preset=args.preset,
         samples_per_s=round(args.batch_size / step_ms * 1000, 2),
-        median_step_ms=round(step_ms, 2),
+        median_step_ms=round(step_ms, 2), cpu_step_ms=round(cpu[0], 1),
     )
 
 
@@ -339,6 +348,50 @@ def run_loader(args: argparse.Namespace) -> dict[str, Any]:
 
 register(Subcommand("loader", "training data pipeline samples/s (decode, preprocess, tokenize, "
                     "batch)", add_loader_arguments, run_loader))
+
+
+# ---- train: one optimizer step of the real training graph ---------------------------------
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_model_arguments(parser)
+    parser.add_argument("--precision", choices=("fp32", "amp"), default="fp32")
+    parser.add_argument("--lr", type=float, default=5e-4)
+
+
+def run_train(args: argparse.Namespace) -> dict[str, Any]:
+    """The trainer's compiled step (forward, backward, clip, AdamW, clamp) on random inputs: the
+    same work as one step of `stages.train` minus the data loader."""
+    import resource
+
+    setup_mindspore(args)
+    import mindspore as ms
+
+    from clipms.config import get_preset
+    from clipms.optim import folded_hyper
+    from clipms.trainer import TrainConfig, build_training
+
+    cfg = TrainConfig(model=get_preset(args.preset), batch_size=args.batch_size,
+                      precision=args.precision, mode=args.mode, lr=args.lr)
+    _, step, _ = build_training(cfg)
+    images = ms.Tensor(random_images(args.batch_size, cfg.model.vision.image_size))
+    tokens = ms.Tensor(random_tokens(args.batch_size, cfg.model.text.context_length,
+                                     cfg.model.text.vocab_size))
+    scalars = [ms.Tensor(x) for x in folded_hyper(args.lr, 1).tensors()]
+    load_before = os.getloadavg()[0]
+    times = time_steps(lambda: step(images, tokens, *scalars, True)[0].asnumpy(), args.warmup,
+                       args.steps)
+    step_ms = statistics.median(times)
+    return _base_result(
+        args, bench="train", preset=args.preset, precision=args.precision,
+        samples_per_s=round(args.batch_size / step_ms * 1000, 2),
+        median_step_ms=round(step_ms, 2), min_step_ms=round(min(times), 2),
+        peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        load_avg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)])
+
+
+register(Subcommand("train", "training step throughput (forward + backward + AdamW)",
+                    add_train_arguments, run_train))
 
 
 # ---- entry point ----------------------------------------------------------------------------
