@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from clipms.prep.captions import (
@@ -147,6 +149,17 @@ def test_images_parquet_round_trip(tmp_path):
     back = read_parquet(tmp_path / "images.parquet")
     assert back.columns.tolist() == ["url", "key", "caption", "captions", "split", "labels"]
     assert list(back.loc[0, "captions"]) == ["a red circle", "a red disc"]
+
+
+def test_nothing_left_still_writes_the_contract(tmp_path):
+    rows = [("ftp://x/1", "a caption"), (None, "another caption")]
+    result = dedupe(frame(rows), HTTP, log=quiet)
+    assert result.stats["images_out"] == 0 and result.stats["removed"]["disallowed_scheme"] == 1
+    write_images(result.images, tmp_path / "images.parquet")
+    schema = pq.read_schema(tmp_path / "images.parquet")
+    assert schema.names == ["url", "key", "caption", "captions", "split", "labels"]
+    assert all(schema.field(n).type == pa.string() for n in schema.names if n != "captions")
+    assert schema.field("captions").type.value_type == pa.string()
 
 
 def test_metadata_errors_are_clear(tmp_path):

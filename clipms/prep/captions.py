@@ -34,6 +34,10 @@ REASONS = (
     "exact_duplicate", "duplicate_caption", "not_first_caption",
 )
 IMAGE_COLUMNS = ["url", "key", "caption", "captions", "split", "labels"]
+IMAGES_SCHEMA = pa.schema([  # the data/images.parquet contract, also when it is empty
+    ("url", pa.string()), ("key", pa.string()), ("caption", pa.string()),
+    ("captions", pa.list_(pa.string())), ("split", pa.string()), ("labels", pa.string()),
+])
 
 KeepMode = Literal["all", "first"]
 
@@ -283,7 +287,7 @@ def write_images(images: pd.DataFrame, path: Path | str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    table = pa.Table.from_pandas(images, preserve_index=False)
+    table = pa.Table.from_pandas(images[IMAGE_COLUMNS], schema=IMAGES_SCHEMA, preserve_index=False)
     # No pandas metadata: it would name the Arrow list dtype, which pandas cannot read back.
     pq.write_table(table.replace_schema_metadata(None), tmp)
     tmp.replace(path)
