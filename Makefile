@@ -34,3 +34,15 @@ lint: env
 
 clean-env:
 	rm -rf $(VENV)
+
+# Prefect (docs/orchestration.md): a server, the deployments of prefect.yaml, a worker.
+PREFECT_PORT ?= 4200
+.PHONY: prefect-server deploy worker
+prefect-server: env
+	prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
+
+deploy: env
+	scripts/deploy.sh
+
+worker: env
+	prefect worker start --pool clipms --type process

@@ -29,8 +29,10 @@ class RunReport:
 
 
 def headline_for(stages: list[dict[str, Any]]) -> str:
-    """"up to date" when no stage changed its results (dvc.lock entry), else the stages that did."""
-    changed = [s["stage"] for s in stages if s.get("changed")]
+    """"up to date" when no stage changed its results (dvc.lock entry) or restored missing outputs
+    from DVC's run cache, else the stages that did."""
+    changed = [s["stage"] for s in stages
+               if s.get("changed") or s["outcome"].startswith("restored")]
     return UP_TO_DATE if not changed else "updated " + ", ".join(changed)
 
 

@@ -19,12 +19,15 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tests.workspace import tool_env
+import pytest
+
+from tests.workspace import make_workspace, tool_env
 
 POOL = "clipms"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -221,3 +224,17 @@ class PrefectStack:
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def prefect_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
+    """One tiny synthetic workspace deployed to one real server with one worker, per session."""
+    root = tmp_path_factory.mktemp("prefect-stack")
+    workspace = make_workspace(root / "workspace")
+    home = root / "prefect-home"
+    home.mkdir()
+    stack = PrefectStack.start(workspace, home)
+    try:
+        yield stack
+    finally:
+        stack.stop()
