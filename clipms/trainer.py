@@ -183,8 +183,7 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
     import mindspore as ms
 
     rank, group_size = _setup(cfg, distributed)
-    model, network, named_trainable = _build_model(cfg)
-    step_cell = _build_step(cfg, model, network, named_trainable, distributed, group_size)
+    model, step_cell, named_trainable = build_training(cfg, distributed, group_size)
     state = TrainState()
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if ckpt_dir is not None and resume:
@@ -301,6 +300,15 @@ def init_distributed() -> tuple[int, int]:
         init()
         _DISTRIBUTED = (get_rank(), get_group_size())
     return _DISTRIBUTED
+
+
+def build_training(cfg: TrainConfig, distributed: bool = False,
+                   group_size: int = 1) -> tuple[Any, Any, list[tuple[str, Any]]]:
+    """(CLIP Cell, its TrainStep, trainable (name, parameter) pairs) for `cfg` (benchmarks use
+    this too). MindSpore's mode/device must already be set."""
+    model, network, named_trainable = _build_model(cfg)
+    step_cell = _build_step(cfg, model, network, named_trainable, distributed, group_size)
+    return model, step_cell, named_trainable
 
 
 def _build_model(cfg: TrainConfig) -> tuple[Any, Any, list[tuple[str, Any]]]:
