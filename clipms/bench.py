@@ -378,14 +378,15 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     tokens = ms.Tensor(random_tokens(args.batch_size, cfg.model.text.context_length,
                                      cfg.model.text.vocab_size))
     scalars = [ms.Tensor(x) for x in folded_hyper(args.lr, 1).tensors()]
-    load_before = os.getloadavg()[0]
+    load_before, cpu = os.getloadavg()[0], []
     times = time_steps(lambda: step(images, tokens, *scalars, True)[0].asnumpy(), args.warmup,
-                       args.steps)
+                       args.steps, cpu)
     step_ms = statistics.median(times)
     return _base_result(
         args, bench="train", preset=args.preset, precision=args.precision,
         samples_per_s=round(args.batch_size / step_ms * 1000, 2),
         median_step_ms=round(step_ms, 2), min_step_ms=round(min(times), 2),
+        cpu_step_ms=round(cpu[0], 1),
         peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         load_avg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)])
 
