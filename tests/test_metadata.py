@@ -127,9 +127,14 @@ def test_synthetic_summary_counts_duplicates(tmp_path):
     assert "exact duplicates" in summary.paragraph()
 
 
-def test_a_rerun_clears_stale_images(tmp_path):
+def test_a_rerun_clears_stale_images_and_a_failed_run_keeps_the_outputs(tmp_path):
     _build(tmp_path, num_images=5, synthetic_image_size=32)
     _build(tmp_path, num_images=3, synthetic_image_size=32)
+    assert len(list((tmp_path / "data" / "synthetic").iterdir())) == 3
+    before = (tmp_path / "data" / "metadata.parquet").read_bytes()
+    with pytest.raises(MetadataError):
+        _build(tmp_path, source="local", path=str(tmp_path / "absent.parquet"))
+    assert (tmp_path / "data" / "metadata.parquet").read_bytes() == before
     assert len(list((tmp_path / "data" / "synthetic").iterdir())) == 3
 
 
@@ -158,7 +163,7 @@ def test_mscoco_checksum_mismatch_fails_clearly_and_writes_nothing(tmp_path, ser
     with pytest.raises(MetadataError, match="checksum mismatch.*metadata.sha256 expects 0{64}"):
         _build(tmp_path, source="mscoco", url=server.url("/mscoco.parquet"), sha256="0" * 64,
                **FAST)
-    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["synthetic"]
+    assert list((tmp_path / "data").iterdir()) == []  # no output, no partial download
     assert server.hits["/mscoco.parquet"] == 1  # a wrong file is not fetched again
 
 

@@ -81,25 +81,33 @@ def build_metadata(spec: MetadataSpec, out_path: Path | str = "data/metadata.par
                    backoff_seconds: float = 1.0) -> MetadataSummary:
     """Fetch or generate the metadata of `spec.source` and write it to `out_path`.
 
-    `synthetic_dir` is (re)created empty for every source, so that it is always the declared
-    output; only the synthetic source fills it. Keep it relative to the working directory: the
-    synthetic URLs embed it (`file:data/synthetic/000001.png`) and must not depend on the checkout.
+    `synthetic_dir` is recreated for every source, so that it always exists as the declared output
+    (empty unless the source is synthetic). Keep it relative to the working directory: synthetic
+    URLs embed it (`file:data/synthetic/000001.png`) and must not depend on the checkout. On an
+    error, the previous outputs are left as they were.
     """
     start = time.monotonic()
     out_path, synthetic_dir = Path(out_path), Path(synthetic_dir)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(synthetic_dir, ignore_errors=True)
-    synthetic_dir.mkdir(parents=True)
     if spec.source == "synthetic":
+        _reset_dir(synthetic_dir)
         table = synthetic_table(spec, synthetic_dir)
     elif spec.source == "mscoco":
         table = _fetch_parquet(spec.url, out_path.parent, spec, "URL", "TEXT", backoff_seconds)
+        _reset_dir(synthetic_dir)
     elif spec.source == "local":
         table = local_table(spec, out_path.parent, backoff_seconds)
+        _reset_dir(synthetic_dir)
     else:
         raise MetadataError(f"metadata.source = {spec.source!r}: expected one of {SOURCES}")
     write_table(table, out_path)
     return summarise(table, spec.source, out_path, time.monotonic() - start)
+
+
+def _reset_dir(path: Path) -> None:
+    """An empty `path`: images of an earlier, larger run must not linger."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
 
 
 # ---------------------------------------------------------------------------------------------
