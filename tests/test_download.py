@@ -26,7 +26,13 @@ import pytest
 import yaml
 from PIL import Image
 
-from clipms.prep.download import read_parquet
+from clipms.prep.download import (
+    FINGERPRINT_FILE,
+    DownloadSettings,
+    fingerprint,
+    prepare_output,
+    read_parquet,
+)
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SLOW_SECONDS = 2.5       # the slow URL answers after this; the download timeout is 1 s
@@ -100,6 +106,10 @@ class Site:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=10)
+
+
+def quiet(_message: str) -> None:
+    pass
 
 
 def stage_env() -> dict[str, str]:
@@ -263,7 +273,7 @@ def test_download_refuses_file_urls_before_img2dataset(tmp_path):
 
 
 @pytest.mark.slow
-def test_download_resumes_finished_shards_and_restarts_on_new_input(tmp_path):
+def test_download_resumes_only_unfinished_shards(tmp_path):
     write_params(tmp_path, samples_per_shard=2)
     (tmp_path / "data").mkdir()
     with Site() as site:
@@ -286,12 +296,24 @@ def test_download_resumes_finished_shards_and_restarts_on_new_input(tmp_path):
         assert (out / "00000.tar").stat().st_mtime_ns == first["00000.tar"]
         assert json.loads((tmp_path / "metrics/download.json").read_text())["successes"] == 6
 
-        # Different input: the old shards are not reused.
-        images.iloc[:4].to_parquet(tmp_path / "data/images.parquet", index=False)
-        site.requests.clear()
-        run_stage("download", tmp_path)
-        assert len(site.requests) == 4
-        assert sorted(p.name for p in out.glob("*.tar")) == ["00000.tar", "00001.tar"]
+
+def test_output_is_kept_only_for_the_same_fingerprint(tmp_path):
+    images_file = tmp_path / "images.parquet"
+    pd.DataFrame({"url": ["http://x/1"]}).to_parquet(images_file)
+    settings = DownloadSettings()
+    same = fingerprint(images_file, settings, frozenset({"http"}))
+    out = tmp_path / "download"
+    prepare_output(out, quiet, expected=same)
+    (out / "00000.tar").write_bytes(b"finished shard")
+    (out / "00000_stats.json").write_text("{}")
+    prepare_output(out, quiet, expected=fingerprint(images_file, settings, frozenset({"http"})))
+    assert (out / "00000.tar").is_file()  # same input and settings: resume
+    for other in (fingerprint(images_file, DownloadSettings(image_size=128), frozenset({"http"})),
+                  fingerprint(images_file, settings, frozenset({"http", "https"}))):
+        assert other != same
+    pd.DataFrame({"url": ["http://x/2"]}).to_parquet(images_file)
+    prepare_output(out, quiet, expected=fingerprint(images_file, settings, frozenset({"http"})))
+    assert sorted(p.name for p in out.iterdir()) == [FINGERPRINT_FILE]  # new input: start over
 
 
 def test_download_reports_bad_params(tmp_path):
