@@ -28,6 +28,7 @@ def collect(mlflow_client: Any, name: str, limit: int = 20) -> list[VersionRow]:
     """The newest `limit` versions of `name`, with their run's params."""
     versions = mlflow_client.search_model_versions(f"name = '{name}'")
     versions = sorted(versions, key=lambda v: int(v.version))[-limit:]
+    aliases = _aliases(mlflow_client, name) if versions else {}
     rows = []
     for v in versions:
         params: dict[str, str] = {}
@@ -36,9 +37,17 @@ def collect(mlflow_client: Any, name: str, limit: int = 20) -> list[VersionRow]:
                 params = dict(mlflow_client.get_run(v.run_id).data.params)
             except Exception:  # the run may have been deleted; the version still lists
                 params = {}
-        rows.append(VersionRow(int(v.version), sorted(getattr(v, "aliases", []) or []),
+        rows.append(VersionRow(int(v.version), aliases.get(str(v.version), []),
                                v.run_id or "", dict(v.tags or {}), params))
     return rows
+
+
+def _aliases(mlflow_client: Any, name: str) -> dict[str, list[str]]:
+    """{version: [aliases]} from the registered model (search results do not carry aliases)."""
+    by_version: dict[str, list[str]] = {}
+    for alias, version in (mlflow_client.get_registered_model(name).aliases or {}).items():
+        by_version.setdefault(str(version), []).append(alias)
+    return {v: sorted(a) for v, a in by_version.items()}
 
 
 def differing_params(rows: Sequence[VersionRow]) -> list[str]:
@@ -66,7 +75,7 @@ def render(name: str, rows: Sequence[VersionRow], metrics: Sequence[str] = DEFAU
     if not rows:
         return f"registered model '{name}': no versions"
     header = ["version", "aliases", "run", *metrics, "val_digest", "data_md5", "tokenizer",
-              "git", "gate"]
+              "git", "decision"]
     body = []
     for row in rows:
         dirty = "+dirty" if row.tags.get("lineage.git_dirty") == "true" else ""

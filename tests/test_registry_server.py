@@ -218,7 +218,10 @@ def test_gate_sequence_on_real_registered_models(workspace: Path, bundle: Path) 
     out = subprocess.run([sys.executable, "-m", "registry", "compare", "--name", MODEL],
                          capture_output=True, text=True, check=True, timeout=120,
                          env=dict(os.environ))
-    assert "4 version(s)" in out.stdout and "champion" in out.stdout
+    assert "4 version(s)" in out.stdout
+    aliases = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines()
+               if line.startswith("v") and line[1].isdigit()}
+    assert aliases == {"v1": "-", "v2": "-", "v3": "champion", "v4": "challenger"}
     assert "train.lr" in out.stdout  # the only param that differs between the runs
     assert "different evaluation set" in out.stdout
 
