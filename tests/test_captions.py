@@ -142,6 +142,18 @@ def test_split_is_by_image_and_survives_more_data():
     assert (merged["split"] == merged["split_b"]).all() and (merged["key"] == merged["key_b"]).all()
 
 
+def test_arrow_table_and_dataframe_give_the_same_result(tmp_path):
+    rows = [("http://x/1", "A red circle.", '{"shape": "circle"}'),
+            ("http://x/1", "a red circle", None), ("http://x/2", "Two blue squares", None),
+            ("ftp://x/3", "refused scheme", None), ("http://x/2", "", None)]
+    data = frame(rows, labels=True)
+    data.to_parquet(tmp_path / "metadata.parquet", index=False)
+    from_arrow = dedupe(read_metadata(tmp_path / "metadata.parquet"), HTTP, log=quiet)
+    from_pandas = dedupe(data, HTTP, log=quiet)
+    assert from_arrow.stats == from_pandas.stats
+    pd.testing.assert_frame_equal(from_arrow.images, from_pandas.images)
+
+
 def test_images_parquet_round_trip(tmp_path):
     rows = [("http://x/1", "a red circle"), ("http://x/1", "a red disc")]
     result = dedupe(frame(rows), HTTP, log=quiet)

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from clipms.prep.download import read_parquet, scheme_array
+from clipms.prep.download import scheme_array
 
 URL_COL = "URL"
 TEXT_COL = "TEXT"
@@ -118,26 +118,27 @@ def assign_splits(urls: Iterable[str], val_fraction: float, salt: str) -> list[s
     ]
 
 
-def read_metadata(path: Path | str) -> pd.DataFrame:
-    """Read metadata.parquet; a clear error for a missing/unreadable file or missing columns."""
+def read_metadata(path: Path | str) -> pa.Table:
+    """Read metadata.parquet as an Arrow table (dedupe works on Arrow: no pandas round trip); a
+    clear error for a missing/unreadable file or missing columns."""
     path = Path(path)
     if not path.is_file():
         raise MetadataError(f"{path}: metadata file not found (run the metadata stage first)")
     try:
-        frame = read_parquet(path)
+        table = pq.read_table(str(path))  # a path, not a file object: see download.read_parquet
     except Exception as err:  # pyarrow raises several unrelated types for a bad file
         raise MetadataError(f"{path}: not a readable parquet file ({err})") from err
-    missing = [c for c in (URL_COL, TEXT_COL) if c not in frame.columns]
+    missing = [c for c in (URL_COL, TEXT_COL) if c not in table.column_names]
     if missing:
         raise MetadataError(
-            f"{path}: missing column(s) {missing}; found {list(frame.columns)} "
+            f"{path}: missing column(s) {missing}; found {table.column_names} "
             f"(expected {URL_COL!r} and {TEXT_COL!r}, one row per caption)"
         )
-    return frame
+    return table
 
 
 def dedupe(
-    metadata: pd.DataFrame,
+    metadata: pd.DataFrame | pa.Table,
     allowed_schemes: Iterable[str],
     min_caption_chars: int = 5,
     keep: KeepMode = "all",
@@ -147,8 +148,8 @@ def dedupe(
 ) -> DedupeResult:
     """Clean, dedupe and group captions by image; stable keys and a train/val split by image."""
     tick = _ticker(log, time.perf_counter())
-    urls = pc.utf8_trim_whitespace(_strings(metadata[URL_COL]))
-    raw = _strings(metadata[TEXT_COL])
+    urls = pc.utf8_trim_whitespace(_column(metadata, URL_COL))
+    raw = _column(metadata, TEXT_COL)
     captions = _normalise(raw)
     tick(f"normalised {len(metadata):,} captions")
 
@@ -237,8 +238,28 @@ def _labels_by_url(image_urls: pd.Series, urls: pa.Array, labels: pa.Array | Non
     return _np(firsts["labels_first"].take(where)).astype(object)
 
 
-def _labels(metadata: pd.DataFrame) -> pa.Array | None:
+def _column(metadata: pd.DataFrame | pa.Table, name: str) -> pa.Array:
+    """One column as an Arrow string array, whichever container it came in."""
+    if isinstance(metadata, pd.DataFrame):
+        return _strings(metadata[name])
+    column = metadata.column(name).combine_chunks()
+    if column.type == pa.string():
+        return column
+    try:
+        return pc.cast(column, pa.string())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return _strings(column.to_pandas())
+
+
+def _labels(metadata: pd.DataFrame | pa.Table) -> pa.Array | None:
     """LABELS as JSON strings (dicts are serialised; nulls stay null), or None when absent."""
+    if isinstance(metadata, pa.Table):
+        if LABELS_COL not in metadata.column_names:
+            return None
+        column = metadata.column(LABELS_COL).combine_chunks()
+        if column.type in (pa.string(), pa.null()):
+            return column.cast(pa.string())
+        metadata = pd.DataFrame({LABELS_COL: column.to_pylist()})
     if LABELS_COL not in metadata.columns:
         return None
     labels = metadata[LABELS_COL].astype(object)
