@@ -187,7 +187,7 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
     state = TrainState()
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if ckpt_dir is not None and resume:
-        state = _maybe_resume(cfg, ckpt_dir, step_cell, named_trainable, model)
+        state = _maybe_resume(cfg, ckpt_dir, step_cell, named_trainable, model, rank)
     elif ckpt_dir is not None and rank == 0:
         checkpoint.clear(ckpt_dir)
     writer = rank == 0 and ckpt_dir is not None
@@ -435,16 +435,17 @@ def _save(cfg: TrainConfig, folder: Path, step_cell: Any, named_trainable: list,
 
 
 def _maybe_resume(cfg: TrainConfig, folder: Path, step_cell: Any, named_trainable: list,
-                  model: Any) -> TrainState:
+                  model: Any, rank: int = 0) -> TrainState:
     import mindspore as ms
 
     found = checkpoint.load_latest(folder)
     if found is None:
         return TrainState()
     if found.meta.get("fingerprint") != cfg.fingerprint():
-        removed = checkpoint.clear(folder)
-        log.warning("checkpoints in %s belong to another configuration; removed %d, starting "
-                    "fresh", folder, removed)
+        if rank == 0:  # the only writer; the other ranks just start fresh too
+            removed = checkpoint.clear(folder)
+            log.warning("checkpoints in %s belong to another configuration or other data; "
+                        "removed %d, starting fresh", folder, removed)
         return TrainState()
     for name, param in _state_tensors(step_cell, named_trainable, model).items():
         if name not in found.tensors:

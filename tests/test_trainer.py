@@ -140,3 +140,20 @@ def test_amp_runs_on_cpu_with_a_dynamic_loss_scale():
     losses = [row["loss"] for row in result.history]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert result.model.logit_scale.dtype == ms.float32  # master weights stay fp32
+
+
+def test_checkpoints_of_another_config_are_discarded_not_resumed(tmp_path, caplog):
+    folder = tmp_path / "ckpt"
+    cfg = TrainConfig(model=MICRO, batch_size=4, epochs=1, lr=1e-3, warmup_steps=1,
+                      checkpoint_every=1)
+    train(cfg, RandomBatches(MICRO, 4, 2), folder)
+    assert [p.name for p in checkpoint.list_checkpoints(folder)] == [
+        "step-00000001.ckpt", "step-00000002.ckpt"]
+    other = TrainConfig(**{**cfg.__dict__, "lr": 2e-3, "max_steps": 1})
+    with caplog.at_level("WARNING", logger="clipms.trainer"):
+        result = train(other, RandomBatches(MICRO, 4, 2), folder)
+    assert "belong to another configuration" in caplog.text
+    assert [row["step"] for row in result.history] == [1]  # trained from scratch
+    saved = checkpoint.list_checkpoints(folder)
+    assert [p.name for p in saved] == ["step-00000001.ckpt"]
+    assert checkpoint.load(saved[0]).meta["fingerprint"] == other.fingerprint()
