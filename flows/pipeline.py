@@ -89,9 +89,11 @@ def run_stage(workdir: Path, stage: str, force: bool = False,
     result = dvc_cli.repro_stage(workdir, stage, force=force, on_line=logger.info)
     outcome = "up to date"
     if result.restored:
-        outcome = "restored from the run cache"
+        outcome = summary.RESTORED
     elif result.ran:
-        outcome = "ran" if result.changed else "ran, outputs unchanged"
+        # A forced rerun that reproduced the same outputs (the nightly metadata refresh of an
+        # unchanged source) changed nothing; a stage DVC itself found stale did real work.
+        outcome = "ran (forced), outputs unchanged" if force and not result.changed else "ran"
     logger.info("stage '%s': %s in %.1f s", stage, outcome, result.seconds)
     return {"stage": stage, "outcome": outcome, "seconds": result.seconds,
             "changed": result.changed}

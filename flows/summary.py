@@ -16,6 +16,7 @@ EVAL_METRICS = Path("metrics/eval.json")
 REGISTER_DECISION = Path("metrics/register.json")
 MLFLOW_RUN = Path("models/mlflow_run.json")
 UP_TO_DATE = "up to date"
+RESTORED = "restored from the run cache"
 
 
 @dataclass
@@ -29,10 +30,9 @@ class RunReport:
 
 
 def headline_for(stages: list[dict[str, Any]]) -> str:
-    """"up to date" when no stage changed its results (dvc.lock entry) or restored missing outputs
-    from DVC's run cache, else the stages that did."""
-    changed = [s["stage"] for s in stages
-               if s.get("changed") or s["outcome"].startswith("restored")]
+    """"up to date" when no stage had work to do (forced reruns that reproduced the same outputs
+    do not count), else the stages that ran or were restored from DVC's run cache."""
+    changed = [s["stage"] for s in stages if s["outcome"] in ("ran", RESTORED)]
     return UP_TO_DATE if not changed else "updated " + ", ".join(changed)
 
 
@@ -61,8 +61,19 @@ def render(report: RunReport, workdir: Path, run_name: str = "") -> str:
         parts += ["", "```", report.details.strip(), "```"]
     parts += _section("Evaluation metrics", workdir, EVAL_METRICS, _metric_rows)
     parts += _section("Registry decision", workdir, REGISTER_DECISION, _flat_rows)
-    parts += _section("MLflow run", workdir, MLFLOW_RUN, _flat_rows)
+    parts += _mlflow_section(workdir)
     return "\n".join(parts) + "\n"
+
+
+def _mlflow_section(workdir: Path) -> list[str]:
+    """The run train opened (models/mlflow_run.json), else the run id the register stage used."""
+    if (workdir / MLFLOW_RUN).is_file():
+        return _section("MLflow run", workdir, MLFLOW_RUN, _flat_rows)
+    decision, _ = read_json(workdir, REGISTER_DECISION)
+    if decision and decision.get("run_id"):
+        return ["", "## MLflow run", "", f"run id `{decision['run_id']}` "
+                f"(from `{REGISTER_DECISION}`; `{MLFLOW_RUN}` not produced)"]
+    return _section("MLflow run", workdir, MLFLOW_RUN, _flat_rows)
 
 
 def _section(title: str, workdir: Path, rel: Path, rows: Any) -> list[str]:

@@ -7,6 +7,7 @@ an independent stage, a stage that fails with a message, a params section per st
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,15 +46,22 @@ TOY_STAGES = {
 }
 
 
-@pytest.fixture()
-def toy(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def toy_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A committed git + DVC project with the toy pipeline (nothing reproduced yet)."""
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(TOY_PARAMS, sort_keys=False))
-    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": TOY_STAGES}, sort_keys=False))
-    run(["git", "init", "-q", "-b", "main"], tmp_path)
-    run([PY, "-m", "dvc", "init", "-q"], tmp_path)
-    _commit(tmp_path, "toy")
-    return tmp_path
+    repo = tmp_path_factory.mktemp("toy")
+    (repo / "params.yaml").write_text(yaml.safe_dump(TOY_PARAMS, sort_keys=False))
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": TOY_STAGES}, sort_keys=False))
+    run(["git", "init", "-q", "-b", "main"], repo)
+    run([PY, "-m", "dvc", "init", "-q"], repo)
+    _commit(repo, "toy")
+    return repo
+
+
+@pytest.fixture()
+def toy(toy_template: Path, tmp_path: Path) -> Path:
+    """A fresh copy of the toy project for one test."""
+    return Path(shutil.copytree(toy_template, tmp_path / "toy", symlinks=True))
 
 
 def _commit(repo: Path, message: str) -> None:
@@ -87,7 +95,8 @@ def test_run_stage_runs_then_skips_then_forces(toy: Path) -> None:
     again = run_stage.fn(toy, "first")
     assert (again["outcome"], again["changed"]) == ("up to date", False)
     forced = run_stage.fn(toy, "first", force=True)
-    assert (forced["outcome"], forced["changed"]) == ("ran, outputs unchanged", False)
+    assert (forced["outcome"], forced["changed"]) == ("ran (forced), outputs unchanged", False)
+    assert summary.headline_for([forced]) == summary.UP_TO_DATE  # the nightly refresh case
     # known clean (from `dvc status`): no dvc call at all
     assert run_stage.fn(toy, "second", known_up_to_date=True)["outcome"] == "up to date"
     assert not (toy / "b.txt").exists()
@@ -145,13 +154,16 @@ def test_summary_holds_metrics_decision_and_mlflow_run(tmp_path: Path) -> None:
     (tmp_path / "models").mkdir()
     (tmp_path / "metrics/eval.json").write_text(json.dumps({"i2t_R@5": 0.8125, "count": 16}))
     (tmp_path / "metrics/register.json").write_text(json.dumps(
-        {"decision": "challenger", "champion": {"version": 1, "i2t_R@5": 0.9}}))
+        {"decision": "challenger", "champion": {"version": 1, "i2t_R@5": 0.9}, "run_id": "abc123"}))
     (tmp_path / "models/mlflow_run.json").write_text("{not json")
     stages = [{"stage": "train", "outcome": "ran", "seconds": 3.0, "changed": True}]
     text = summary.render(summary.RunReport(summary.headline_for(stages), stages), tmp_path, "r1")
     assert text.startswith("# clip-pipeline `r1`: updated train")
     assert "| i2t_R@5 | 0.8125 |" in text and "| champion.i2t_R@5 | 0.9000 |" in text
     assert "| decision | challenger |" in text and "`models/mlflow_run.json` unreadable" in text
+    (tmp_path / "models/mlflow_run.json").unlink()
+    text = summary.render(summary.RunReport("x", stages), tmp_path)
+    assert "run id `abc123`" in text.split("## MLflow run")[1]
     clean = [{"stage": "train", "outcome": "up to date", "seconds": 0.0, "changed": False}]
     assert summary.headline_for(clean) == summary.UP_TO_DATE
 
