@@ -42,6 +42,12 @@ def test_normalise_nfc_whitespace_and_strip():
     assert got.tolist() == ["Caf\u00e9 by the sea", None, ""]
 
 
+def test_whitespace_is_every_unicode_whitespace_as_python_defines_it():
+    spaces = [chr(i) for i in range(0x110000) if chr(i).isspace()]
+    texts = [f"a{w}b" for w in spaces] + [f"{w} a {w}{w}b {w}" for w in spaces]
+    assert normalise_captions(pd.Series(texts)).tolist() == [" ".join(s.split()) for s in texts]
+
+
 def test_comparison_ignores_case_punctuation_and_spacing():
     keys = comparison_keys(pd.Series(["A red circle.", "a RED, circle!", "a red  circle",
                                       "a red square", "Éclair_"]))
