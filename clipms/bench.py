@@ -184,15 +184,23 @@ def run_bundle_encode(args: argparse.Namespace) -> dict[str, Any]:
     ctx = bundle["text_encoder"]["input"]["shape"][1]
     images = ms.Tensor(random_images(args.batch_size, size))
     tokens = ms.Tensor(random_tokens(args.batch_size, ctx, bundle["model"]["text"]["vocab_size"]))
+    n, timed = args.batch_size, args.batch_size * args.steps
+    cpu = time.process_time()
     image_ms = statistics.median(
         time_steps(lambda: image_graph(images).asnumpy(), args.warmup, args.steps))
+    cpu_image = time.process_time() - cpu
     text_ms = statistics.median(
         time_steps(lambda: text_graph(tokens).asnumpy(), args.warmup, args.steps))
-    n = args.batch_size
+    cpu_text = time.process_time() - cpu - cpu_image
+    # CPU time per item (warm-up included) is robust to a busy machine, unlike wall-clock rates.
+    warm = (args.warmup + args.steps) / args.steps
     return _base_result(
         args, bench="encode", source="mindir", bundle=str(args.bundle),
         images_per_s=round(n / image_ms * 1000, 2), texts_per_s=round(n / text_ms * 1000, 2),
         median_image_step_ms=round(image_ms, 2), median_text_step_ms=round(text_ms, 2),
+        cpu_ms_per_image=round(cpu_image / timed / warm * 1000, 3),
+        cpu_ms_per_text=round(cpu_text / timed / warm * 1000, 3),
+        load_avg_1min=round(os.getloadavg()[0], 2),
     )
 
 
