@@ -68,9 +68,19 @@ def experiment_from_params(path: Path = Path("params.yaml")) -> str:
     return str(section.get("experiment") or DEFAULT_EXPERIMENT)
 
 
+def project_root() -> Path:
+    """The DVC project root: DVC_ROOT when DVC runs the stage (for a queued or `--temp` experiment
+    that is the user's repo, not the temporary copy that is deleted afterwards), else the cwd."""
+    return Path(os.environ.get("DVC_ROOT") or ".")
+
+
 def tracking_uri() -> str:
-    """`MLFLOW_TRACKING_URI` if set, else the project's SQLite database."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    """`MLFLOW_TRACKING_URI` if set, else the project's SQLite database `mlflow.db`."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    if os.environ.get("DVC_ROOT"):
+        return f"sqlite:///{(project_root() / 'mlflow.db').resolve()}"
+    return DEFAULT_TRACKING_URI
 
 
 def redact_uri(uri: str) -> str:
@@ -206,6 +216,12 @@ def lineage(lock: Mapping[str, Any] | None = None) -> dict[str, str]:
     return safe_params({k: str(v) for k, v in tags.items() if v is not None})
 
 
+def dvc_experiment_tags() -> dict[str, str]:
+    """The DVC experiment this run belongs to, when DVC says so (queued/temp experiments)."""
+    names = {"DVC_EXP_NAME": "dvc.exp_name", "DVC_EXP_BASELINE_REV": "dvc.exp_baseline_rev"}
+    return {tag: os.environ[env] for env, tag in names.items() if os.environ.get(env)}
+
+
 def _dirty() -> str | None:
     status = _git("status", "--porcelain", "--untracked-files=no")
     return None if status is None else str(bool(status)).lower()
@@ -261,7 +277,8 @@ class PipelineRun:
         JOURNAL_FILE.unlink(missing_ok=True)  # a new run: an old journal belongs to an old run
         run = cls(uuid.uuid4().hex, None, experiment or experiment_from_params())
         lock = read_lock()
-        tags = lineage(lock)
+        tags = {**lineage(lock), **dvc_experiment_tags()}
+        run_name = run_name or os.environ.get("DVC_EXP_NAME")  # `dvc exp run` names the run
         run.pending.append({"op": "create", "run_name": run_name, "tags": {
             **tags, "pipeline.run_key": run.run_key, "pipeline.opened_by": stage}})
         run.log_params(lock_params(lock, DATA_STAGES))
@@ -460,9 +477,11 @@ class PipelineRun:
 
     def save(self) -> None:
         """Write the run file (train's DVC out) and the journal."""
+        uri = tracking_uri()
         write_json(RUN_FILE, {"run_key": self.run_key, "run_id": self.run_id,
-                              "experiment": self.experiment,
-                              "tracking_uri": redact_uri(tracking_uri())})
+                              "experiment": self.experiment,  # no local paths in a DVC out:
+                              "tracking_uri": DEFAULT_TRACKING_URI if is_local_store(uri)
+                              else redact_uri(uri)})
         self.save_journal()
 
     def save_journal(self) -> None:
@@ -522,7 +541,7 @@ def ensure_experiment(mlflow_client: Any, name: str) -> str:
         return str(experiment.experiment_id)
     location = None
     if is_local_store(tracking_uri()):
-        location = LOCAL_ARTIFACTS_DIR.resolve().as_uri()
+        location = (project_root() / LOCAL_ARTIFACTS_DIR).resolve().as_uri()
     return str(mlflow_client.create_experiment(name, artifact_location=location))
 
 

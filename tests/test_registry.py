@@ -188,3 +188,16 @@ def test_pyfunc_input_decoding(tmp_path: Path) -> None:
         decode_image("not base64 and not a file!", 3)
     with pytest.raises(ValueError, match="got int"):
         decode_image(7, 0)
+
+
+def test_tracking_uri_defaults_to_the_project_database(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    assert tracking.tracking_uri() == "sqlite:///mlflow.db"
+    # A queued/--temp `dvc exp run` executes in a temporary copy; DVC_ROOT is the user's repo.
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    assert tracking.tracking_uri() == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert tracking.tracking_uri() == "http://127.0.0.1:5000"
+    monkeypatch.setenv("DVC_EXP_NAME", "lr-sweep-1")
+    assert tracking.dvc_experiment_tags() == {"dvc.exp_name": "lr-sweep-1"}
