@@ -224,14 +224,16 @@ def run_retrieval(args: argparse.Namespace) -> dict[str, Any]:
     images = rng.normal(size=(args.images, args.dim)).astype(np.float32)
     owners = np.repeat(np.arange(args.images), args.captions_per_image)
     texts = images[owners] + 2.0 * rng.normal(size=(owners.size, args.dim)).astype(np.float32)
-    times = []
+    times, cpu = [], time.process_time()
     for _ in range(args.repeats):
         start = time.perf_counter()
         retrieval_metrics(images, texts, owners, chunk=args.chunk)
         times.append(time.perf_counter() - start)
     return {"bench": "retrieval", "images": args.images, "captions": int(owners.size),
             "dim": args.dim, "chunk": args.chunk, "median_s": round(statistics.median(times), 3),
-            "times_s": [round(t, 3) for t in times]}
+            "times_s": [round(t, 3) for t in times],
+            "cpu_s_per_run": round((time.process_time() - cpu) / args.repeats, 3),
+            "load_avg_1min": round(os.getloadavg()[0], 2)}
 
 
 register(Subcommand("encode", "encode_image + encode_text throughput (--bundle: the MindIR)",
