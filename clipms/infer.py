@@ -108,7 +108,11 @@ class Encoder:
         """(N, E) unit-length float32 embeddings; a bad image raises PreprocessError naming it."""
         if isinstance(images, str | Path | bytes | Image.Image):
             images = [images]
-        return self._run(self._image_graph, self.preprocess_images(images))
+        return self.encode_preprocessed(self.preprocess_images(images))
+
+    def encode_preprocessed(self, images: np.ndarray) -> np.ndarray:
+        """(N, E) unit-length embeddings of model-ready (N, 3, S, S) float32 arrays."""
+        return self._run(self._image_graph, images)
 
     def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
         """(M, E) unit-length float32 embeddings of captions or queries."""
@@ -223,7 +227,7 @@ def _encode_batch(encoder: Encoder, batch: list[ShardSample], kept: list[ShardSa
         except PreprocessError:
             skipped.append(sample.key)
     if good:
-        vectors.append(encoder._run(encoder._image_graph, np.stack(arrays)))
+        vectors.append(encoder.encode_preprocessed(np.stack(arrays)))
         kept.extend(good)
 
 
