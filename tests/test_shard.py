@@ -13,6 +13,8 @@ import webdataset as wds
 from PIL import Image
 
 from clipms.prep.shards import ShardError, ShardSettings, build_shards
+from stages.params import ParamsError, load_section
+from stages.shard import ShardParams
 
 
 def quiet(_message: str) -> None:
@@ -170,3 +172,13 @@ def test_same_input_same_bytes_and_seed_shuffles(tmp_path):
 def test_missing_input_folder_is_a_clear_error(tmp_path):
     with pytest.raises(ShardError, match="input folder not found"):
         build_shards(tmp_path / "nope", tmp_path / "out", ShardSettings(workers=1), quiet)
+
+
+def test_shard_params_validation(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("shard:\n  samples_per_shard: 0\n  seeds: 3\n")
+    with pytest.raises(ParamsError) as err:
+        load_section("shard", ShardParams, path)
+    message = str(err.value)
+    assert "shard.samples_per_shard = 0" in message and "greater than or equal to 1" in message
+    assert "shard.seeds: unknown key" in message and "seed" in message
