@@ -149,6 +149,7 @@ def run_img2dataset(images: pd.DataFrame, output: Path, settings: DownloadSettin
             incremental_mode="incremental",  # "overwrite" is broken in 1.47; prepare_output clears
             distributor="multiprocessing",
             enable_wandb=False,
+            extract_exif=False,  # nothing downstream reads EXIF; parsing it costs CPU per image
         )
 
 
