@@ -171,13 +171,14 @@ def clipms_to_openclip(params: dict[str, np.ndarray], cfg: CLIPConfig) -> dict[s
 # ---- MindSpore side -------------------------------------------------------------------------
 
 
-def build_clip(cfg: CLIPConfig, params: dict[str, np.ndarray]):
-    """A CLIP Cell with `params` (clipms names) loaded; every parameter must be given, exactly."""
+def build_clip(cfg: CLIPConfig, params: dict[str, np.ndarray], net=None):
+    """A CLIP Cell (`net`, or a new one) with `params` (clipms names) loaded; every parameter must
+    be given, exactly."""
     import mindspore as ms
 
     from clipms.model import CLIP
 
-    net = CLIP(cfg)
+    net = CLIP(cfg) if net is None else net
     own = {p.name: p for p in net.get_parameters()}
     problems = [f"missing parameter {k}" for k in own if k not in params]
     problems += [f"unexpected parameter {k}" for k in params if k not in own]
@@ -229,9 +230,14 @@ def save_clipms(net, checkpoint: str | Path, tokenizer: str | None = None,
 
 
 def load_clipms(checkpoint: str | Path, config: CLIPConfig | None = None):
-    """`M.ckpt` (+ sidecar `M.json` unless `config` is given) -> a CLIP Cell."""
+    """`M.ckpt` (+ sidecar `M.json` unless `config` is given) -> a CLIP Cell. Entries that are not
+    model parameters (a training checkpoint's optimizer state, step counters) are skipped."""
     import mindspore as ms
 
+    from clipms.model import CLIP
+
+    if not Path(checkpoint).is_file():
+        raise FileNotFoundError(f"{checkpoint}: checkpoint not found")
     if config is None:
         meta_path = sidecar_path(checkpoint)
         if not meta_path.exists():
@@ -239,8 +245,10 @@ def load_clipms(checkpoint: str | Path, config: CLIPConfig | None = None):
                 f"{meta_path} not found: the model config travels beside the checkpoint"
             )
         config = CLIPConfig.from_dict(json.loads(meta_path.read_text())["model"])
-    loaded = ms.load_checkpoint(str(checkpoint))
-    return build_clip(config, {k: v.asnumpy() for k, v in loaded.items()})
+    net = CLIP(config)
+    wanted = {p.name for p in net.get_parameters()}
+    loaded = ms.load_checkpoint(str(checkpoint), choice_func=lambda name: name in wanted)
+    return build_clip(config, {k: v.asnumpy() for k, v in loaded.items()}, net)
 
 
 def save_openclip(net, out: str | Path) -> Path:

@@ -87,6 +87,30 @@ def test_round_trip_is_exact(variant, tmp_path):
         np.testing.assert_array_equal(second[name], value, err_msg=name)
 
 
+def test_training_checkpoint_with_optimizer_state_converts(tmp_path):
+    """A trainer's checkpoint also holds optimizer moments and counters: to-openclip skips them."""
+    config, weights = _paths("micro_gelu")
+    net = load_openclip(config, weights)
+    save_clipms(net, tmp_path / "m.ckpt")
+    extras = [{"name": "adam_m.logit_scale", "data": ms.Tensor(np.zeros((), np.float32))},
+              {"name": "global_step", "data": ms.Tensor(np.array([7], np.int32))}]
+    params = [{"name": p.name, "data": p} for p in net.get_parameters()]
+    ms.save_checkpoint(params + extras, str(tmp_path / "m.ckpt"))
+    save_openclip(load_clipms(tmp_path / "m.ckpt"), tmp_path / "w.safetensors")
+    exported = load_file(str(tmp_path / "w.safetensors"))
+    assert sorted(exported) == sorted(load_file(str(weights)))
+
+
+def test_missing_checkpoint_or_sidecar_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="m.ckpt: checkpoint not found"):
+        load_clipms(tmp_path / "m.ckpt")
+    net = load_openclip(*_paths("micro_gelu"))
+    save_clipms(net, tmp_path / "m.ckpt")
+    (tmp_path / "m.json").unlink()
+    with pytest.raises(FileNotFoundError, match="m.json not found"):
+        load_clipms(tmp_path / "m.ckpt")
+
+
 def _broken_state(kind: str) -> dict[str, np.ndarray]:
     state = load_file(str(_paths("micro_gelu")[1]))
     if kind == "missing":
