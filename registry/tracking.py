@@ -319,10 +319,11 @@ class PipelineRun:
                                  "tags": {mlflow_key(k): str(v) for k, v in tags.items()}})
 
     def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
-        """Queue metrics; consecutive calls share one batch until it is sent."""
+        """Queue metrics; consecutive calls share one batch until it is sent. Non-numbers and
+        NaN/inf are skipped: one rejected value would make the server refuse the whole batch."""
         now = int(time.time() * 1000)
         rows = [[mlflow_key(k), float(v), now, int(step)] for k, v in metrics.items()
-                if isinstance(v, int | float) and not isinstance(v, bool)]
+                if _finite_number(v)]
         if not rows:
             return
         if self.pending and self.pending[-1]["op"] == "metrics":
