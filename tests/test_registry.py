@@ -201,3 +201,25 @@ def test_tracking_uri_defaults_to_the_project_database(monkeypatch, tmp_path: Pa
     assert tracking.tracking_uri() == "http://127.0.0.1:5000"
     monkeypatch.setenv("DVC_EXP_NAME", "lr-sweep-1")
     assert tracking.dvc_experiment_tags() == {"dvc.exp_name": "lr-sweep-1"}
+
+
+def test_register_refuses_a_missing_primary_metric_before_touching_mlflow() -> None:
+    from registry.registration import register_version
+
+    run = tracking.PipelineRun("key", None, "exp")
+    with pytest.raises(KeyError, match="i2t_R@5.*available.*mAP@10"):
+        register_version(run, "models/export", "clip", "i2t_R@5", 0.0, {"mAP@10": 0.5})
+    assert run.pending == []
+
+
+def test_only_mindir_and_json_files_are_packaged(tmp_path: Path) -> None:
+    from registry.pyfunc import BUNDLE_FILES, check_bundle
+
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        check_bundle(tmp_path)
+    for name in BUNDLE_FILES:
+        (tmp_path / name).write_text("{}")
+    assert check_bundle(tmp_path) == tmp_path
+    (tmp_path / "extra.pkl").write_bytes(b"\x80\x04")
+    with pytest.raises(ValueError, match=r"extra\.pkl"):
+        check_bundle(tmp_path)
