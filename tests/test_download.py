@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
@@ -49,12 +50,13 @@ def jpeg(colour: tuple[int, int, int], size: tuple[int, int] = (96, 80)) -> byte
 
 class Site:
     """A loopback HTTP server: `/good/<i>.jpg`, `/missing.jpg` (404), `/truncated.jpg`,
-    `/text.jpg` (plain text), `/slow.jpg` (answers after SLOW_SECONDS) and `/redirect.jpg`
-    (302 to `redirect_to`)."""
+    `/text.jpg` (plain text), `/slow.jpg` (answers after SLOW_SECONDS), `/redirect.jpg` (302 to
+    `redirect_to`) and `/stall/<i>.jpg` (waits until `stall` is set, at most 60 s)."""
 
     def __init__(self, redirect_to: str = "http://127.0.0.1:9/") -> None:
         self.requests: list[str] = []
         self.redirect_to = redirect_to
+        self.stall = threading.Event()
         site = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -96,6 +98,9 @@ class Site:
         if path == "/slow.jpg":
             time.sleep(SLOW_SECONDS)
             return jpeg((120, 120, 120))
+        if path.startswith("/stall/"):  # hangs (bounded) until `stall` is set
+            self.stall.wait(timeout=60)
+            return jpeg((60, 60, 60))
         return None
 
     def __enter__(self) -> Site:
@@ -103,6 +108,7 @@ class Site:
         return self
 
     def __exit__(self, *_exc) -> None:
+        self.stall.set()
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(timeout=10)
@@ -273,28 +279,42 @@ def test_download_refuses_file_urls_before_img2dataset(tmp_path):
 
 
 @pytest.mark.slow
-def test_download_resumes_only_unfinished_shards(tmp_path):
-    write_params(tmp_path, samples_per_shard=2)
+def test_killed_download_resumes_only_unfinished_shards(tmp_path):
+    """SIGKILL the stage (and img2dataset's workers) while shard 1 is fetching; a rerun keeps shard
+    0 untouched and fetches only shards 1 and 2."""
+    write_params(tmp_path, samples_per_shard=2, timeout=10)
     (tmp_path / "data").mkdir()
+    out = tmp_path / "data/download"
     with Site() as site:
         urls = [f"{site.base}/good/{i}.jpg" for i in range(6)]
+        urls[2:4] = [f"{site.base}/stall/{i}.jpg" for i in (2, 3)]  # shard 1 stalls
         images = pd.DataFrame({"url": urls, "key": [f"{i:016x}" for i in range(6)],
                                "caption": "a caption", "captions": [["a caption"]] * 6,
                                "split": "train", "labels": None})
         images.to_parquet(tmp_path / "data/images.parquet", index=False)
-        run_stage("download", tmp_path)
-        out = tmp_path / "data/download"
-        first = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar")}
-        assert len(first) == 3
-        # Simulate an interruption during shard 1: its stats file never got written.
-        (out / "00001_stats.json").unlink()
-        (out / "00001.tar").unlink()
+        stage = subprocess.Popen([sys.executable, "-m", "stages.download"], cwd=tmp_path,
+                                 env=stage_env(), stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 180
+            while not (out / "00000_stats.json").is_file() or not any(
+                    r.startswith("/stall/") for r in site.requests):
+                assert stage.poll() is None and time.monotonic() < deadline, "never reached shard 1"
+                time.sleep(0.1)
+        finally:
+            os.killpg(stage.pid, signal.SIGKILL)  # the stage and every worker it spawned
+            stage.wait(timeout=30)
+        site.stall.set()  # from now on the stalled URLs answer at once
+        assert not (out / "00001_stats.json").exists()
+        finished = (out / "00000.tar").stat().st_mtime_ns
         site.requests.clear()
         proc = run_stage("download", tmp_path)
-        assert "resuming" in proc.stdout
-        assert sorted(site.requests) == ["/good/2.jpg", "/good/3.jpg"]  # shard 1 only
-        assert (out / "00000.tar").stat().st_mtime_ns == first["00000.tar"]
-        assert json.loads((tmp_path / "metrics/download.json").read_text())["successes"] == 6
+        assert "resuming" in proc.stdout and "1 finished shard(s) are kept" in proc.stdout
+        assert sorted(site.requests) == ["/good/4.jpg", "/good/5.jpg", "/stall/2.jpg",
+                                         "/stall/3.jpg"]
+    assert (out / "00000.tar").stat().st_mtime_ns == finished
+    metrics = json.loads((tmp_path / "metrics/download.json").read_text())
+    assert metrics["successes"] == 6 and metrics["shards_done"] == 3
 
 
 def test_output_is_kept_only_for_the_same_fingerprint(tmp_path):
