@@ -39,9 +39,9 @@ BACKGROUNDS: dict[str, tuple[int, int, int]] = {
 SIZES = ("small", "medium", "large")
 POSITIONS = ("centre", "left", "right", "top", "bottom")
 # Half-extent of one object as a fraction of the image side, per size class (jittered within).
-_SIZE_RADIUS = {"small": (0.11, 0.14), "medium": (0.16, 0.20), "large": (0.26, 0.31)}
-_MAX_SCATTERED_RADIUS = 0.18
-_COUNT_WEIGHTS = {1: 0.6, 2: 0.25, 3: 0.15}
+_SIZE_RADIUS = {"small": (0.14, 0.17), "medium": (0.19, 0.23), "large": (0.27, 0.32)}
+_MAX_SCATTERED_RADIUS = 0.19
+_COUNT_WEIGHTS = {1: 0.7, 2: 0.2, 3: 0.1}
 _COUNT_WORDS = {1: "one", 2: "two", 3: "three"}
 _SUPERSAMPLE = 2  # draw at 2x and downsample: smooth (anti-aliased) edges as in a photo
 CAPTIONS_PER_IMAGE = 5
