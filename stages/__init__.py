@@ -1,1 +1,2 @@
-"""DVC stage scripts: `python -m stages.<name>` reads its params section, calls the library, writes its outs."""
+"""DVC stage scripts: `python -m stages.<name>` reads its params section, calls the library,
+writes its outs."""

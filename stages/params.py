@@ -1,7 +1,7 @@
 """One small typed loader for params.yaml: every stage reads its own section through `load_section`.
 
-Each stage module declares its section as a `Section` subclass. Unknown keys and wrong types fail with
-an error that names the key, the bad value and what is allowed, before any work starts.
+Each stage module declares its section as a `Section` subclass. Unknown keys and wrong types fail
+with an error that names the key, the bad value and what is allowed, before any work starts.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def read_params(path: Path | str = PARAMS_FILE) -> dict[str, Any]:
 
 
 def load_section(name: str, model: type[S], path: Path | str = PARAMS_FILE) -> S:
-    """Validate section `name` of the params file against `model`; raise ParamsError on bad input."""
+    """Validate section `name` of the params file against `model` (ParamsError on bad input)."""
     raw = read_params(path).get(name)
     if raw is None:
         raw = {}
@@ -53,12 +53,13 @@ def load_section(name: str, model: type[S], path: Path | str = PARAMS_FILE) -> S
 
 
 def validate_section(name: str, model: type[S], raw: dict[str, Any], source: str = "params") -> S:
-    """Validate a raw mapping as section `name`, turning pydantic's errors into one readable message."""
+    """Validate a raw mapping as section `name`; pydantic's errors become one readable message."""
     try:
         return model.model_validate(raw)
     except ValidationError as err:
         problems = [_describe(name, model, e) for e in err.errors()]
-        raise ParamsError(f"{source}: invalid '{name}' params:\n  " + "\n  ".join(problems)) from None
+        listing = "\n  ".join(problems)
+        raise ParamsError(f"{source}: invalid '{name}' params:\n  {listing}") from None
 
 
 def _describe(section: str, model: type[BaseModel], error: dict[str, Any]) -> str:

@@ -65,7 +65,7 @@ def set_params(params_file: Path, overrides: dict[str, Any]) -> None:
 
 
 def make_workspace(dst: Path, overrides: dict[str, Any] | None = None) -> Path:
-    """Copy the project to `dst`, apply TINY_PARAMS then `overrides`, and commit it in a new git repo."""
+    """Copy the project to `dst`, apply TINY_PARAMS, then `overrides`; commit it in a new repo."""
     for rel in project_files():
         if rel.parts[0] == "tests":
             continue
@@ -84,7 +84,8 @@ def tool_env() -> dict[str, str]:
     env = dict(os.environ)
     venv_bin = str(Path(os.sys.executable).parent)
     env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
-    env.update(DVC_NO_ANALYTICS="1", NO_ALBUMENTATIONS_UPDATE="1", WANDB_MODE="disabled", GLOG_v="3")
+    env.update(DVC_NO_ANALYTICS="1", NO_ALBUMENTATIONS_UPDATE="1", WANDB_MODE="disabled",
+               GLOG_v="3")
     return env
 
 
