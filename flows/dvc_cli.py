@@ -24,7 +24,7 @@ _CACHED = re.compile(r"^Stage '([^']+)' is cached - skipping run")
 _DOT_EDGE = re.compile(r'^"([^"]+)"\s*->\s*"([^"]+)";?$')
 _DOT_NODE = re.compile(r'^"([^"]+)";?$')
 # A bad params value is not transient: retrying the stage cannot fix it.
-_CONFIG_ERRORS = ("ParamsError", "invalid '", "unknown key")
+_CONFIG_ERRORS = ("ParamsError", "params.yaml: invalid '")  # stages/params.py's messages
 
 
 class DvcError(RuntimeError):

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prefect.states import Failed
 
 from flows import dvc_cli, summary
 from flows.notify import failure_notice, post
 from flows.pipeline import (
     NETWORK_RETRIES,
+    _retry_unless_config_error,
     apply_overrides,
     lock_name,
     plan_stages,
@@ -108,6 +110,7 @@ def test_failing_stage_raises_with_the_stage_own_message(toy: Path) -> None:
         run_stage.fn(toy, "lone")
     assert not err.value.is_config_error
     assert dvc_cli.DvcError("x", "stages.params.ParamsError: bad").is_config_error
+    assert not dvc_cli.DvcError("x", "invalid 'url'").is_config_error
 
 
 def test_retry_policy_network_stages_only() -> None:
@@ -115,6 +118,11 @@ def test_retry_policy_network_stages_only() -> None:
     assert stage_task("metadata").retries == 3 and stage_task("download").retries == 3
     assert stage_task("train").retries == 0  # training resumes from its checkpoint instead
     assert stage_task("evaluate").retries == 0
+    # a transient failure is retried, a params validation error is not
+    params_error = "metadata: error: params.yaml: invalid 'metadata' params:\n  metadata.x = 1"
+    assert _retry_unless_config_error(None, None, Failed(data=dvc_cli.DvcError("x", "HTTP 503")))
+    assert not _retry_unless_config_error(None, None,
+                                          Failed(data=dvc_cli.DvcError("x", params_error)))
 
 
 def test_overrides_use_dvc_set_param_syntax(toy: Path) -> None:
