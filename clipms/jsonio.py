@@ -1,4 +1,4 @@
-"""Small file helpers shared by the library: atomic JSON writes (a kill never leaves half a file)."""
+"""File helpers shared by the library: atomic JSON writes (a kill never leaves half a file)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 
 def write_json(path: Path | str, obj: Any) -> None:
-    """Write `obj` as pretty, key-sorted JSON, atomically (temp file in the same folder + rename)."""
+    """Write `obj` as pretty, key-sorted JSON, atomically (temp file in the same folder, rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
