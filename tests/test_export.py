@@ -118,6 +118,29 @@ def test_stage_exports_checks_and_records_the_errors(tmp_path):
     assert bad.returncode == 1 and "export.tolerance" in bad.stderr
 
 
+
+def test_bench_encode_bundle_and_retrieval_report_rates(exported):
+    import contextlib
+    import io
+    import json
+
+    from clipms.bench import main
+
+    out, _, _ = exported
+    for argv in (["encode", "--bundle", str(out), "--batch-size", "4", "--warmup", "1",
+                  "--steps", "2", "--mode", "pynative"],
+                 ["retrieval", "--images", "50", "--dim", "8", "--repeats", "1"]):
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            assert main(argv) == 0
+        result = json.loads(buffer.getvalue())
+        if argv[0] == "encode":
+            assert result["source"] == "mindir" and result["images_per_s"] > 0
+            assert result["texts_per_s"] > 0 and result["cpu_ms_per_image"] > 0
+        else:
+            assert result["captions"] == 250 and result["median_s"] > 0
+
+
 @pytest.mark.slow
 def test_dvc_repro_to_export_on_the_tiny_synthetic_config(tmp_path):
     """The real pipeline (metadata .. train, evaluate, export) in a fresh git + DVC workspace."""
