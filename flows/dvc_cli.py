@@ -238,5 +238,18 @@ def apply_overrides(workdir: Path, overrides: dict[str, Any]) -> str:
 
 
 def save_experiment(workdir: Path, name: str) -> str:
-    """`dvc exp save -n <name>`: record the workspace (params, lock, metrics) as an experiment."""
-    return dvc(["exp", "save", "--force", "-n", name], workdir)
+    """`dvc exp save -n <name>`: record the workspace (params, lock, metrics) as an experiment.
+
+    DVC leaves untracked metrics files out of a saved experiment (`dvc exp show` would then have no
+    numbers for it), so the metrics dvc.yaml declares are included explicitly.
+    """
+    include = [arg for path in metrics_files(workdir) for arg in ("-I", path)]
+    return dvc(["exp", "save", "--force", "-n", name, *include], workdir)
+
+
+def metrics_files(workdir: Path) -> list[str]:
+    """The `metrics:` files of every stage in dvc.yaml that exist in the workspace."""
+    stages = (yaml.safe_load((workdir / "dvc.yaml").read_text()) or {}).get("stages") or {}
+    paths = [next(iter(entry)) if isinstance(entry, dict) else str(entry)
+             for stage in stages.values() for entry in stage.get("metrics") or []]
+    return [p for p in dict.fromkeys(paths) if (workdir / p).is_file()]

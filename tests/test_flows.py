@@ -40,7 +40,8 @@ TOY_STAGES = {
     "second": {"cmd": f"{PY} -c \"open('b.txt','w').write(open('a.txt').read() + "
                       "'${second.y}')\"",
                "deps": ["a.txt"], "params": ["second"], "outs": ["b.txt"]},
-    "first": {"cmd": "echo ${first.x} > a.txt", "params": ["first"], "outs": ["a.txt"]},
+    "first": {"cmd": "echo ${first.x} > a.txt && echo '{\"x\": ${first.x}}' > m.json",
+              "params": ["first"], "outs": ["a.txt"], "metrics": [{"m.json": {"cache": False}}]},
     "lone": {"cmd": f"{PY} -c \"import sys; z = ${{lone.z}}; "
                     "sys.exit(f'lone: invalid z = {z}: must be positive') if z < 0 else "
                     "open('lone.txt', 'w').write(str(z))\"",
@@ -142,12 +143,16 @@ def test_overrides_use_dvc_set_param_syntax(toy: Path) -> None:
 def test_experiment_is_saved_and_listed(toy: Path) -> None:
     for stage in ("first", "second", "third", "lone"):
         run_stage.fn(toy, stage)
-    _commit(toy, "baseline results")
+    run(["git", "add", "dvc.lock", ".gitignore"], toy)  # m.json stays untracked, as in a checkout
+    run(["git", "-c", "user.email=t@clipms", "-c", "user.name=t", "commit", "-qm", "lock"], toy)
     apply_overrides.fn(toy, {"first.x": 9})
     run_stage.fn(toy, "first")
     assert save_experiment.fn(toy, "clip-test-run") == "clip-test-run"
-    shown = run([PY, "-m", "dvc", "exp", "show", "--no-pager", "--json"], toy).stdout
-    assert "clip-test-run" in shown
+    shown = json.loads(run([PY, "-m", "dvc", "exp", "show", "--no-pager", "--json"], toy).stdout)
+    [exp] = [e for row in shown for e in row.get("experiments") or []
+             if e.get("name") == "clip-test-run"]
+    metrics = exp["revs"][0]["data"]["metrics"]["m.json"]["data"]
+    assert metrics == {"x": 9}  # the untracked metrics file is part of the experiment
 
 
 def test_dry_run_reports_stale_stages_without_running(toy: Path) -> None:
