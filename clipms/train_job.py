@@ -54,11 +54,20 @@ class TrainJob:
         return cls(**d)
 
 
+# The library modules whose code decides what a training step computes.
+TRAINING_CODE = ("config", "model", "loss", "optim", "train_step", "trainer", "data",
+                 "preprocess", "tokenizer")
+
+
 def data_fingerprint(shards_dir: Path | str, tokenizer: Path | str) -> str:
-    """Hash of the shard manifest (which holds every shard's sha256) and the tokenizer file: a
-    checkpoint is resumed only when the data it was trained on is the same."""
+    """Hash of the shard manifest (which holds every shard's sha256), the tokenizer file and the
+    training code: a checkpoint is resumed only when all of them are what it was trained with
+    (as DVC would rerun the stage for any of them)."""
     digest = hashlib.sha256()
-    for path in (Path(shards_dir) / "manifest.json", Path(tokenizer)):
+    package = Path(__file__).resolve().parent
+    paths = [Path(shards_dir) / "manifest.json", Path(tokenizer),
+             *(package / f"{name}.py" for name in TRAINING_CODE)]
+    for path in paths:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
