@@ -32,14 +32,39 @@ def to_deployment_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
             "schedules": schedules}
 
 
+def pool_deployments(names: list[str]) -> list[str]:
+    """Those of `clip-pipeline/<name>` that already exist on a work pool (from scripts/deploy.sh).
+
+    Serving over them would keep their work pool and drop their pull step, and their runs would
+    crash looking for the flow code; they must be deleted first.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    taken = []
+    with get_client(sync_client=True) as client:
+        for name in names:
+            try:
+                deployment = client.read_deployment_by_name(f"clip-pipeline/{name}")
+            except ObjectNotFound:
+                continue
+            if deployment.work_pool_name:
+                taken.append(f"clip-pipeline/{name}")
+    return taken
+
+
 def main() -> None:
     from prefect import serve
 
     from flows.pipeline import clip_pipeline
 
-    deployments = [clip_pipeline.to_deployment(**to_deployment_kwargs(spec))
-                   for spec in deployment_specs()]
-    serve(*deployments)
+    specs = deployment_specs()
+    if taken := pool_deployments([spec["name"] for spec in specs]):
+        raise SystemExit(
+            f"{', '.join(taken)} already deployed to a work pool (scripts/deploy.sh); serve "
+            "replaces them only after `prefect deployment delete " + " ".join(
+                f"'{name}'" for name in taken) + "`")
+    serve(*[clip_pipeline.to_deployment(**to_deployment_kwargs(spec)) for spec in specs])
 
 
 if __name__ == "__main__":

@@ -201,3 +201,16 @@ def test_flow_module_imports_nothing_heavy() -> None:
     code = ("import sys, flows.pipeline; heavy = {'mindspore', 'mlflow', 'clipms', 'dvc'}"
             " & set(m.split('.')[0] for m in sys.modules); assert not heavy, heavy")
     subprocess.run([PY, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_serve_builds_the_prefect_yaml_deployments() -> None:
+    from flows.serve import deployment_specs, to_deployment_kwargs
+
+    root = Path(__file__).resolve().parents[1]
+    kwargs = {spec["name"]: to_deployment_kwargs(spec)
+              for spec in deployment_specs(root / "prefect.yaml")}
+    assert set(kwargs) == {"manual", "nightly"}
+    [nightly] = kwargs["nightly"]["schedules"]
+    assert (nightly.cron, nightly.timezone) == ("0 2 * * *", "UTC")
+    assert kwargs["nightly"]["parameters"] == {"refresh": ["metadata"]}
+    assert kwargs["manual"]["schedules"] == []

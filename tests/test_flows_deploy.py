@@ -88,6 +88,13 @@ def test_deployments_from_prefect_yaml(prefect_stack: PrefectStack) -> None:
     assert pool["type"] == "process"
 
 
+def test_serve_refuses_to_take_over_work_pool_deployments(prefect_stack: PrefectStack) -> None:
+    proc = prefect_stack.cli(["python", "-m", "flows.serve"], timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "already deployed to a work pool" in proc.stderr, proc.stderr[-2000:]
+    assert "prefect deployment delete 'clip-pipeline/manual'" in proc.stderr
+
+
 def test_manual_run_completes_and_publishes_metrics(prefect_stack: PrefectStack) -> None:
     STATE["order"] = dvc_cli.stage_order(prefect_stack.workspace)
     run_id = prefect_stack.run_deployment(MANUAL, {"force": False})
