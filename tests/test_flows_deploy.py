@@ -12,6 +12,7 @@ import contextlib
 import json
 import sqlite3
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -188,3 +189,50 @@ def test_overrides_run_is_its_own_experiment(prefect_stack: PrefectStack) -> Non
     assert (prefect_stack.workspace / "params.yaml").read_text() == params_before
     if runs_before is not None:  # once the pipeline tracks to MLflow: a run of its own
         assert (_mlflow_runs(prefect_stack) or 0) > runs_before
+
+
+def test_network_stage_retries_transient_failures_only(prefect_stack: PrefectStack,
+                                                        tmp_path: Path) -> None:
+    """The real retry policy of `metadata`/`download` in a flow on this server, on a toy project
+    whose `metadata` fails once (a 503) and whose `download` has a params error (the retry delay
+    is set to 0 here; the count and the retry condition are the flow's own)."""
+    from prefect import flow
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    from flows.pipeline import stage_task
+
+    # each script counts its attempts in a file DVC does not manage
+    (tmp_path / "source.py").write_text(
+        "import pathlib, sys\n"
+        "tries = pathlib.Path('tries-metadata')\n"
+        "tries.write_text(tries.read_text() + 'x' if tries.exists() else 'x')\n"
+        "if tries.read_text() == 'x':\n"
+        "    sys.exit('HTTP 503 from the source')\n"
+        "pathlib.Path('m.txt').write_text('ok')\n")
+    (tmp_path / "broken.py").write_text(
+        "import pathlib, sys\n"
+        "tries = pathlib.Path('tries-download')\n"
+        "tries.write_text(tries.read_text() + 'x' if tries.exists() else 'x')\n"
+        "sys.exit(\"params.yaml: invalid 'download' params\")\n")
+    stages = {"metadata": {"cmd": "python source.py", "outs": ["m.txt"]},
+              "download": {"cmd": "python broken.py", "outs": ["d.txt"]}}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}))
+    run(["git", "init", "-q"], tmp_path)
+    run(["dvc", "init", "-q"], tmp_path)
+
+    @flow
+    def probe(stage: str) -> dict[str, Any]:
+        return stage_task(stage).with_options(retry_delay_seconds=0)(tmp_path, stage)
+
+    with temporary_settings({PREFECT_API_URL: prefect_stack.api_url,
+                             PREFECT_HOME: prefect_stack.home}):
+        assert probe("metadata")["outcome"] == "ran"
+        with pytest.raises(dvc_cli.DvcError, match="params.yaml: invalid 'download' params"):
+            probe("download")
+        # send this process's logs and events while the server is still up, not at exit
+        APILogWorker.drain_all(timeout=15)
+        EventsWorker.drain_all(timeout=15)
+    assert (tmp_path / "tries-metadata").read_text() == "xx"  # failed once, retried once
+    assert (tmp_path / "tries-download").read_text() == "x"   # a params error: no retry
