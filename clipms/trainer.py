@@ -187,7 +187,8 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
     state = TrainState()
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if ckpt_dir is not None and resume:
-        state = _maybe_resume(cfg, ckpt_dir, step_cell, named_trainable, model, rank)
+        state = _maybe_resume(cfg, ckpt_dir, step_cell, named_trainable, model, rank,
+                              group_size)
     elif ckpt_dir is not None and rank == 0:
         checkpoint.clear(ckpt_dir)
     writer = rank == 0 and ckpt_dir is not None
@@ -226,7 +227,7 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
         if rank == 0:
             _report(cfg, row, total, callbacks)
         if writer and (state.step % cfg.checkpoint_every == 0 or state.step == total):
-            _save(cfg, ckpt_dir, step_cell, named_trainable, model, state)
+            _save(cfg, ckpt_dir, step_cell, named_trainable, model, state, group_size)
 
     summary = {
         "final_loss": state.history[-1]["loss"] if state.history else float("nan"),
@@ -426,22 +427,29 @@ def _state_tensors(step_cell: Any, named_trainable: list[tuple[str, Any]],
 
 
 def _save(cfg: TrainConfig, folder: Path, step_cell: Any, named_trainable: list, model: Any,
-          state: TrainState) -> None:
+          state: TrainState, group_size: int = 1) -> None:
     meta = {"step": state.step, "adam_t": state.adam_t, "config": cfg.to_dict(),
-            "fingerprint": cfg.fingerprint(), "history": state.history}
+            "fingerprint": _run_fingerprint(cfg, group_size), "group_size": group_size,
+            "history": state.history}
     path = checkpoint.save(folder, state.step, _state_tensors(step_cell, named_trainable, model),
                            meta, keep=cfg.keep_checkpoints)
     log.info("saved %s", path)
 
 
+def _run_fingerprint(cfg: TrainConfig, group_size: int) -> str:
+    """The config's fingerprint, plus the number of data-parallel ranks when there are several
+    (they change the global batch, hence the data order and the weights)."""
+    return cfg.fingerprint() if group_size == 1 else f"{cfg.fingerprint()}x{group_size}"
+
+
 def _maybe_resume(cfg: TrainConfig, folder: Path, step_cell: Any, named_trainable: list,
-                  model: Any, rank: int = 0) -> TrainState:
+                  model: Any, rank: int = 0, group_size: int = 1) -> TrainState:
     import mindspore as ms
 
     found = checkpoint.load_latest(folder)
     if found is None:
         return TrainState()
-    if found.meta.get("fingerprint") != cfg.fingerprint():
+    if found.meta.get("fingerprint") != _run_fingerprint(cfg, group_size):
         if rank == 0:  # the only writer; the other ranks just start fresh too
             removed = checkpoint.clear(folder)
             log.warning("checkpoints in %s belong to another configuration or other data; "

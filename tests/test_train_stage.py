@@ -10,7 +10,7 @@ import pytest
 
 from stages.params import ParamsError, validate_section
 from stages.train import TrainParams
-from tests.workspace import make_workspace, run
+from tests.workspace import make_workspace, run, set_params
 
 
 def test_params_reject_unknown_keys_and_bad_values():
@@ -66,3 +66,17 @@ def test_dvc_repro_train_writes_its_contract_outputs_and_resumes(tmp_path):
     assert (ws / "models/clip.ckpt").is_file()
     resumed = json.loads((ws / "metrics/train.json").read_text())
     assert resumed["final_loss"] == metrics["final_loss"]
+
+    # The same stage on 2 data-parallel msrun workers: the 1-process checkpoints do not match
+    # (another global batch), so it trains afresh; rank 0 writes the same contract outputs.
+    set_params(ws / "params.yaml", {"train.distributed.workers": 2})
+    parallel = run(["dvc", "repro", "train"], cwd=ws, timeout=900).stdout
+    assert "msrun --worker_num=2" in parallel
+    rank0_log = (ws / "models/checkpoints/msrun/worker_0.log").read_text()
+    assert "belong to another configuration" in rank0_log and "from step 0" in rank0_log
+    metrics = json.loads((ws / "metrics/train.json").read_text())
+    assert metrics["devices"] == 2 and metrics["global_batch_size"] == 16
+    rows = list(csv.DictReader((ws / "plots/train.csv").open()))
+    assert [int(r["step"]) for r in rows] == list(range(1, int(metrics["steps"]) + 1))
+    assert sorted(p.name for p in (ws / "models/checkpoints/msrun").glob("worker_*.log")) == [
+        "worker_0.log", "worker_1.log"]
