@@ -64,6 +64,12 @@ def main() -> int:
         print(f"evaluate: error: {err}", file=sys.stderr)
         return 1
     write_outputs(report)
+    from clipms.evaluation import EvalOutputs
+    from registry.tracking import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
+
+    out = EvalOutputs()
+    log_stage("evaluate", params.model_dump(), report.metrics,
+              [(p, "plots") for p in (out.recall_curve, out.predictions, out.confusion_png)])
     m = report.metrics
     print(f"evaluate: {m['num_images']} images, {m['num_captions']} captions in "
           f"{time.perf_counter() - started:.1f} s")

@@ -70,6 +70,9 @@ def main() -> int:
                   **{f"{p.stem}_mb": round(p.stat().st_size / 2**20, 3)
                      for p in sorted(BUNDLE_DIR.glob("*.mindir"))})
     write_json(METRICS, report)
+    from registry.tracking import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
+
+    log_stage("export", params.model_dump(), report)
     try:
         assert_parity(report)
     except ParityError as err:

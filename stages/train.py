@@ -107,18 +107,25 @@ def main() -> int:
         return 1
     from clipms import train_job
     from clipms.trainer import NonFiniteLossError
+    from registry.tracking import PipelineRun  # MLflow: one run per pipeline run (docs/mlflow.md)
 
+    run = PipelineRun.open("train", params.model_dump())  # never blocks training (journal)
+    run.start_system_metrics()
+    sinks = [*callbacks(), run.callback()]
     try:
         if params.distributed.workers > 1:
             from clipms.distributed import launch
 
             launch(job, params.distributed.workers, MSRUN_LOG_DIR)
-            summary = train_job.replay(job.outputs, callbacks())
+            summary = train_job.replay(job.outputs, sinks)
         else:
-            summary = train_job.run(job, callbacks()).summary
+            summary = train_job.run(job, sinks).summary
     except NonFiniteLossError as err:
+        run.close("FAILED")
         print(f"train: error: {err}", file=sys.stderr)
         return 1
+    run.log_artifact(job.outputs.plot, "plots")
+    run.close()
     print(f"train: {int(summary['steps'])} steps, final loss {summary['final_loss']:.4f}, "
           f"{summary['samples_per_s']:.1f} samples/s, {summary['wall_time_s']:.0f} s; wrote "
           f"{job.outputs.checkpoint}, {job.outputs.run_config}, {job.outputs.metrics}, "

@@ -315,3 +315,55 @@ def wait_for(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> Non
             pass
         time.sleep(1)
     raise AssertionError(f"{url} not answering after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole pipeline: `dvc repro` on the tiny synthetic config, tracked to the test server
+
+
+def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: MlflowServer,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from clipms.jsonio import read_json
+    from tests.workspace import make_workspace, run, tool_env
+
+    ws = make_workspace(tmp_path / "ws", {"register.model_name": "clip-e2e"})
+    env = {**tool_env(), "MLFLOW_TRACKING_URI": server.uri}
+    run(["dvc", "repro"], ws, env=env, timeout=1500)
+
+    info = read_json(ws / "models" / "mlflow_run.json")
+    record = read_json(ws / "metrics" / "register.json")
+    evaluation = read_json(ws / "metrics" / "eval.json")
+    train_summary = read_json(ws / "metrics" / "train.json")
+    assert record["run_id"] == info["run_id"]
+    assert (record["version"], record["alias"]) == (1, "champion")
+    assert not (ws / "models" / "mlflow_journal.json").exists()
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    client = tracking.client()
+    data = client.get_run(info["run_id"])
+    assert data.info.status == "FINISHED"
+    params = data.data.params
+    for key in ("metadata.source", "tokenizer.vocab_size", "train.lr", "evaluate.batch_size",
+                "export.tolerance", "register.model_name"):
+        assert key in params, key
+    assert params["train.batch_size"] == "8"  # the tiny config, as resolved
+    metrics = data.data.metrics
+    assert metrics["i2t_R_at_5"] == pytest.approx(evaluation["i2t_R@5"])
+    assert metrics["mAP_at_10"] == pytest.approx(evaluation["mAP@10"])
+    steps = len(client.get_metric_history(info["run_id"], "loss"))
+    assert steps == metrics["train_steps"] > 0
+    assert any(k.startswith("system/") for k in metrics)
+    plots = {a.path for a in client.list_artifacts(info["run_id"], "plots")}
+    assert {"plots/train.csv", "plots/recall_at_k.csv"} <= plots
+    lock = tracking.read_lock(ws / "dvc.lock")
+    tags = data.data.tags
+    assert tags["lineage.data_shards_md5"] == tracking.lock_hash(lock, "data/shards")
+    assert tags["lineage.tokenizer_md5"] == tracking.lock_hash(lock, "models/tokenizer.json")
+    head = run(["git", "rev-parse", "HEAD"], ws).stdout.strip()
+    assert tags["lineage.git_commit"] == head
+    assert [i.dataset.digest for i in data.inputs.dataset_inputs] == [
+        tags["lineage.data_shards_md5"]]
+    version = client.get_model_version_by_alias("clip-e2e", "champion")
+    assert version.version == "1" and version.run_id == info["run_id"]
+    assert float(version.tags["metric.i2t_R_at_5"]) == pytest.approx(evaluation["i2t_R@5"])
+    assert train_summary  # train.json exists; its values are logged as train_* metrics
