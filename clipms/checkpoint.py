@@ -60,9 +60,9 @@ def save(folder: Path | str, step: int, tensors: Mapping[str, Any], meta: dict[s
     items = [{"name": name, "data": _as_tensor(value)} for name, value in tensors.items()]
     try:
         ms.save_checkpoint(items, str(tmp), append_dict={META_KEY: json.dumps(meta)})
-        _fsync_file(tmp)
+        _fsync(tmp)
         os.replace(tmp, final)
-        _fsync_dir(folder)
+        _fsync(folder)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -121,16 +121,9 @@ def _as_tensor(value: Any) -> Any:
     return ms.Tensor(np.asarray(value))
 
 
-def _fsync_file(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries (so a rename survives a crash), to disk."""
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

@@ -4,8 +4,26 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 # Same offline defaults as the Makefile, for a bare `pytest` run too.
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("GLOG_v", "3")
+
+
+@pytest.fixture(params=["graph", "pynative"])
+def mode(request):
+    """Run a MindSpore test in each execution mode (or the one it parametrizes), then restore.
+
+    Imported lazily so that tests without MindSpore do not pay for it; the modules that use this
+    fixture import clipms first, which sets MindSpore's environment.
+    """
+    import mindspore as ms
+
+    modes = {"graph": ms.GRAPH_MODE, "pynative": ms.PYNATIVE_MODE}
+    previous = ms.get_context("mode")
+    ms.set_context(mode=modes[request.param])
+    yield request.param
+    ms.set_context(mode=previous)

@@ -29,16 +29,8 @@ from clipms.convert import (
 
 GOLDEN = Path(__file__).parent / "data" / "openclip"
 VARIANTS = ["micro_gelu", "micro_quickgelu"]
-MODES = {"graph": ms.GRAPH_MODE, "pynative": ms.PYNATIVE_MODE}
 REPO = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture(params=sorted(MODES))
-def mode(request):
-    previous = ms.get_context("mode")
-    ms.set_context(mode=MODES[request.param])
-    yield request.param
-    ms.set_context(mode=previous)
 
 
 def _paths(variant: str) -> tuple[Path, Path]:

@@ -12,16 +12,6 @@ import mindspore as ms
 
 from clipms.loss import ClipLoss, contrastive_loss
 
-MODES = {"graph": ms.GRAPH_MODE, "pynative": ms.PYNATIVE_MODE}
-
-
-@pytest.fixture(params=sorted(MODES))
-def mode(request):
-    previous = ms.get_context("mode")
-    ms.set_context(mode=MODES[request.param])
-    yield request.param
-    ms.set_context(mode=previous)
-
 
 def _features(n: int, d: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)

@@ -23,15 +23,6 @@ OPENCLIP_PARAM_COUNTS = {"ViT-B-32": 151_277_313, "ViT-B-16": 149_620_737}
 
 
 @pytest.fixture
-def mode(request):
-    """Run in the requested execution mode and restore the previous one afterwards."""
-    previous = ms.get_context("mode")
-    ms.set_context(mode=MODES[request.param])
-    yield request.param
-    ms.set_context(mode=previous)
-
-
-@pytest.fixture
 def pynative():
     previous = ms.get_context("mode")
     ms.set_context(mode=ms.PYNATIVE_MODE)
