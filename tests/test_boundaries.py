@@ -1,0 +1,33 @@
+"""The library boundary of the design: clipms/ imports nothing from DVC, Prefect, MLflow or the
+pipeline packages, so it can be used (and ported) on its own."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+LIBRARY = Path(__file__).resolve().parents[1] / "clipms"
+FORBIDDEN = {"dvc", "prefect", "mlflow", "stages", "registry", "flows"}
+
+
+def imported_roots(source: str) -> set[str]:
+    """Top-level package names a module imports (absolute imports only)."""
+    roots = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_the_checker_sees_forbidden_imports():
+    source = "import mlflow.pyfunc\nfrom prefect import flow\nfrom . import model\n"
+    assert imported_roots(source) == {"mlflow", "prefect"}
+
+
+@pytest.mark.parametrize("module", sorted(LIBRARY.rglob("*.py")), ids=lambda p: p.name)
+def test_library_module_imports_no_pipeline_code(module: Path):
+    assert not imported_roots(module.read_text()) & FORBIDDEN
