@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from clipms.distributed import msrun_command, worker_logs_tail
+from tests.workspace import checkpoint_arrays
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -43,12 +44,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _weights(path: Path) -> dict[str, np.ndarray]:
-    import mindspore as ms
-
-    return {k: v.asnumpy() for k, v in ms.load_checkpoint(str(path)).items()}
-
-
 @pytest.mark.slow
 def test_two_msrun_workers_match_each_other_and_the_single_process_loss(tmp_path):
     import json
@@ -64,7 +59,8 @@ def test_two_msrun_workers_match_each_other_and_the_single_process_loss(tmp_path
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{worker_logs_tail(tmp_path / 'logs')}"
     assert single.returncode == 0, single_out[-3000:]
 
-    rank0, rank1 = _weights(tmp_path / "dp-rank0.ckpt"), _weights(tmp_path / "dp-rank1.ckpt")
+    rank0 = checkpoint_arrays(tmp_path / "dp-rank0.ckpt")
+    rank1 = checkpoint_arrays(tmp_path / "dp-rank1.ckpt")
     assert rank0.keys() == rank1.keys() and len(rank0) > 10
     for name in rank0:
         np.testing.assert_array_equal(rank0[name], rank1[name], err_msg=name)
@@ -75,7 +71,7 @@ def test_two_msrun_workers_match_each_other_and_the_single_process_loss(tmp_path
     assert dp_losses[0] == pytest.approx(single_losses[0], rel=1e-5)
     # the gradients averaged over ranks are the global batch's: step 2 agrees too
     assert dp_losses[1] == pytest.approx(single_losses[1], rel=1e-3)
-    single_weights = _weights(tmp_path / "single-rank0.ckpt")
+    single_weights = checkpoint_arrays(tmp_path / "single-rank0.ckpt")
     for name in rank0:
         np.testing.assert_allclose(rank0[name], single_weights[name], rtol=1e-3, atol=1e-5,
                                    err_msg=name)

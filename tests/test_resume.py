@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from clipms import checkpoint
+from tests.workspace import checkpoint_arrays
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -53,14 +54,8 @@ def _start(script: Path, ckpt: Path, out: Path, log: Path) -> subprocess.Popen:
                             env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
-def _weights(path: Path) -> dict[str, np.ndarray]:
-    import mindspore as ms
-
-    return {k: v.asnumpy() for k, v in ms.load_checkpoint(str(path)).items()}
-
-
 @pytest.mark.slow
-def test_sigkill_then_resume_reaches_the_uninterrupted_weights(tmp_path):
+def test_sigkill_then_resume_reaches_the_uninterruptedcheckpoint_arrays(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)
     # The reference and the run to kill start together (2 cores, both mostly wait on data).
@@ -88,7 +83,8 @@ def test_sigkill_then_resume_reaches_the_uninterrupted_weights(tmp_path):
                 proc.wait()
     resumed_log = (tmp_path / "resumed.log").read_text()
     assert "resuming from" in resumed_log and "from step 0" not in resumed_log
-    expected, got = _weights(tmp_path / "ref.ckpt"), _weights(tmp_path / "victim.ckpt")
+    expected = checkpoint_arrays(tmp_path / "ref.ckpt")
+    got = checkpoint_arrays(tmp_path / "victim.ckpt")
     assert expected.keys() == got.keys() and len(expected) > 10
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name], err_msg=name)

@@ -100,3 +100,10 @@ def run(cmd: list[str], cwd: Path, timeout: float = 900, check: bool = True,
             f"\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def checkpoint_arrays(path: Path) -> dict[str, Any]:
+    """A MindSpore checkpoint's tensors as numpy arrays, by parameter name."""
+    import mindspore as ms
+
+    return {name: value.asnumpy() for name, value in ms.load_checkpoint(str(path)).items()}
