@@ -2,8 +2,9 @@
 
 Subcommands live in one registry, `SUBCOMMANDS`. To add one, write `add_<name>_arguments(parser)`
 and `run_<name>(args) -> dict`, then `register(Subcommand("<name>", "<help>", add, run))`.
-Shared pieces: `add_common_arguments` (--mode/--warmup/--steps/--threads), `setup_mindspore`
-(mode + threads) and `time_steps` (warm-up, then per-step wall times in ms).
+Shared pieces: `add_common_arguments` (--mode/--warmup/--steps/--threads/--kernel-fusion),
+`setup_mindspore` (mode + threads + fusion) and `time_steps` (warm-up, then per-step wall
+times in ms).
 """
 
 from __future__ import annotations
@@ -47,14 +48,19 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps; the median is kept")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="MindSpore runtime threads (default: all cores)")
+    parser.add_argument("--kernel-fusion", choices=("on", "off"), default="on",
+                        help="graph-kernel fusion on CPU (clipms.runtime; default on)")
 
 
 def setup_mindspore(args: argparse.Namespace) -> None:
     import mindspore as ms  # after clipms/__init__.py has set MindSpore's environment
 
+    from clipms.runtime import enable_kernel_fusion
+
     mode = ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE
     ms.set_context(mode=mode, device_target="CPU", runtime_num_threads=args.threads)
     ms.set_seed(0)
+    args.kernel_fusion_active = args.kernel_fusion == "on" and enable_kernel_fusion()
 
 
 def time_steps(step: Callable[[], Any], warmup: int, steps: int,
@@ -95,7 +101,8 @@ def random_images(n: int, image_size: int, seed: int = 0) -> np.ndarray:
 
 def _base_result(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
     return {"mode": args.mode, "threads": args.threads, "batch_size": args.batch_size,
-            "warmup": args.warmup, "steps": args.steps, **extra}
+            "warmup": args.warmup, "steps": args.steps,
+            "kernel_fusion": getattr(args, "kernel_fusion_active", False), **extra}
 
 
 # ---- encode --preset / forward: the model on random inputs ----------------------------------

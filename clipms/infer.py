@@ -66,10 +66,17 @@ def read_bundle(bundle_dir: Path | str) -> dict[str, Any]:
 class Encoder:
     """L2-normalised CLIP embeddings from the two MindIR graphs of an export bundle."""
 
-    def __init__(self, bundle_dir: Path | str, batch_size: int = 64) -> None:
+    def __init__(self, bundle_dir: Path | str, batch_size: int = 64,
+                 kernel_fusion: bool = True) -> None:
+        """`kernel_fusion` turns on clipms.runtime's CPU graph-kernel fusion for the process
+        (~1.6x faster on CPU; each new batch size compiles once, cached on disk)."""
         import mindspore as ms  # clipms is imported first, so MindSpore sees its runtime settings
         from mindspore import nn
 
+        from clipms.runtime import enable_kernel_fusion
+
+        if kernel_fusion:
+            enable_kernel_fusion()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.bundle_dir = Path(bundle_dir)

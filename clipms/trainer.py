@@ -25,6 +25,7 @@ import numpy as np
 
 from clipms import checkpoint
 from clipms.config import CLIPConfig
+from clipms.runtime import enable_kernel_fusion
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class TrainConfig:
     init_from: str | None = None
     mode: Literal["graph", "pynative"] = "graph"
     device_target: Literal["CPU", "GPU", "Ascend"] = "CPU"
+    kernel_fusion: bool = True  # CPU graph-kernel fusion (clipms.runtime); no effect elsewhere
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     log_every: int = 10
@@ -182,7 +184,7 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
     """
     import mindspore as ms
 
-    rank, group_size = _setup(cfg, distributed)
+    rank, group_size = setup_runtime(cfg, distributed)
     model, step_cell, named_trainable = build_training(cfg, distributed, group_size)
     state = TrainState()
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -274,13 +276,16 @@ def save_model(model: Any, path: Path | str) -> None:
 # setup
 
 
-def _setup(cfg: TrainConfig, distributed: bool) -> tuple[int, int]:
+def setup_runtime(cfg: TrainConfig, distributed: bool) -> tuple[int, int]:
+    """Mode, device, kernel fusion and seed for `cfg` (before any graph compiles); (rank, size)."""
     import mindspore as ms
 
     mode = ms.GRAPH_MODE if cfg.mode == "graph" else ms.PYNATIVE_MODE
     ms.set_context(mode=mode)
     if ms.get_context("device_target") != cfg.device_target:
         ms.set_device(cfg.device_target)  # may run only once per process, before any kernel
+    if cfg.kernel_fusion:
+        enable_kernel_fusion()  # before the first graph compiles
     ms.set_seed(cfg.seed)  # same seed on every rank: identical initial weights
     return init_distributed() if distributed else (0, 1)
 

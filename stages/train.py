@@ -34,6 +34,7 @@ class TrainParams(Section):
     model: dict[str, Any] = Field(default_factory=dict)  # overrides, e.g. {vision: {layers: 2}}
     device_target: Literal["CPU", "GPU", "Ascend"] = "CPU"
     mode: Literal["graph", "pynative"] = "graph"
+    kernel_fusion: bool = True  # CPU graph-kernel fusion (clipms.runtime)
     precision: Literal["fp32", "amp"] = "fp32"
     batch_size: int = Field(64, ge=1)  # per device and micro-batch
     accum_steps: int = Field(1, ge=1)  # micro-batches per optimizer step
@@ -78,7 +79,7 @@ def build_job(params: TrainParams) -> Any:
         weight_decay=params.weight_decay, grad_clip_norm=params.grad_clip_norm or None,
         accum_steps=params.accum_steps, precision=params.precision, seed=params.seed,
         lock_image=params.lock_image, lock_text=params.lock_text, init_from=params.init_from,
-        mode=params.mode, device_target=params.device_target,
+        mode=params.mode, device_target=params.device_target, kernel_fusion=params.kernel_fusion,
         checkpoint_every=params.checkpoint_every, keep_checkpoints=params.keep_checkpoints,
         log_every=params.log_every, data_fingerprint=data_fingerprint(SHARDS_DIR, TOKENIZER))
     return TrainJob(config=config, shards_dir=str(SHARDS_DIR), tokenizer=str(TOKENIZER),

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -11,6 +14,15 @@ os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("GLOG_v", "3")
+
+# Tests run what users run: CPU graph-kernel fusion on (clipms.runtime; inherited by the stages and
+# servers they start), compiling into a kernel cache of their own that starts empty.
+if "CLIPMS_KERNEL_CACHE" not in os.environ:
+    os.environ["CLIPMS_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="clipms-test-kernels-")
+    atexit.register(shutil.rmtree, os.environ["CLIPMS_KERNEL_CACHE"], True)
+from clipms.runtime import enable_kernel_fusion  # noqa: E402  (after the environment above)
+
+enable_kernel_fusion()
 
 
 @pytest.fixture(params=["graph", "pynative"])
