@@ -53,8 +53,3 @@ def enable_kernel_fusion() -> bool:
     os.environ.setdefault("MS_COMPILER_CACHE_PATH", str(cache))
     return True
 
-
-def kernel_fusion_active() -> bool:
-    """Whether graphs compiled now are fused (the flags are set and ask for opt level > 0)."""
-    flags = os.environ.get("MS_DEV_GRAPH_KERNEL_FLAGS", "")
-    return "--opt_level=" in flags and "--opt_level=0" not in flags

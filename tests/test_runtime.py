@@ -103,6 +103,8 @@ def test_fused_training_steps_follow_the_unfused_losses(tmp_path):
 
 
 def test_the_switch_and_a_users_own_flags_win(monkeypatch, tmp_path):
+    monkeypatch.setenv("CLIPMS_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("MS_COMPILER_CACHE_PATH", raising=False)  # restored after the test
     monkeypatch.delenv("MS_DEV_GRAPH_KERNEL_FLAGS", raising=False)
     monkeypatch.setenv(SWITCH, "0")
     assert enable_kernel_fusion() is False

@@ -80,12 +80,13 @@ def make_workspace(dst: Path, overrides: dict[str, Any] | None = None) -> Path:
 
 
 def tool_env() -> dict[str, str]:
-    """The environment for subprocesses: this venv's tools first on PATH, analytics off."""
+    """The environment for subprocesses: this venv's tools first on PATH, analytics off, CPU
+    kernel fusion on as for users (conftest.py turns it off for the pytest process only)."""
     env = dict(os.environ)
     venv_bin = str(Path(os.sys.executable).parent)
     env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")
     env.update(DVC_NO_ANALYTICS="1", NO_ALBUMENTATIONS_UPDATE="1", WANDB_MODE="disabled",
-               GLOG_v="3")
+               GLOG_v="3", CLIPMS_KERNEL_FUSION="1")
     return env
 
 
