@@ -48,6 +48,9 @@ def enable_kernel_fusion() -> bool:
     if os.environ.get(SWITCH, "1") == "0" or ms.get_context("device_target") != "CPU":
         return False
     os.environ.setdefault("MS_DEV_GRAPH_KERNEL_FLAGS", FUSION_FLAGS)
+    # AKG reads its tiling repository from its own package and, unless that folder is "white
+    # listed", skips it and prints a warning to stdout, which corrupts command output.
+    os.environ.setdefault("AKG_WHITE_LIST_PATH", str(Path(ms.__file__).parent / "_akg"))
     cache = kernel_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MS_COMPILER_CACHE_PATH", str(cache))
