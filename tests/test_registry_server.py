@@ -153,16 +153,9 @@ MODEL = "clip-test"
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real export bundle (two MindIR graphs) of a tiny random-init CLIP."""
-    from clipms.export import export_bundle
-    from clipms.trained import RunConfig, load_clip
-    from tests.tiny_model import write_trained
+    from tests.tiny_model import export_tiny_bundle
 
-    paths = write_trained(tmp_path_factory.mktemp("trained"), seed=0)
-    run = RunConfig.read(paths["config"])
-    out = tmp_path_factory.mktemp("export") / "bundle"
-    export_bundle(load_clip(paths["checkpoint"], run.model), run.preprocess, paths["tokenizer"],
-                  out)
-    return out
+    return export_tiny_bundle(tmp_path_factory.mktemp("export"), seed=0)
 
 
 def pipeline_run(root: Path, bundle: Path, score: float, val_sha: str = "f" * 64) -> dict:

@@ -61,16 +61,9 @@ def run_python(code: str, args: list[str], cache, fusion: bool) -> None:
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from clipms.export import export_bundle
-    from clipms.trained import RunConfig, load_clip
-    from tests.tiny_model import write_trained
+    from tests.tiny_model import export_tiny_bundle
 
-    paths = write_trained(tmp_path_factory.mktemp("trained"), seed=2)
-    run = RunConfig.read(paths["config"])
-    out = tmp_path_factory.mktemp("export") / "bundle"
-    export_bundle(load_clip(paths["checkpoint"], run.model), run.preprocess, paths["tokenizer"],
-                  out)
-    return out
+    return export_tiny_bundle(tmp_path_factory.mktemp("export"), seed=2)
 
 
 def test_fused_encoder_compiles_fused_kernels_and_matches_the_unfused_one(bundle, tmp_path):

@@ -56,6 +56,19 @@ def write_trained(folder: Path, seed: int = 0) -> dict[str, Path]:
     return paths
 
 
+
+def export_tiny_bundle(root: Path, seed: int = 0) -> Path:
+    """A real export bundle (two MindIR graphs) of a random-init tiny model, in root/bundle."""
+    from clipms.export import export_bundle
+    from clipms.trained import RunConfig, load_clip
+
+    paths = write_trained(root / "trained", seed=seed)
+    run = RunConfig.read(paths["config"])
+    out = root / "bundle"
+    export_bundle(load_clip(paths["checkpoint"], run.model), run.preprocess, paths["tokenizer"],
+                  out)
+    return out
+
 def random_images(n: int, seed: int = 0, size: tuple[int, int] = (40, 48)) -> list[Image.Image]:
     """Non-square RGB images, so the resize + centre crop path is exercised."""
     rng = np.random.default_rng(seed)
