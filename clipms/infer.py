@@ -69,7 +69,7 @@ class Encoder:
     def __init__(self, bundle_dir: Path | str, batch_size: int = 64,
                  kernel_fusion: bool = True) -> None:
         """`kernel_fusion` turns on clipms.runtime's CPU graph-kernel fusion for the process
-        (~1.6x faster on CPU; each new batch size compiles once, cached on disk)."""
+        (1.4-1.5x faster on CPU, measured; each new batch size compiles once, cached on disk)."""
         import mindspore as ms  # clipms is imported first, so MindSpore sees its runtime settings
         from mindspore import nn
 

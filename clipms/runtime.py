@@ -1,13 +1,13 @@
 """Graph-kernel fusion for MindSpore on CPU: the switch that makes CLIP's non-matmul work cheap.
 
-Measured on the tiny preset (batch 64, 2 cores, benchmarks/RESULTS.md "Kernel fusion"): without
-fusion, MindSpore's CPU kernels for Erf (exact GELU) and LayerNorm are scalar and single-threaded
-respectively, and with the element-wise Mul/Add/BiasAdd/Transpose passes they take more time than
-every MatMul together. MindSpore's graph-kernel fusion (AKG) expands Erf and LayerNorm into
-primitive maths and fuses each chain into one vectorised kernel; the MatMuls are left to
-MindSpore's own kernel, which is faster than AKG's. Training gains the same way (LayerNormGrad).
-The exported MindIR files are unchanged: fusion happens when a graph is compiled, so the same
-bundle runs fused here and unfused elsewhere.
+Measured on the tiny preset (batch 64, 2 cores; benchmarks/RESULTS.md, "Summary: CPU kernel
+fusion"): without fusion, MindSpore's CPU kernels for Erf (exact GELU) and LayerNorm are scalar and
+single-threaded respectively, and with the element-wise Mul/Add/BiasAdd/Transpose passes they
+take more time than every MatMul together. MindSpore's graph-kernel fusion (AKG) expands Erf and
+LayerNorm into primitive maths and fuses each chain into one vectorised kernel; the MatMuls are
+left to MindSpore's own kernel, which is faster than AKG's. Training gains the same way
+(LayerNormGrad). The exported MindIR files are unchanged: fusion happens when a graph is
+compiled, so the same bundle runs fused here and unfused elsewhere.
 
 Fused kernels are compiled once per shape and cached on disk (`kernel_cache_dir()`); the first
 compile of a graph costs seconds, later processes reuse the cache. `CLIPMS_KERNEL_FUSION=0`
