@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from clipms.atomic import atomic_write, dead_writers_temps
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +54,10 @@ def save(folder: Path | str, step: int, tensors: Mapping[str, Any], meta: dict[s
     checkpoint of `step`, then delete all but the newest `keep` checkpoints."""
     import mindspore as ms
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    final = checkpoint_path(folder, step)
-    tmp = folder / f".tmp-{os.getpid()}-{final.name}"  # ends in .ckpt: MindSpore keeps the name
+    final = checkpoint_path(Path(folder), step)
     items = [{"name": name, "data": _as_tensor(value)} for name, value in tensors.items()]
-    try:
+    with atomic_write(final, durable=True) as tmp:
         ms.save_checkpoint(items, str(tmp), append_dict={META_KEY: json.dumps(meta)})
-        _fsync(tmp)
-        os.replace(tmp, final)
-        _fsync(folder)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     if keep is not None:
         prune(folder, keep)
     return final
@@ -77,10 +69,8 @@ def prune(folder: Path | str, keep: int) -> None:
         raise ValueError(f"keep must be >= 1, got {keep}")
     for old in list_checkpoints(folder)[:-keep]:
         old.unlink(missing_ok=True)
-    for tmp in Path(folder).glob(".tmp-*.ckpt"):
-        pid = tmp.name.split("-")[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            tmp.unlink(missing_ok=True)
+    for tmp in dead_writers_temps(folder):
+        tmp.unlink(missing_ok=True)
 
 
 def load(path: Path | str) -> Checkpoint:
@@ -119,22 +109,3 @@ def _as_tensor(value: Any) -> Any:
     if isinstance(value, ms.Tensor):  # Parameters are Tensors
         return ms.Tensor(value.asnumpy())  # a copy, so the file holds this instant's values
     return ms.Tensor(np.asarray(value))
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's data, or a folder's entries (so a rename survives a crash), to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

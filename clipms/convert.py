@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from clipms.atomic import atomic_write, write_text
 from clipms.config import CLIPConfig
 
 # open_clip's image preprocessing for OpenAI-style weights (open_clip.constants).
@@ -219,14 +220,14 @@ def save_clipms(net, checkpoint: str | Path, tokenizer: str | None = None,
     import mindspore as ms
 
     checkpoint = Path(checkpoint)
-    checkpoint.parent.mkdir(parents=True, exist_ok=True)
-    ms.save_checkpoint(net, str(checkpoint))
+    with atomic_write(checkpoint) as tmp:
+        ms.save_checkpoint(net, str(tmp))
     cfg: CLIPConfig = net.config
     if preprocess is None:
         preprocess = {"image_size": cfg.vision.image_size, "mean": list(OPENAI_MEAN),
                       "std": list(OPENAI_STD), "interpolation": "bicubic"}
     meta = {"model": cfg.to_dict(), "tokenizer": tokenizer, "preprocess": preprocess}
-    sidecar_path(checkpoint).write_text(json.dumps(meta, indent=2) + "\n")
+    write_text(sidecar_path(checkpoint), json.dumps(meta, indent=2) + "\n")
 
 
 def load_clipms(checkpoint: str | Path, config: CLIPConfig | None = None):
@@ -256,12 +257,12 @@ def save_openclip(net, out: str | Path) -> Path:
     from safetensors.numpy import save_file
 
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     state = clipms_to_openclip(clip_params(net), net.config)
-    # np.ascontiguousarray would turn the 0-d logit_scale into shape (1,)
-    save_file({k: np.array(v, order="C") for k, v in state.items()}, str(out))
+    with atomic_write(out) as tmp:
+        # np.ascontiguousarray would turn the 0-d logit_scale into shape (1,)
+        save_file({k: np.array(v, order="C") for k, v in state.items()}, str(tmp))
     config_path = out.with_suffix(".json")
-    config_path.write_text(json.dumps(net.config.to_openclip(), indent=2) + "\n")
+    write_text(config_path, json.dumps(net.config.to_openclip(), indent=2) + "\n")
     return config_path
 
 

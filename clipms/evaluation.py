@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from clipms import metrics
+from clipms.atomic import atomic_write
 from clipms.data import eval_sample_count, iter_eval_batches
 from clipms.preprocess import PreprocessConfig, PreprocessError, preprocess_image
 from clipms.tokenizer import Tokenizer
@@ -312,7 +313,8 @@ def plot_confusion(path: Path, matrix: np.ndarray | None, class_names: list[str]
         ax.set_ylabel("true class")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_write(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
 
 

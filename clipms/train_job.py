@@ -8,12 +8,12 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clipms.atomic import write_text
 from clipms.jsonio import read_json, write_json
 from clipms.trainer import Callback, TrainConfig, TrainResult
 
@@ -109,7 +109,7 @@ def write_outputs(job: TrainJob, result: TrainResult, preprocess: dict[str, Any]
     write_json(out.metrics, {**result.summary, "devices": group_size,
                              "global_batch_size": job.config.batch_size
                              * job.config.accum_steps * group_size})
-    _write_text(out.plot, history_csv(result.history))
+    write_text(out.plot, history_csv(result.history))
 
 
 def history_csv(history: Sequence[dict[str, float]]) -> str:
@@ -135,11 +135,3 @@ def replay(outputs: Outputs, callbacks: Sequence[Callback]) -> dict[str, float]:
     for callback in callbacks:
         callback.on_train_end(summary)
     return summary
-
-
-def _write_text(path: str, text: str) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, target)

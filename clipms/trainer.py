@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from clipms import checkpoint
+from clipms.atomic import atomic_write
 from clipms.config import CLIPConfig
 from clipms.runtime import enable_kernel_fusion
 
@@ -253,23 +254,12 @@ def model_tensors(model: Any) -> dict[str, Any]:
 
 def save_model(model: Any, path: Path | str) -> None:
     """models/clip.ckpt: only the CLIP weights, atomically."""
-    import os
-    import tempfile
-
     import mindspore as ms
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".ckpt")
-    os.close(fd)
-    try:
-        items = [{"name": name, "data": ms.Tensor(param.asnumpy())}
-                 for name, param in model_tensors(model).items()]
-        ms.save_checkpoint(items, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    items = [{"name": name, "data": ms.Tensor(param.asnumpy())}
+             for name, param in model_tensors(model).items()]
+    with atomic_write(path) as tmp:
+        ms.save_checkpoint(items, str(tmp))
 
 
 # --------------------------------------------------------------------------------------------

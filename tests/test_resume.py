@@ -109,7 +109,7 @@ def test_save_is_atomic_and_temp_files_of_dead_writers_are_ignored(tmp_path):
     # what a writer killed mid-write leaves behind: a temp file, never a final-looking name
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = folder / f".tmp-{dead.pid}-step-00000002.ckpt"
+    stale = folder / f".step-00000002.ckpt.tmp-{dead.pid}-0badf00d.ckpt"
     stale.write_bytes(b"\x00" * 10)
     latest = checkpoint.load_latest(folder)
     assert latest is not None and latest.meta == {"step": 1}

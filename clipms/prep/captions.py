@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from clipms.atomic import atomic_write
 from clipms.prep.download import scheme_array
 
 URL_COL = "URL"
@@ -313,10 +314,7 @@ def _ticker(log: Callable[[str], None], started: float) -> Callable[[str], None]
 
 def write_images(images: pd.DataFrame, path: Path | str) -> None:
     """Write images.parquet atomically (a killed stage never leaves half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
     table = pa.Table.from_pandas(images[IMAGE_COLUMNS], schema=IMAGES_SCHEMA, preserve_index=False)
-    # No pandas metadata: it would name the Arrow list dtype, which pandas cannot read back.
-    pq.write_table(table.replace_schema_metadata(None), tmp)
-    tmp.replace(path)
+    with atomic_write(path) as tmp:
+        # No pandas metadata: it would name the Arrow list dtype, which pandas cannot read back.
+        pq.write_table(table.replace_schema_metadata(None), tmp)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import http.client
-import os
 import shutil
 import tempfile
 import time
@@ -26,6 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from clipms.atomic import atomic_write
 from clipms.prep import synthetic
 
 MSCOCO_URL = ("https://huggingface.co/datasets/ChristophSchuhmann/MS_COCO_2017_URL_TEXT/resolve/"
@@ -153,15 +153,11 @@ def local_table(spec: MetadataSpec, work_dir: Path, backoff_seconds: float) -> p
 def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, caption_col: str,
                    backoff_seconds: float) -> pa.Table:
     """Download a parquet next to the output, read the caption columns, delete the download."""
-    fd, tmp_name = tempfile.mkstemp(dir=work_dir, prefix=".metadata-download-", suffix=".parquet")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix=".metadata-download-") as scratch:
+        tmp = Path(scratch) / "download.parquet"
         download(url, tmp, timeout=spec.timeout, retries=spec.retries, sha256=spec.sha256,
                  backoff_seconds=backoff_seconds)
         return read_captions(tmp, url_col, caption_col, shown_name=url)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,25 +199,19 @@ def download(url: str, dest: Path, *, timeout: float, retries: int, sha256: str 
 
 
 def _download_once(url: str, dest: Path, timeout: float) -> str:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".partial")
     digest = hashlib.sha256()
-    try:
-        request = urllib.request.Request(url, headers={"User-Agent": "clipms-metadata"})
-        with os.fdopen(fd, "wb") as handle, urllib.request.urlopen(request, timeout=timeout) as r:
-            expected = r.headers.get("Content-Length")
-            received = 0
-            while chunk := r.read(_CHUNK):
-                digest.update(chunk)
-                handle.write(chunk)
-                received += len(chunk)
+    request = urllib.request.Request(url, headers={"User-Agent": "clipms-metadata"})
+    with atomic_write(dest) as tmp, open(tmp, "wb") as handle, \
+            urllib.request.urlopen(request, timeout=timeout) as response:
+        expected = response.headers.get("Content-Length")
+        received = 0
+        while chunk := response.read(_CHUNK):
+            digest.update(chunk)
+            handle.write(chunk)
+            received += len(chunk)
         # http.client ends a chunked read quietly when the server hangs up early: check the size.
         if expected is not None and received != int(expected):
             raise ConnectionError(f"connection closed after {received} of {expected} bytes")
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return digest.hexdigest()
 
 
@@ -278,15 +268,9 @@ def read_captions(path: Path, url_col: str, caption_col: str,
 def write_table(table: pa.Table, out_path: Path) -> None:
     """Write atomically. Fixed schema, codec and row-group size, no pandas metadata: the same rows
     give the same bytes (with the pinned pyarrow)."""
-    fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_write(out_path) as tmp:
         pq.write_table(table.cast(SCHEMA).replace_schema_metadata(None), tmp,
                        compression="zstd", row_group_size=1 << 20)
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def caption_key(text: pa.ChunkedArray) -> pa.ChunkedArray:

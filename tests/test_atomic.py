@@ -1,0 +1,36 @@
+"""clipms.atomic: the one writer every output goes through."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from clipms.atomic import atomic_write, dead_writers_temps, write_text
+
+
+def test_the_target_changes_only_when_the_block_succeeds(tmp_path):
+    target = tmp_path / "sub" / "out.json"
+    write_text(target, "old")
+    with pytest.raises(RuntimeError, match="disk full"), atomic_write(target) as tmp:
+        tmp.write_text("half of the new")
+        assert target.read_text() == "old"  # the write goes elsewhere...
+        raise RuntimeError("disk full")
+    assert target.read_text() == "old"  # ...and is dropped on error
+    assert [p.name for p in target.parent.iterdir()] == ["out.json"]
+    with atomic_write(target, durable=True) as tmp:
+        assert tmp.parent == target.parent and tmp.suffix == ".json"  # rename: atomic
+        tmp.write_text("new")
+    assert target.read_text() == "new"
+    assert [p.name for p in target.parent.iterdir()] == ["out.json"]
+
+
+def test_temp_files_of_dead_writers_are_found_and_live_ones_are_not(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".a.ckpt.tmp-{dead.pid}-00c0ffee.ckpt"
+    stale.write_bytes(b"\0")
+    with atomic_write(tmp_path / "b.ckpt") as mine:
+        mine.write_bytes(b"\0")
+        assert dead_writers_temps(tmp_path) == [stale]
