@@ -311,7 +311,7 @@ def _build_model(cfg: TrainConfig) -> tuple[Any, Any, list[tuple[str, Any]]]:
     """(the CLIP Cell, the Cell to train (its O2 wrapper under amp), trainable (name, param))."""
     import mindspore as ms
 
-    from clipms.model import CLIP
+    from clipms.model import CLIP, to_mixed_precision
 
     model = CLIP(cfg.model)
     if cfg.init_from:
@@ -324,9 +324,7 @@ def _build_model(cfg: TrainConfig) -> tuple[Any, Any, list[tuple[str, Any]]]:
         if not locked:
             named.append((name, param))
     if cfg.precision == "amp":
-        # O2: every Cell in fp16 except the black-listed LayerNorm; the model also keeps softmax in
-        # fp32, and the loss runs on fp32 outputs (ClipWithLoss casts).
-        return model, ms.amp.auto_mixed_precision(model, "O2"), named
+        to_mixed_precision(model)  # O2 in place: the parameter names stay CLIP's own
     return model, model, named
 
 
