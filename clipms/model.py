@@ -2,7 +2,7 @@
 
 The function is open_clip's CLIP ViT (same parameters, same maths), so open_clip weights convert
 both ways (`clipms.convert`). Three layout choices differ from open_clip, each because it is faster
-with MindSpore on CPU (../shared/stack-notes.md) and each a pure re-arrangement of the same numbers:
+with MindSpore on CPU (measured; docs/model.md) and each a pure re-arrangement of the same numbers:
 - the patch embedding is a reshape + MatMul (`patch_embed`, a bias-free Dense over flattened
   (channel, row, column) patches) instead of a strided Conv2d;
 - attention has three Dense layers q/k/v instead of one fused in_proj (slicing its output is slow);

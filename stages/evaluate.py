@@ -1,6 +1,6 @@
 """Stage `evaluate`: retrieval (every val caption) and zero-shot classification of the model.
 
-`python -m stages.evaluate`; reads the `evaluate` section. Inputs: models/clip.ckpt,
+`python -m stages.evaluate`; reads the `evaluate` and `runtime` sections. Inputs: models/clip.ckpt,
 models/clip.json, models/tokenizer.json and the val split of data/shards. Outputs:
 metrics/eval.json (flat keys: i2t_R@1/5/10, t2i_R@1/5/10, mAP@10, ranks, zeroshot_*, counts and
 chance_* levels),
@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from clipms.runtime import RuntimeConfig, configure
 from stages.params import ParamsError, Section, load_section
 
 CHECKPOINT = Path("models/clip.ckpt")
@@ -43,9 +44,11 @@ def main() -> int:
     started = time.perf_counter()
     try:
         params = load_section("evaluate", EvaluateParams)
+        runtime = load_section("runtime", RuntimeConfig)
     except ParamsError as err:
         print(f"evaluate: error: {err}", file=sys.stderr)
         return 1
+    configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
     from clipms.evaluation import EvaluationError, ZeroShotSpec, evaluate, write_outputs
     from clipms.metrics import MetricsInputError
     from clipms.tokenizer import Tokenizer

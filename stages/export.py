@@ -1,8 +1,8 @@
 """Stage `export`: the two towers as MindIR (dynamic batch) + tokenizer + preprocessing spec in
 models/export/, then a parity check of each MindIR graph against the checkpoint on real val samples.
 
-`python -m stages.export`; reads the `export` section. Fails (exit 1) when any max abs error
-exceeds `export.tolerance`; metrics/export.json holds the errors either way.
+`python -m stages.export`; reads the `export` and `runtime` sections. Fails (exit 1) when any max
+abs error exceeds `export.tolerance`; metrics/export.json holds the errors either way.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field
 
+from clipms.runtime import RuntimeConfig, configure
 from stages.params import ParamsError, Section, load_section
 
 CHECKPOINT = Path("models/clip.ckpt")
@@ -48,9 +49,11 @@ def main() -> int:
         params = load_section("export", ExportParams)
         if min(params.batch_sizes) < 1:
             raise ParamsError(f"export.batch_sizes = {params.batch_sizes}: sizes must be >= 1")
+        runtime = load_section("runtime", RuntimeConfig)
     except ParamsError as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 1
+    configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
     from clipms.export import ParityError, assert_parity, export_bundle, parity_report
     from clipms.jsonio import write_json
     from clipms.tokenizer import Tokenizer

@@ -21,7 +21,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
-S = TypeVar("S", bound=Section)
+S = TypeVar("S", bound=BaseModel)  # a Section, or a library config used as one (runtime)
 
 
 class ParamsError(ValueError):

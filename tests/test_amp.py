@@ -27,6 +27,7 @@ import json, sys
 from pathlib import Path
 import clipms
 from clipms.config import CLIPConfig, TextConfig, VisionConfig
+from clipms.runtime import RuntimeConfig
 from clipms.trainer import RandomBatches, TrainConfig, save_model, train
 out = Path(sys.argv[1])
 micro = CLIPConfig(
@@ -34,7 +35,7 @@ micro = CLIPConfig(
     vision=VisionConfig(image_size=16, patch_size=8, width=32, layers=1, head_width=16),
     text=TextConfig(context_length=8, vocab_size=40, width=32, heads=2, layers=1))
 cfg = TrainConfig(model=micro, batch_size=4, epochs=1, lr=1e-3, warmup_steps=1, precision="amp",
-                  kernel_fusion=sys.argv[2] == "on")
+                  runtime=RuntimeConfig(kernel_fusion=sys.argv[2] == "on"))
 result = train(cfg, RandomBatches(micro, 4, 3, seed=1), None)
 save_model(result.model, out / "clip.ckpt")
 (out / "clip.json").write_text(json.dumps({"model": micro.to_dict()}))
@@ -89,10 +90,10 @@ def test_dvc_repro_with_amp_runs_train_evaluate_export_register_fused_and_unfuse
     ws = make_workspace(tmp_path, {"train.precision": "amp", "train.max_steps": 2,
                                    "train.checkpoint_every": 100})
     for fusion in (True, False):  # the data stages run once; train onwards reruns unfused
-        set_params(ws / "params.yaml", {"train.kernel_fusion": fusion})
+        set_params(ws / "params.yaml", {"runtime.kernel_fusion": fusion})
         run(["dvc", "repro", "register"], cwd=ws, timeout=1500)
         train = json.loads((ws / "models/clip.json").read_text())["train"]
-        assert train["precision"] == "amp" and train["kernel_fusion"] is fusion
+        assert train["precision"] == "amp" and train["runtime"]["kernel_fusion"] is fusion
         metrics = json.loads((ws / "metrics/train.json").read_text())
         assert metrics["steps"] == 2 and np.isfinite(metrics["final_loss"])
         assert "i2t_R@5" in json.loads((ws / "metrics/eval.json").read_text())
