@@ -200,6 +200,10 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
     if ckpt_dir is not None:
         state = _maybe_resume(cfg, ckpt_dir, step_cell, named_trainable, model, rank,
                               group_size, resume)
+    if distributed:
+        from clipms.distributed import check_same_start
+
+        check_same_start(state.step)  # hosts without a shared checkpoint folder would diverge
     writer = (checkpoint.CheckpointWriter(ckpt_dir, cfg.keep_checkpoints)
               if rank == 0 and ckpt_dir is not None else None)
     samples_per_step = cfg.batch_size * cfg.accum_steps * group_size
