@@ -332,10 +332,12 @@ class ZeroShotSpec:
 
 @dataclass(frozen=True)
 class EvalOutputs:
-    metrics: Path = Path("metrics/eval.json")
-    recall_curve: Path = Path("plots/recall_at_k.csv")
-    predictions: Path = Path("plots/confusion_matrix.csv")
-    confusion_png: Path = Path("plots/confusion_matrix.png")
+    """Where `write_outputs` puts each result (the evaluate stage names them)."""
+
+    metrics: Path
+    recall_curve: Path
+    predictions: Path
+    confusion_png: Path
 
 
 def evaluate(net: CLIP, tokenizer: Tokenizer, preprocess: PreprocessConfig, shards_dir: Path | str,
@@ -371,11 +373,9 @@ def _zeroshot_set(net: CLIP, preprocess: PreprocessConfig, val: ValEmbeddings, b
                           "(labels | folder | webdataset | none)")
 
 
-def write_outputs(report: EvalReport, outputs: EvalOutputs | None = None) -> None:
+def write_outputs(report: EvalReport, outputs: EvalOutputs) -> None:
     """metrics JSON (flat keys), recall@K CSV, per-image zero-shot CSV and the confusion PNG."""
     from clipms.jsonio import write_json
-
-    outputs = outputs or EvalOutputs()
 
     write_json(outputs.metrics, report.metrics)
     write_recall_curve(outputs.recall_curve, report.recall_curve)

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
+from stages import paths
 from stages.params import ParamsError, Section, load_section
 
-CHECKPOINT = Path("models/clip.ckpt")
-RUN_CONFIG = Path("models/clip.json")
-TOKENIZER = Path("models/tokenizer.json")
-SHARDS_DIR = Path("data/shards")
+READS = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.TOKENIZER, paths.SHARDS_VAL, paths.MANIFEST,
+         paths.MLFLOW_RUN)
+WRITES = (paths.RECALL_CURVE, paths.CONFUSION_CSV, paths.CONFUSION_PNG, paths.EVAL_METRICS)
+OUTPUTS_ARGS = dict(metrics=paths.EVAL_METRICS, recall_curve=paths.RECALL_CURVE,
+                    predictions=paths.CONFUSION_CSV, confusion_png=paths.CONFUSION_PNG)
 
 
 class ZeroShotParams(Section):
@@ -56,18 +57,19 @@ def main() -> int:
                         label_fields=tuple(zs.label_fields), path=zs.path,
                         class_names=tuple(zs.class_names) if zs.class_names else None)
     try:
-        run = RunConfig.read(RUN_CONFIG)
-        net = load_clip(CHECKPOINT, run.model)
-        report = evaluate(net, Tokenizer.load(TOKENIZER), run.preprocess, SHARDS_DIR,
+        run = RunConfig.read(paths.RUN_CONFIG)
+        net = load_clip(paths.CHECKPOINT, run.model)
+        report = evaluate(net, Tokenizer.load(paths.TOKENIZER), run.preprocess, paths.SHARDS,
                           params.batch_size, spec, split=params.split)
     except (TrainedModelError, EvaluationError, MetricsInputError, ValueError) as err:
         print(f"evaluate: error: {err}", file=sys.stderr)
         return 1
-    write_outputs(report)
     from clipms.evaluation import EvalOutputs
+
+    out = EvalOutputs(**OUTPUTS_ARGS)
+    write_outputs(report, out)
     from registry.tracking import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
 
-    out = EvalOutputs()
     log_stage("evaluate", params.model_dump(), report.metrics,
               [(p, "plots") for p in (out.recall_curve, out.predictions, out.confusion_png)])
     m = report.metrics
