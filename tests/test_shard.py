@@ -182,3 +182,21 @@ def test_shard_params_validation(tmp_path):
     message = str(err.value)
     assert "shard.samples_per_shard = 0" in message and "greater than or equal to 1" in message
     assert "shard.seeds: unknown key" in message and "seed" in message
+
+
+def test_decompression_bomb_and_other_formats_are_undecodable(tmp_path):
+    # The shard stage decodes through clipms.preprocess.open_image: a 64 MP PNG bomb (~8 KB) and a
+    # GIF (which PIL would decode) are dropped as bad samples, never allocated or kept.
+    from tests.hostile_images import png_bomb
+
+    src = tmp_path / "download"
+    src.mkdir()
+    hostile = [{"__key__": "000000200", "png": png_bomb(), "json": json.dumps(meta(200))},
+               {"__key__": "000000201", "jpg": image_bytes(fmt="GIF"),  # named .jpg, a GIF
+                "json": json.dumps(meta(201))}]
+    write_tar(src / "00000.tar", [good(0), good(1, "val"), *hostile])
+    metrics = build_shards(src, tmp_path / "shards", ShardSettings(samples_per_shard=2,
+                                                                   workers=1), quiet)
+    dropped = {reason: n for reason, n in metrics["dropped"].items() if n}
+    assert dropped == {"undecodable_image": 2}
+    assert metrics["samples_out"] == 2

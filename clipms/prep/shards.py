@@ -29,6 +29,7 @@ from typing import Any
 from PIL import Image
 
 from clipms.jsonio import write_json
+from clipms.preprocess import open_image
 
 SPLITS = ("train", "val")
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -138,11 +139,12 @@ def _validate(key: str, files: dict[str, tuple[bytes, int]], path: str,
         return None, "bad_metadata"
     data, offset = files[ext]
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()  # a full decode: verify() alone misses truncated JPEG data
-            width, height, fmt = image.width, image.height, image.format
-            converted = None if fmt == "JPEG" else _to_jpeg(image)
-    except Exception:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError, ...)
+        # The one decoder (JPEG/PNG/WEBP, pixel limit from the header, a full decode: verify()
+        # alone misses truncated JPEG data); a decompression bomb is undecodable here too.
+        image = open_image(data, key)
+        width, height, fmt = image.width, image.height, image.format
+        converted = None if fmt == "JPEG" else _to_jpeg(image)
+    except Exception:  # PreprocessError, or an encoder error while converting to JPEG
         return None, "undecodable_image"
     if min(width, height) < min_image_size:
         return None, "too_small"
