@@ -223,3 +223,11 @@ def test_only_mindir_and_json_files_are_packaged(tmp_path: Path) -> None:
     (tmp_path / "extra.pkl").write_bytes(b"\x80\x04")
     with pytest.raises(ValueError, match=r"extra\.pkl"):
         check_bundle(tmp_path)
+
+
+def test_registry_imports_nothing_from_stages_or_flows() -> None:
+    from tests.test_boundaries import imported_roots
+
+    package = Path(__file__).resolve().parents[1] / "registry"
+    for module in sorted(package.glob("*.py")):
+        assert not imported_roots(module.read_text()) & {"stages", "flows"}, module.name
