@@ -65,7 +65,7 @@ def main() -> int:
         return 1
     write_outputs(report)
     from clipms.evaluation import EvalOutputs
-    from registry.tracking import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
+    from registry.run import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
 
     out = EvalOutputs()
     log_stage("evaluate", params.model_dump(), report.metrics,

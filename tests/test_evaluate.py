@@ -17,6 +17,7 @@ from clipms import metrics, webds
 from clipms.preprocess import preprocess_image
 from clipms.tokenizer import Tokenizer
 from clipms.trained import RunConfig, load_clip
+from tests.hostile_images import png_bomb
 from tests.tiny_model import jpeg_bytes, make_val_shards, random_images, write_trained
 from tests.workspace import PROJECT_ROOT, run, tool_env
 
@@ -95,11 +96,12 @@ def test_folder_per_class_zeroshot_counts_broken_images(workspace, tmp_path):
         for j, image in enumerate(random_images(2 + c, seed=c)):
             image.save(tmp_path / name / f"{j}.png")
     (tmp_path / "blue_square" / "broken.jpg").write_bytes(b"not a jpeg")
+    (tmp_path / "red_circle" / "bomb.png").write_bytes(png_bomb())  # 64 MP in 8 KB: skipped
     (tmp_path / "blue_square" / "notes.txt").write_text("ignored: not an image")
     zs = zeroshot_from_folder(workspace["net"], workspace["run"].preprocess, tmp_path, 2, None)
     assert zs.class_names == ["blue square", "green star", "red circle"]  # sorted folders
     assert zs.labels.tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 2]
-    assert zs.skipped == 1 and zs.image_features.shape == (9, 32)
+    assert zs.skipped == 2 and zs.image_features.shape == (9, 32)
 
 
 def test_webdataset_cls_zeroshot(workspace, tmp_path):

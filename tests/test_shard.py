@@ -106,8 +106,8 @@ def test_bad_samples_are_dropped_and_counted(tmp_path):
     metrics = build_shards(src, tmp_path / "shards", ShardSettings(samples_per_shard=2,
                                                                    workers=1), quiet)
     assert metrics["dropped"] == {
-        "missing_image": 1, "undecodable_image": 2, "too_small": 1, "no_caption": 1,
-        "missing_split": 1, "bad_metadata": 1, "bad_key": 6, "duplicate_key": 1,
+        "missing_image": 1, "undecodable_image": 2, "too_large": 0, "too_small": 1,
+        "no_caption": 1, "missing_split": 1, "bad_metadata": 1, "bad_key": 6, "duplicate_key": 1,
     }
     assert metrics["samples_in"] == 19 and metrics["samples_out"] == 5
     out = read_output(tmp_path / "shards")
@@ -208,3 +208,23 @@ def test_shard_params_validation(tmp_path):
     message = str(err.value)
     assert "shard.samples_per_shard = 0" in message and "greater than or equal to 1" in message
     assert "shard.seeds: unknown key" in message and "seed" in message
+
+
+def test_decompression_bombs_and_other_formats_are_bad_samples_by_reason(tmp_path):
+    # The shard stage decodes through clipms.preprocess.open_image: a 64 MP PNG bomb (~8 KB) and a
+    # header claiming 10^10 pixels are too_large (never allocated); a GIF (which PIL would decode)
+    # is undecodable_image.
+    from tests.hostile_images import png_bomb, png_header_bomb
+
+    src = tmp_path / "download"
+    src.mkdir()
+    hostile = [{"__key__": "000000200", "png": png_bomb(), "json": json.dumps(meta(200))},
+               {"__key__": "000000201", "jpg": image_bytes(fmt="GIF"),  # named .jpg, a GIF
+                "json": json.dumps(meta(201))},
+               {"__key__": "000000202", "png": png_header_bomb(), "json": json.dumps(meta(202))}]
+    write_tar(src / "00000.tar", [good(0), good(1, "val"), *hostile])
+    metrics = build_shards(src, tmp_path / "shards", ShardSettings(samples_per_shard=2,
+                                                                   workers=1), quiet)
+    dropped = {reason: n for reason, n in metrics["dropped"].items() if n}
+    assert dropped == {"too_large": 2, "undecodable_image": 1}
+    assert metrics["samples_out"] == 2

@@ -29,10 +29,11 @@ from typing import Any
 from PIL import Image
 
 from clipms import webds
+from clipms.preprocess import PixelLimitError, open_image
 
 SPLITS = ("train", "val")
 DROP_REASONS = (
-    "missing_image", "undecodable_image", "too_small", "no_caption", "missing_split",
+    "missing_image", "undecodable_image", "too_large", "too_small", "no_caption", "missing_split",
     "bad_metadata", "bad_key", "duplicate_key",
 )
 
@@ -102,11 +103,14 @@ def _validate(raw: webds.Sample, path: str, min_image_size: int) -> tuple[Sample
     except webds.DataError:
         return None, "bad_metadata"
     try:
-        with Image.open(io.BytesIO(raw.files[ext])) as image:
-            image.load()  # a full decode: the header alone misses truncated image data
-            width, height, fmt = image.width, image.height, image.format
-            converted = None if fmt == "JPEG" else _to_jpeg(image)
-    except Exception:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError, ...)
+        # The one decoder (JPEG/PNG/WEBP, the pixel limit read from the header, then a full
+        # decode: the header alone misses truncated image data).
+        image = open_image(raw.files[ext], raw.key)
+        width, height, fmt = image.width, image.height, image.format
+        converted = None if fmt == "JPEG" else _to_jpeg(image)
+    except PixelLimitError:  # a decompression bomb or an oversized image, refused unallocated
+        return None, "too_large"
+    except Exception:  # PreprocessError, or an encoder error while converting to JPEG
         return None, "undecodable_image"
     if min(width, height) < min_image_size:
         return None, "too_small"
