@@ -22,6 +22,7 @@ from clipms.embed import EvaluationError
 from clipms.evaluation import EvalReport
 from clipms.gallery import Gallery, build_gallery, render_gallery
 from clipms.jsonio import write_json
+from clipms.preprocess import decode_image
 from clipms.zeroshot_sets import class_names_from_labels
 
 
@@ -139,7 +140,7 @@ def write_gallery(report: EvalReport, path: Path, shards_dir: Path | str, split:
     gallery = build_gallery(val, classes, spec.text_queries, spec.image_queries, spec.top_k)
 
     def read_image(row: int) -> Image.Image:
-        return Image.open(io.BytesIO(index.read(row)[0]))
+        return decode_image(index.read(row)[0], name=f"{split}/{val.keys[row]}")
 
     hits = sum(found.hit for query in gallery.text_queries for found in query.results)
     title = (f"retrieval gallery: text -> image top-{spec.top_k} (hits {hits} of "

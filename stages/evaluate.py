@@ -139,7 +139,7 @@ def main() -> int:
             ValueError) as err:
         print(f"evaluate: error: {err}", file=sys.stderr)
         return 1
-    from registry.tracking import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
+    from registry.run import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
 
     artifacts = [(p, "plots") for p in (out.recall_curve, out.predictions, *out.pictures)]
     artifacts += [(out.clip_benchmark_dir / name, "clip_benchmark") for name in files]

@@ -70,7 +70,7 @@ def main() -> int:
                   **{f"{p.stem}_mb": round(p.stat().st_size / 2**20, 3)
                      for p in sorted(BUNDLE_DIR.glob("*.mindir"))})
     write_json(METRICS, report)
-    from registry.tracking import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
+    from registry.run import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
 
     log_stage("export", params.model_dump(), report)
     try:
