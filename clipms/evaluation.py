@@ -158,12 +158,14 @@ def _folder_items(root: Path) -> tuple[list[tuple[Path, int]], list[str]]:
 
 
 def _webdataset_items(path: Path) -> Iterator[tuple[str, bytes, int | None]]:
-    from clipms.infer import iter_shard_samples
+    from clipms.webds import iter_samples
 
-    for sample in iter_shard_samples(path):
-        cls = sample.meta.get("cls") if sample.meta else None
-        if cls is None and "cls" in sample.extra:
-            cls = sample.extra["cls"].decode().strip()
+    for sample in iter_samples(path):
+        if sample.image is None:
+            continue
+        cls = sample.meta.get("cls")
+        if cls is None and "cls" in sample.files:
+            cls = sample.files["cls"].decode().strip()
         try:
             label = None if cls is None else int(cls)
         except ValueError:

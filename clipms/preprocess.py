@@ -39,6 +39,10 @@ class PreprocessError(ValueError):
     """An image that cannot be decoded, or an invalid preprocessing config."""
 
 
+class PixelLimitError(PreprocessError):
+    """An image over the pixel limit (so callers can count it apart from broken data)."""
+
+
 @dataclass(frozen=True)
 class PreprocessConfig:
     """What turns an image into model input; see the module docstring for the exact steps."""
@@ -111,7 +115,7 @@ def open_image(data: bytes, name: str = "image",
         raise PreprocessError(f"{name}: not a JPEG, PNG or WEBP image (the formats "
                               f"allowed)") from None
     except Image.DecompressionBombError as err:  # PIL's own, looser limit, checked inside open()
-        raise PreprocessError(f"{name}: over the pixel limit of {max_pixels} ({err})") from None
+        raise PixelLimitError(f"{name}: over the pixel limit of {max_pixels} ({err})") from None
     except PreprocessError:
         raise
     except Exception as err:  # PIL's plugins raise OSError, SyntaxError, struct.error, ...
@@ -120,10 +124,10 @@ def open_image(data: bytes, name: str = "image",
 
 
 def check_pixels(size: tuple[int, int], max_pixels: int, name: str = "image") -> None:
-    """PreprocessError when width x height exceeds `max_pixels`."""
+    """PixelLimitError when width x height exceeds `max_pixels`."""
     width, height = size
     if width * height > max_pixels:
-        raise PreprocessError(f"{name}: {width}x{height} = {width * height} pixels, over the "
+        raise PixelLimitError(f"{name}: {width}x{height} = {width * height} pixels, over the "
                               f"pixel limit of {max_pixels}")
 
 

@@ -9,17 +9,16 @@ in test_export.py (dvc repro to export on the tiny synthetic config).
 from __future__ import annotations
 
 import json
-import tarfile
 
 import numpy as np
 import pytest
 
-from clipms import metrics
+from clipms import metrics, webds
 from clipms.preprocess import preprocess_image
 from clipms.tokenizer import Tokenizer
 from clipms.trained import RunConfig, load_clip
 from tests.hostile_images import png_bomb
-from tests.tiny_model import add_member, jpeg_bytes, make_val_shards, random_images, write_trained
+from tests.tiny_model import jpeg_bytes, make_val_shards, random_images, write_trained
 from tests.workspace import PROJECT_ROOT, run, tool_env
 
 
@@ -109,14 +108,13 @@ def test_webdataset_cls_zeroshot(workspace, tmp_path):
     from clipms.evaluation import EvaluationError, zeroshot_from_webdataset
 
     images = random_images(4, seed=9)
-    with tarfile.open(tmp_path / "000000.tar", "w") as tar:
-        add_member(tar, "a.jpg", jpeg_bytes(images[0]))
-        add_member(tar, "a.cls", b"1")
-        add_member(tar, "b.jpg", jpeg_bytes(images[1]))
-        add_member(tar, "b.json", json.dumps({"cls": 0}).encode())
-        add_member(tar, "c.jpg", jpeg_bytes(images[2]))  # no class: skipped
-        add_member(tar, "d.jpg", jpeg_bytes(images[3]))
-        add_member(tar, "d.cls", b"7")  # out of range: skipped
+    jpgs = [jpeg_bytes(image) for image in images]
+    webds.write_tar(tmp_path / "000000.tar", [
+        ("a", {"jpg": jpgs[0], "cls": b"1"}),
+        ("b", {"jpg": jpgs[1], "json": json.dumps({"cls": 0}).encode()}),
+        ("c", {"jpg": jpgs[2]}),                 # no class: skipped
+        ("d", {"jpg": jpgs[3], "cls": b"7"}),    # out of range: skipped
+    ])
     zs = zeroshot_from_webdataset(workspace["net"], workspace["run"].preprocess, tmp_path, 8,
                                   ["cat", "dog"])
     assert zs.labels.tolist() == [1, 0] and zs.skipped == 2 and zs.class_names == ["cat", "dog"]

@@ -3,15 +3,14 @@ features for every input kind, and the `search` CLI finds images in a real tar s
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
-import tarfile
 
 import numpy as np
 import pytest
 
+from clipms import webds
 from clipms.preprocess import PreprocessError, preprocess_image
 from clipms.tokenizer import Tokenizer
 from clipms.trained import RunConfig, load_clip
@@ -85,15 +84,11 @@ def test_encoder_errors_name_the_problem(bundle, tmp_path):
 
 
 def write_shard(path, images, captions, first_key=0):
-    with tarfile.open(path, "w") as tar:
-        for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
-            key = f"{first_key + i:06d}"
-            data = b"truncated" if image is None else jpeg_bytes(image)
-            meta = json.dumps({"captions": [caption], "key": key}).encode()
-            for name, payload in ((f"{key}.jpg", data), (f"{key}.json", meta)):
-                info = tarfile.TarInfo(name)
-                info.size = len(payload)
-                tar.addfile(info, io.BytesIO(payload))
+    webds.write_tar(path, [
+        (f"{first_key + i:06d}",
+         {"jpg": b"truncated" if image is None else jpeg_bytes(image),
+          "json": json.dumps({"captions": [caption], "key": f"{first_key + i:06d}"}).encode()})
+        for i, (image, caption) in enumerate(zip(images, captions, strict=True))])
 
 
 def test_search_cli_ranks_shard_images_and_counts_bad_ones(bundle, tmp_path):
