@@ -6,6 +6,11 @@
     text_vectors = enc.encode_texts(["a red circle", "a blue square"])    # (M, E), unit length
     scores = image_vectors @ text_vectors.T                                # cosine similarities
 
+Every image goes through the bundle's own decoder limits (preprocess.json: JPEG/PNG/WEBP, at most
+`max_pixels`); a bad one raises PreprocessError naming it. Paths are for local, trusted callers:
+the served model (registry/pyfunc_model.py, serving/) accepts images only as base64
+(clipms.inputs) and never names a file to this class.
+
 CLI: `python -m clipms.infer search --bundle models/export --shards data/shards/val "a red circle"`
 prints the images of the shards that best match the query.
 """

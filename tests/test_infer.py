@@ -14,6 +14,7 @@ from clipms import webds
 from clipms.preprocess import PreprocessError, preprocess_image
 from clipms.tokenizer import Tokenizer
 from clipms.trained import RunConfig, load_clip
+from tests.hostile_images import EPS, png_bomb
 from tests.tiny_model import CAPTIONS, jpeg_bytes, random_images, write_trained
 from tests.workspace import PROJECT_ROOT, tool_env
 
@@ -70,8 +71,14 @@ def test_encoder_errors_name_the_problem(bundle, tmp_path):
     encoder = Encoder(bundle["dir"])
     with pytest.raises(PreprocessError, match=r"images\[1\].*not found"):
         encoder.encode_images([random_images(1)[0], tmp_path / "missing.jpg"])
-    with pytest.raises(PreprocessError, match=r"images\[0\]"):
+    with pytest.raises(PreprocessError, match=r"images\[0\]: not a JPEG, PNG or WEBP"):
         encoder.encode_images([b"not an image"])
+    # The bundle's own limits (preprocess.json: max_pixels) apply to every image it encodes.
+    with pytest.raises(PreprocessError, match=r"images\[0\]: 8000x8000 = 64000000 pixels, over "
+                                              r"the pixel limit of 50000000"):
+        encoder.encode_images([png_bomb()])
+    with pytest.raises(PreprocessError, match=r"images\[0\]: not a JPEG, PNG or WEBP"):
+        encoder.encode_images([EPS])
     with pytest.raises(BundleError, match="no bundle.json"):
         Encoder(tmp_path)
 
