@@ -68,7 +68,7 @@ def main() -> int:
                   **{f"{p.stem}_mb": round(p.stat().st_size / 2**20, 3)
                      for p in sorted(paths.BUNDLE.glob("*.mindir"))})
     write_json(paths.EXPORT_METRICS, report)
-    from registry.tracking import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
+    from registry.run import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
 
     log_stage("export", params.model_dump(), report)
     try:

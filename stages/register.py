@@ -9,27 +9,25 @@ from __future__ import annotations
 
 import sys
 
-from pydantic import Field
-
 from stages import paths
-from stages.params import Section, load_section
+from stages.params import ParamsError
 
 READS = (paths.BUNDLE, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST)
 WRITES = (paths.REGISTER_METRICS,)
 
 
-class RegisterParams(Section):
-    model_name: str = Field("clip", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    experiment: str = Field("clip-mindspore", min_length=1)  # read by train, which opens the run
-    primary_metric: str = "i2t_R@5"
-    margin: float = Field(0.0, ge=0.0)
-
-
 def main() -> int:
-    params = load_section("register", RegisterParams)
+    from registry.settings import register_params
+
+    try:
+        params = register_params()
+    except ParamsError as err:
+        print(f"register: error: {err}", file=sys.stderr)
+        return 1
     from clipms.jsonio import read_json, write_json
+    from registry.lineage import flatten
     from registry.registration import register_version
-    from registry.tracking import PipelineRun, TrackingUnavailable, flatten
+    from registry.run import PipelineRun, TrackingUnavailable
 
     try:
         run = PipelineRun.resume()

@@ -111,7 +111,7 @@ def main() -> int:
         return 1
     from clipms import train_job
     from clipms.trainer import NonFiniteLossError
-    from registry.tracking import PipelineRun  # MLflow: one run per pipeline run (docs/mlflow.md)
+    from registry.run import PipelineRun  # MLflow: one run per pipeline run (docs/mlflow.md)
 
     run = PipelineRun.open("train", params.model_dump())  # never blocks training (journal)
     run.start_system_metrics()
