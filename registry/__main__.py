@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from registry.compare import collect, render
-    from registry.tracking import client
+    from registry.settings import client
 
     name = args.name or _default_model_name()
     rows = collect(client(), name, args.limit)
@@ -32,12 +32,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _default_model_name() -> str:
-    from stages.params import read_params
+    from clipms.params import ParamsError
+    from registry.settings import RegisterParams, register_params
 
     try:
-        return str(read_params().get("register", {}).get("model_name", "clip"))
-    except ValueError:
-        return "clip"
+        return register_params().model_name
+    except ParamsError as err:  # still usable outside a project, with the default name
+        print(f"warning: {err}; using the default model name", file=sys.stderr)
+        return str(RegisterParams.model_fields["model_name"].default)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def current_champion(mlflow_client: Any, name: str, primary_metric: str) -> Cand
 
 def candidate_from_version(version: Any, primary_metric: str) -> Candidate:
     tags = version.tags or {}
-    from registry.tracking import mlflow_key
+    from registry.journal import mlflow_key
 
     raw = tags.get(f"metric.{mlflow_key(primary_metric)}")
     return Candidate(str(version.version), float(raw) if raw not in (None, "") else None,

@@ -7,7 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from registry import gate, pyfunc
-from registry.tracking import PipelineRun, client, mlflow_key, val_digest
+from registry.journal import mlflow_key
+from registry.lineage import val_digest
+from registry.run import PipelineRun
+from registry.settings import client
 
 MODEL_ARTIFACT = "clip"  # the logged model's name inside the run
 

@@ -8,29 +8,26 @@ when it is unreachable this stage fails with a message naming it; nothing upstre
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from pydantic import Field
+from stages import paths
+from stages.params import ParamsError
 
-from stages.params import Section, load_section
-
-EVAL_METRICS = Path("metrics/eval.json")
-BUNDLE_DIR = Path("models/export")
-OUT = Path("metrics/register.json")
-
-
-class RegisterParams(Section):
-    model_name: str = Field("clip", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    experiment: str = Field("clip-mindspore", min_length=1)  # read by train, which opens the run
-    primary_metric: str = "i2t_R@5"
-    margin: float = Field(0.0, ge=0.0)
+READS = (paths.BUNDLE, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST)
+WRITES = (paths.REGISTER_METRICS,)
 
 
 def main() -> int:
-    params = load_section("register", RegisterParams)
+    from registry.settings import register_params
+
+    try:
+        params = register_params()
+    except ParamsError as err:
+        print(f"register: error: {err}", file=sys.stderr)
+        return 1
     from clipms.jsonio import read_json, write_json
+    from registry.lineage import flatten
     from registry.registration import register_version
-    from registry.tracking import PipelineRun, TrackingUnavailable, flatten
+    from registry.run import PipelineRun, TrackingUnavailable
 
     try:
         run = PipelineRun.resume()
@@ -39,12 +36,12 @@ def main() -> int:
         run = PipelineRun.open("register", {}, run_file=None)
     run.log_params(flatten("register", params.model_dump()))
     try:
-        record = register_version(run, BUNDLE_DIR, params.model_name, params.primary_metric,
-                                  params.margin, read_json(EVAL_METRICS))
+        record = register_version(run, paths.BUNDLE, params.model_name, params.primary_metric,
+                                  params.margin, read_json(paths.EVAL_METRICS))
     except TrackingUnavailable as err:
         print(f"register: {err}", file=sys.stderr)
         return 1
-    write_json(OUT, record)
+    write_json(paths.REGISTER_METRICS, record)
     run.close()
     print(f"register: {params.model_name} v{record['version']} -> {record['alias']} "
           f"({record['reason']})")

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from registry import tracking
+from registry import lineage, settings
+from registry import run as tracking_run
 from tests.mlflow_server import MlflowServer, http_get
 from tests.test_registry import write_pipeline_state
 
@@ -43,7 +44,11 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server: MlflowSer
     return tmp_path
 
 
-def train_like(run: tracking.PipelineRun, steps: int, start: int = 1) -> None:
+def journals() -> list[Path]:
+    return sorted(settings.JOURNAL_DIR.glob("*.json"))
+
+
+def train_like(run: tracking_run.PipelineRun, steps: int, start: int = 1) -> None:
     callback = run.callback(flush_every_s=0.0, prefix="")
     for step in range(start, start + steps):
         callback.on_step_end(step, {"loss": 2.0 / step, "lr": 1e-3})
@@ -55,8 +60,8 @@ def test_ui_page_answers(server: MlflowServer) -> None:
 
 
 def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> None:
-    run = tracking.PipelineRun.open("train", {"lr": 1e-3, "epochs": 1})
-    assert run.run_id and not run.pending
+    run = tracking_run.PipelineRun.open("train", {"lr": 1e-3, "epochs": 1})
+    assert run.flush() and run.run_id and not run.pending
     run.start_system_metrics(sampling_interval=1.0)
     train_like(run, 20)
     callback = run.callback()
@@ -66,12 +71,13 @@ def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> Non
     (workspace / "plots" / "train.csv").write_text("step,loss\n1,2.0\n")
     run.log_artifact("plots/train.csv", "plots")
     assert run.close() is True
-    assert not tracking.JOURNAL_FILE.exists()
+    assert not journals()
 
-    resumed = tracking.log_stage("evaluate", {"batch_size": 16}, {"i2t_R@5": 0.5, "mAP@10": 0.25})
+    resumed = tracking_run.log_stage("evaluate", {"batch_size": 16},
+                                     {"i2t_R@5": 0.5, "mAP@10": 0.25})
     assert resumed is not None and resumed.run_id == run.run_id
 
-    client = tracking.client()
+    client = settings.client()
     data = client.get_run(run.run_id)
     assert data.info.status == "FINISHED"
     assert client.get_experiment(data.info.experiment_id).name == "test-exp"
@@ -90,7 +96,7 @@ def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> Non
     assert [a.path for a in client.list_artifacts(run.run_id, "plots")] == ["plots/train.csv"]
 
     # A rerun of a later stage with a changed param keeps the first value and records the new one.
-    tracking.log_stage("evaluate", {"batch_size": 32}, {"i2t_R@5": 0.5})
+    tracking_run.log_stage("evaluate", {"batch_size": 32}, {"i2t_R@5": 0.5})
     rerun = client.get_run(run.run_id).data
     assert rerun.params["evaluate.batch_size"] == "16"
     assert rerun.tags["rerun_param.evaluate.batch_size"] == "32"
@@ -99,11 +105,11 @@ def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> Non
 def test_server_going_away_mid_run_loses_nothing(workspace: Path, server: MlflowServer,
                                                  tmp_path_factory: pytest.TempPathFactory,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    run = tracking.PipelineRun.open("train", {"lr": 1e-3})
+    run = tracking_run.PipelineRun.open("train", {"lr": 1e-3})
     train_like(run, 10)
-    assert not run.pending  # flushed while the server was up
+    assert run.flush() and not run.pending  # sent while the server was up
 
-    # Fail fast instead of MLflow's ~3 s of retries per request (the default set by tracking.py).
+    # Fail fast instead of ~3 s of retries per request (the default set by registry.settings).
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     server.stop()
     started = time.monotonic()
@@ -111,29 +117,30 @@ def test_server_going_away_mid_run_loses_nothing(workspace: Path, server: Mlflow
     run.callback().on_train_end({"loss": 0.2})
     assert run.close() is False
     assert time.monotonic() - started < 60
-    assert tracking.JOURNAL_FILE.exists() and tracking.RUN_FILE.exists()
-    tracking.log_stage("evaluate", {"batch_size": 16}, {"i2t_R@5": 0.75})  # also journaled
-    with pytest.raises(tracking.TrackingUnavailable, match="cannot reach the MLflow tracking"):
-        tracking.PipelineRun.resume().require_sent()
+    assert journals() and settings.RUN_FILE.exists()
+    tracking_run.log_stage("evaluate", {"batch_size": 16}, {"i2t_R@5": 0.75})  # also journaled
+    with pytest.raises(tracking_run.TrackingUnavailable, match="cannot reach the MLflow tracking"):
+        tracking_run.PipelineRun.resume().require_sent()
 
     # A second pipeline that starts while the server is down has no run id at all yet.
     other = tmp_path_factory.mktemp("offline-start")
     write_pipeline_state(other)
+    (other / "params.yaml").write_text("register:\n  experiment: test-exp\n")
     monkeypatch.chdir(other)
-    offline = tracking.PipelineRun.open("train", {"lr": 2e-3})
+    offline = tracking_run.PipelineRun.open("train", {"lr": 2e-3})
     train_like(offline, 5)
     assert offline.close() is False and offline.run_id is None
 
     server.start()
-    resumed = tracking.PipelineRun.resume()
+    resumed = tracking_run.PipelineRun.resume()
     resumed.require_sent()  # replays the journal, creating the run first
     assert resumed.run_id and not resumed.pending
     monkeypatch.chdir(workspace)
-    first = tracking.PipelineRun.resume()
+    first = tracking_run.PipelineRun.resume()
     first.require_sent()
     assert first.run_id == run.run_id
 
-    client = tracking.client()
+    client = settings.client()
     history = client.get_metric_history(run.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1, 21))
     data = client.get_run(run.run_id).data
@@ -177,8 +184,8 @@ def pipeline_run(root: Path, bundle: Path, score: float, val_sha: str = "f" * 64
     cwd = Path.cwd()
     os.chdir(root)
     try:
-        tracking.PipelineRun.open("train", {"lr": score}).close()
-        tracking.log_stage("evaluate", {"batch_size": 16}, eval_metrics)
+        tracking_run.PipelineRun.open("train", {"lr": score}).close()
+        tracking_run.log_stage("evaluate", {"batch_size": 16}, eval_metrics)
         assert register.main() == 0
         return read_json("metrics/register.json")
     finally:
@@ -197,7 +204,7 @@ def test_gate_sequence_on_real_registered_models(workspace: Path, bundle: Path) 
     assert other_set["alias"] == "challenger" and other_set["compared"] is False
     assert "different evaluation set" in other_set["reason"]
 
-    client = tracking.client()
+    client = settings.client()
     assert client.get_model_version_by_alias(MODEL, "champion").version == "3"
     assert client.get_model_version_by_alias(MODEL, "challenger").version == "4"
     v2 = client.get_model_version(MODEL, "2")
@@ -224,10 +231,8 @@ def champion_input(tmp_path: Path) -> tuple[object, list[str], list[str]]:
 
     from registry.pyfunc import example_image
 
-    image_file = tmp_path / "disc.png"
-    image_file.write_bytes(base64.b64decode(example_image(40)))
     texts = ["a red circle", "a blue square"]
-    images = [example_image(24), str(image_file)]
+    images = [example_image(24), example_image(40)]  # base64 only: the model reads no files
     return pd.DataFrame({"text": texts, "image": images}), texts, images
 
 
@@ -235,14 +240,14 @@ def expected(bundle: Path, texts: list[str], images: list[str]) -> tuple[np.ndar
     from clipms.infer import Encoder
 
     encoder = Encoder(bundle)
-    raw = [base64.b64decode(images[0]), images[1]]
+    raw = [base64.b64decode(image) for image in images]
     return encoder.encode_texts(texts), encoder.encode_images(raw)
 
 
 def test_champion_loads_and_matches_clipms_infer(workspace: Path, bundle: Path) -> None:
     import mlflow
 
-    if not tracking.client().search_model_versions(f"name = '{MODEL}'"):
+    if not settings.client().search_model_versions(f"name = '{MODEL}'"):
         pipeline_run(workspace / "run1", bundle, 0.5)
     model = mlflow.pyfunc.load_model(f"models:/{MODEL}@champion")
     frame, texts, images = champion_input(workspace)
@@ -262,7 +267,7 @@ def test_mlflow_models_serve_answers_invocations(workspace: Path, bundle: Path,
                                                  server: MlflowServer) -> None:
     from tests.mlflow_server import free_port
 
-    if not tracking.client().search_model_versions(f"name = '{MODEL}'"):
+    if not settings.client().search_model_versions(f"name = '{MODEL}'"):
         pipeline_run(workspace / "run1", bundle, 0.5)
     port = free_port()
     mlflow_bin = str(Path(sys.executable).parent / "mlflow")
@@ -329,10 +334,10 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     train_summary = read_json(ws / "metrics" / "train.json")
     assert record["run_id"] == info["run_id"]
     assert (record["version"], record["alias"]) == (1, "champion")
-    assert not (ws / "models" / "mlflow_journal.json").exists()
+    assert not list((ws / settings.JOURNAL_DIR).glob("*.json"))
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
-    client = tracking.client()
+    client = settings.client()
     data = client.get_run(info["run_id"])
     assert data.info.status == "FINISHED"
     params = data.data.params
@@ -348,10 +353,10 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     assert any(k.startswith("system/") for k in metrics)
     plots = {a.path for a in client.list_artifacts(info["run_id"], "plots")}
     assert {"plots/train.csv", "plots/recall_at_k.csv"} <= plots
-    lock = tracking.read_lock(ws / "dvc.lock")
+    lock = lineage.read_lock(ws / "dvc.lock")
     tags = data.data.tags
-    assert tags["lineage.data_shards_md5"] == tracking.lock_hash(lock, "data/shards")
-    assert tags["lineage.tokenizer_md5"] == tracking.lock_hash(lock, "models/tokenizer.json")
+    assert tags["lineage.data_shards_md5"] == lineage.lock_hash(lock, "data/shards")
+    assert tags["lineage.tokenizer_md5"] == lineage.lock_hash(lock, "models/tokenizer.json")
     head = run(["git", "rev-parse", "HEAD"], ws).stdout.strip()
     assert tags["lineage.git_commit"] == head
     assert [i.dataset.digest for i in data.inputs.dataset_inputs] == [
