@@ -14,16 +14,9 @@ from typing import Literal
 from pydantic import Field
 
 from clipms.jsonio import write_json
-from clipms.prep.captions import (
-    MetadataError,
-    check_usable,
-    dedupe,
-    read_metadata,
-    summary,
-    write_images,
-)
-from stages.download import fetch_schemes
+from clipms.prep import captions
 from stages.params import ParamsError, Section, load_section
+from stages.urlpolicy import fetch_policy
 
 IN_PATH = Path("data/metadata.parquet")
 OUT_PATH = Path("data/images.parquet")
@@ -43,14 +36,15 @@ def main() -> int:
     started = time.perf_counter()
     try:
         params = load_section("dedupe", DedupeParams)
-        _, schemes = fetch_schemes()
-        result = dedupe(read_metadata(IN_PATH), schemes, **params.model_dump())
-        print(summary(result.stats, time.perf_counter() - started))
-        check_usable(result.stats)
-    except (ParamsError, MetadataError) as err:
+        policy = fetch_policy()
+        result = captions.dedupe(captions.read_metadata(IN_PATH), policy.allowed_schemes,
+                                 **params.model_dump())
+        print(captions.summary(result.stats, time.perf_counter() - started))
+        captions.check_usable(result.stats)
+    except (ParamsError, captions.MetadataError) as err:
         print(f"dedupe: error: {err}", file=sys.stderr)
         return 1
-    write_images(result.images, OUT_PATH)
+    captions.write_images(result.images, OUT_PATH)
     write_json(METRICS_PATH, result.stats)
     return 0
 
