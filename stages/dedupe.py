@@ -8,19 +8,18 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
 from clipms.jsonio import write_json
 from clipms.prep import captions
+from stages import paths
 from stages.params import ParamsError, Section, load_section
 from stages.urlpolicy import fetch_policy
 
-IN_PATH = Path("data/metadata.parquet")
-OUT_PATH = Path("data/images.parquet")
-METRICS_PATH = Path("metrics/dedupe.json")
+READS = (paths.METADATA,)
+WRITES = (paths.IMAGES, paths.DEDUPE_METRICS)
 
 
 class DedupeParams(Section):
@@ -37,15 +36,15 @@ def main() -> int:
     try:
         params = load_section("dedupe", DedupeParams)
         policy = fetch_policy()
-        result = captions.dedupe(captions.read_metadata(IN_PATH), policy.allowed_schemes,
+        result = captions.dedupe(captions.read_metadata(paths.METADATA), policy.allowed_schemes,
                                  **params.model_dump())
         print(captions.summary(result.stats, time.perf_counter() - started))
         captions.check_usable(result.stats)
     except (ParamsError, captions.MetadataError) as err:
         print(f"dedupe: error: {err}", file=sys.stderr)
         return 1
-    captions.write_images(result.images, OUT_PATH)
-    write_json(METRICS_PATH, result.stats)
+    captions.write_images(result.images, paths.IMAGES)
+    write_json(paths.DEDUPE_METRICS, result.stats)
     return 0
 
 

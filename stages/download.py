@@ -25,12 +25,12 @@ from clipms.prep.download import (
 )
 from clipms.prep.engines import DISTRIBUTORS, EngineError, EngineSettings
 from clipms.prep.urlguard import FetchPolicy
+from stages import paths
 from stages.params import PARAMS_FILE, ParamsError, Section, read_params, validate_section
 from stages.urlpolicy import FetchParams, read_source
 
-IN_PATH = Path("data/images.parquet")
-OUT_DIR = Path("data/download")
-METRICS_PATH = Path("metrics/download.json")
+READS = (paths.IMAGES, paths.SYNTHETIC)  # file: URLs of the synthetic source point there
+WRITES = (paths.DOWNLOAD, paths.DOWNLOAD_METRICS)
 
 
 class DownloadParams(FetchParams):
@@ -75,11 +75,12 @@ def load_download(path: Path | str = PARAMS_FILE) -> tuple[DownloadParams, Fetch
 def main() -> int:
     try:
         params, policy = load_download()
-        metrics = download_images(IN_PATH, OUT_DIR, params.settings(), params.engine(), policy)
+        metrics = download_images(paths.IMAGES, paths.DOWNLOAD, params.settings(),
+                                  params.engine(), policy)
     except (ParamsError, DownloadError, EngineError, FileNotFoundError, ValueError) as err:
         print(f"download: error: {err}", file=sys.stderr)
         return 1
-    write_json(METRICS_PATH, metrics)
+    write_json(paths.DOWNLOAD_METRICS, metrics)
     try:
         check_success_rate(metrics, params.min_success_rate)
     except DownloadError as err:

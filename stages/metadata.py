@@ -14,11 +14,12 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from clipms.prep.metadata import MSCOCO_URL, MetadataError, MetadataSpec, build_metadata
+from stages import paths
 from stages.params import ParamsError, Section, load_section
 from stages.urlpolicy import fetch_policy
 
-OUT_PATH = "data/metadata.parquet"
-SYNTHETIC_DIR = "data/synthetic"  # relative on purpose: it is part of every synthetic URL
+READS: tuple = ()
+WRITES = (paths.METADATA, paths.SYNTHETIC)
 
 
 class MetadataParams(Section):
@@ -64,8 +65,8 @@ def main() -> int:
     try:
         params = load_section("metadata", MetadataParams)
         policy = fetch_policy()  # an http(s) url/path follows the download stage's URL rule
-        summary = build_metadata(MetadataSpec(**params.model_dump()), OUT_PATH, SYNTHETIC_DIR,
-                                 policy)
+        summary = build_metadata(MetadataSpec(**params.model_dump()), paths.METADATA,
+                                 paths.SYNTHETIC, policy)
     except (ParamsError, MetadataError) as err:
         print(f"metadata: error: {err}", file=sys.stderr)
         return 1
