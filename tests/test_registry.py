@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,16 @@ def test_registry_imports_nothing_from_stages_or_flows() -> None:
     package = Path(__file__).resolve().parents[1] / "registry"
     for module in sorted(package.glob("*.py")):
         assert not imported_roots(module.read_text()) & {"stages", "flows"}, module.name
+
+
+def test_the_pyfunc_model_code_runs_without_mlflow_warnings() -> None:
+    """MLflow runs the model file at every register, load and serve; a warning there is noise the
+    user cannot act on (issue 12 item 10)."""
+    code = ("import warnings, mlflow.pyfunc\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import registry.pyfunc_model\n"
+            "print([str(w.message) for w in seen])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout
