@@ -253,37 +253,26 @@ register(Subcommand("retrieval", "time of retrieval metrics (N images x 5N capti
 
 
 def write_synthetic_shards(out: Any, samples: int, image_size: int, per_shard: int = 256) -> Any:
-    """Train shards of the synthetic dataset in the shard contract (jpg/txt/json + manifest)."""
-    import hashlib
+    """Train shards of the synthetic dataset in the shard format (clipms.webds)."""
     import io
-    import tarfile
     from pathlib import Path
 
+    from clipms import webds
     from clipms.prep.synthetic import make_image
 
-    out, shards = Path(out), []
-    (out / "train").mkdir(parents=True, exist_ok=True)
-    for first in range(0, samples, per_shard):
-        name, last = f"train/{first // per_shard:06d}.tar", min(samples, first + per_shard)
-        with tarfile.open(out / name, "w") as tar:
-            for index in range(first, last):
-                record, pixels = make_image(0, index, image_size)
-                jpeg = io.BytesIO()
-                pixels.convert("RGB").save(jpeg, format="JPEG", quality=95)
-                key = f"{index:09d}"
-                meta = {"captions": list(record.captions), "url": record.file_name, "key": key,
-                        "split": "train", "labels": record.scene.labels()}
-                for ext, data in (("jpg", jpeg.getvalue()), ("txt", record.captions[0].encode()),
-                                  ("json", json.dumps(meta).encode())):
-                    info = tarfile.TarInfo(f"{key}.{ext}")
-                    info.size = len(data)
-                    tar.addfile(info, io.BytesIO(data))
-        data = (out / name).read_bytes()
-        shards.append({"name": name, "samples": last - first, "bytes": len(data),
-                       "sha256": hashlib.sha256(data).hexdigest()})
-    split = {"samples": samples, "bytes": sum(s["bytes"] for s in shards), "shards": shards}
-    (out / "manifest.json").write_text(json.dumps({"samples_per_shard": per_shard,
-                                                   "splits": {"train": split}}))
+    def sample_files(index: int) -> webds.SampleFiles:
+        record, pixels = make_image(0, index, image_size)
+        jpeg = io.BytesIO()
+        pixels.convert("RGB").save(jpeg, format="JPEG", quality=95)
+        key = f"{index:09d}"
+        meta = {"captions": list(record.captions), "url": record.file_name, "key": key,
+                "split": "train", "labels": record.scene.labels()}
+        return key, {"jpg": jpeg.getvalue(), "txt": record.captions[0].encode(),
+                     "json": json.dumps(meta).encode()}
+
+    out = Path(out)
+    split = webds.write_split(out, "train", map(sample_files, range(samples)), per_shard)
+    webds.write_manifest(out, per_shard, {"train": split})
     return out
 
 

@@ -33,6 +33,7 @@ class MetadataParams(Section):
     path: str | None = Field(None, validate_default=True)
     url_col: str = Field("URL", min_length=1)
     caption_col: str = Field("TEXT", min_length=1)
+    id_col: str | None = Field(None, min_length=1)  # an image id column (dedupe.identity: id)
 
     @field_validator("sha256")
     @classmethod

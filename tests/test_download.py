@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import tarfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -27,6 +26,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from clipms import webds
 from clipms.prep.download import (
     FINGERPRINT_FILE,
     DownloadSettings,
@@ -148,15 +148,8 @@ def write_params(folder: Path, **download: object) -> None:
 
 def read_shards(folder: Path) -> dict[str, dict]:
     """{key: {"json": ..., "txt": ..., "jpg": bytes, "split_dir": ...}} over data/shards/*/*.tar."""
-    samples: dict[str, dict] = {}
-    for tar_path in sorted(folder.glob("*/*.tar")):
-        with tarfile.open(tar_path) as tar:
-            for member in tar:
-                key, _, ext = member.name.partition(".")
-                data = tar.extractfile(member).read()
-                entry = samples.setdefault(key, {"split_dir": tar_path.parent.name})
-                entry[ext] = json.loads(data) if ext == "json" else data
-    return samples
+    return {sample.key: {**sample.files, "json": sample.meta, "split_dir": tar_path.parent.name}
+            for tar_path in sorted(folder.glob("*/*.tar")) for sample in webds.read_tar(tar_path)}
 
 
 def metadata_rows(base: str, local_file: Path) -> tuple[list[dict], dict[str, list[str]]]:

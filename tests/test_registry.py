@@ -3,7 +3,6 @@ compare table, the pyfunc's input decoding. Server-backed tests are in test_regi
 
 from __future__ import annotations
 
-import base64
 import json
 import subprocess
 import sys
@@ -245,21 +244,6 @@ def test_compare_shows_only_params_that_differ() -> None:
     assert "train.lr" in text and "train.epochs" not in text
     assert "0.5000" in text and "0.2500" in text and "champion" in text and "challenger" in text
     assert "v1: first" in text
-
-
-def test_pyfunc_input_decoding(tmp_path: Path) -> None:
-    from registry.pyfunc import example_image
-    from registry.pyfunc_model import decode_image
-
-    png = example_image()
-    assert decode_image(png, 0)[:4] == b"\x89PNG"
-    image_file = tmp_path / "x.png"
-    image_file.write_bytes(base64.b64decode(png))
-    assert decode_image(str(image_file), 0) == str(image_file)
-    with pytest.raises(ValueError, match="row 3"):
-        decode_image("not base64 and not a file!", 3)
-    with pytest.raises(ValueError, match="got int"):
-        decode_image(7, 0)
 
 
 def test_tracking_uri_defaults_to_the_project_database(monkeypatch, tmp_path: Path) -> None:

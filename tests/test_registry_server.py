@@ -246,10 +246,8 @@ def champion_input(tmp_path: Path) -> tuple[object, list[str], list[str]]:
 
     from registry.pyfunc import example_image
 
-    image_file = tmp_path / "disc.png"
-    image_file.write_bytes(base64.b64decode(example_image(40)))
     texts = ["a red circle", "a blue square"]
-    images = [example_image(24), str(image_file)]
+    images = [example_image(24), example_image(40)]  # base64 only: the model reads no files
     return pd.DataFrame({"text": texts, "image": images}), texts, images
 
 
@@ -257,7 +255,7 @@ def expected(bundle: Path, texts: list[str], images: list[str]) -> tuple[np.ndar
     from clipms.infer import Encoder
 
     encoder = Encoder(bundle)
-    raw = [base64.b64decode(images[0]), images[1]]
+    raw = [base64.b64decode(image) for image in images]
     return encoder.encode_texts(texts), encoder.encode_images(raw)
 
 
