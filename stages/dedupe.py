@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -22,12 +21,12 @@ from clipms.prep.captions import (
     summary,
     write_images,
 )
+from stages import paths
 from stages.download import fetch_schemes
 from stages.params import ParamsError, Section, load_section
 
-IN_PATH = Path("data/metadata.parquet")
-OUT_PATH = Path("data/images.parquet")
-METRICS_PATH = Path("metrics/dedupe.json")
+READS = (paths.METADATA,)
+WRITES = (paths.IMAGES, paths.DEDUPE_METRICS)
 
 
 class DedupeParams(Section):
@@ -44,14 +43,14 @@ def main() -> int:
     try:
         params = load_section("dedupe", DedupeParams)
         _, schemes = fetch_schemes()
-        result = dedupe(read_metadata(IN_PATH), schemes, **params.model_dump())
+        result = dedupe(read_metadata(paths.METADATA), schemes, **params.model_dump())
         print(summary(result.stats, time.perf_counter() - started))
         check_usable(result.stats)
     except (ParamsError, MetadataError) as err:
         print(f"dedupe: error: {err}", file=sys.stderr)
         return 1
-    write_images(result.images, OUT_PATH)
-    write_json(METRICS_PATH, result.stats)
+    write_images(result.images, paths.IMAGES)
+    write_json(paths.DEDUPE_METRICS, result.stats)
     return 0
 
 

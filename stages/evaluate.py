@@ -14,20 +14,17 @@ from __future__ import annotations
 import re
 import sys
 import time
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator
 
+from stages import paths
 from stages.params import ParamsError, Section, load_section, read_params
 
-CHECKPOINT = Path("models/clip.ckpt")
-RUN_CONFIG = Path("models/clip.json")
-TOKENIZER = Path("models/tokenizer.json")
-SHARDS_DIR = Path("data/shards")
-METRICS = Path("metrics/eval.json")
-CLIP_BENCHMARK_DIR = Path("metrics/clip_benchmark")
-PLOTS_DIR = Path("plots")
+READS = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.TOKENIZER, paths.SHARDS_VAL, paths.MANIFEST,
+         paths.MLFLOW_RUN)
+WRITES = (paths.RECALL_CURVE, paths.RECALL_PLOT, paths.CONFUSION_CSV, paths.CONFUSION_PNG,
+          paths.GALLERY, paths.CLIP_BENCHMARK, paths.EVAL_METRICS)
 _FIELD = re.compile(r"[A-Za-z0-9_]+")
 
 
@@ -116,23 +113,21 @@ def main() -> int:
                         label_fields=tuple(zs.label_fields), path=zs.path,
                         class_names=tuple(zs.class_names) if zs.class_names else None,
                         attributes=tuple((f, tuple(t)) for f, t in zs.attributes.items()))
-    out = EvalOutputs(metrics=METRICS, recall_curve=PLOTS_DIR / "recall_at_k.csv",
-                      recall_plot=PLOTS_DIR / "recall_at_k.png",
-                      predictions=PLOTS_DIR / "confusion_matrix.csv",
-                      confusion_png=PLOTS_DIR / "confusion_matrix.png",
-                      gallery_png=PLOTS_DIR / "retrieval_gallery.png",
-                      clip_benchmark_dir=CLIP_BENCHMARK_DIR)
+    out = EvalOutputs(metrics=paths.EVAL_METRICS, recall_curve=paths.RECALL_CURVE,
+                      recall_plot=paths.RECALL_PLOT, predictions=paths.CONFUSION_CSV,
+                      confusion_png=paths.CONFUSION_PNG, gallery_png=paths.GALLERY,
+                      clip_benchmark_dir=paths.CLIP_BENCHMARK)
     g = params.gallery
     try:
-        benchmark_run = BenchmarkRun(model=model_name, pretrained=str(CHECKPOINT))
-        run = RunConfig.read(RUN_CONFIG)
-        net = load_clip(CHECKPOINT, run.model)
-        report = evaluate(net, Tokenizer.load(TOKENIZER), run.preprocess, SHARDS_DIR,
+        benchmark_run = BenchmarkRun(model=model_name, pretrained=str(paths.CHECKPOINT))
+        run = RunConfig.read(paths.RUN_CONFIG)
+        net = load_clip(paths.CHECKPOINT, run.model)
+        report = evaluate(net, Tokenizer.load(paths.TOKENIZER), run.preprocess, paths.SHARDS,
                           params.batch_size, spec, split=params.split)
         write_outputs(report, out)
         files = write_benchmark_files(report, out.clip_benchmark_dir, dataset,
                                       params.clip_benchmark.zeroshot_dataset, benchmark_run)
-        write_gallery(report, out.gallery_png, SHARDS_DIR, params.split,
+        write_gallery(report, out.gallery_png, paths.SHARDS, params.split,
                       GallerySpec(g.text_queries, g.image_queries, g.top_k),
                       spec.label_fields if spec.source == "labels" else ())
     except (TrainedModelError, EvaluationError, MetricsInputError, BenchmarkFormatError,

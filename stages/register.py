@@ -8,13 +8,12 @@ when it is unreachable this stage fails with a message naming it; nothing upstre
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
+from stages import paths
 from stages.params import ParamsError
 
-EVAL_METRICS = Path("metrics/eval.json")
-BUNDLE_DIR = Path("models/export")
-OUT = Path("metrics/register.json")
+READS = (paths.BUNDLE, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST)
+WRITES = (paths.REGISTER_METRICS,)
 
 
 def main() -> int:
@@ -39,7 +38,7 @@ def main() -> int:
         run = PipelineRun.open("register", {}, run_file=None)
     run.log_params(flatten("register", params.model_dump()))
     try:
-        record = register_version(run, BUNDLE_DIR, params, read_json(EVAL_METRICS))
+        record = register_version(run, paths.BUNDLE, params, read_json(paths.EVAL_METRICS))
     except TrackingUnavailable as err:  # the journal keeps everything for the next attempt
         print(f"register: error: {err}", file=sys.stderr)
         return 1
@@ -47,7 +46,7 @@ def main() -> int:
         print(f"register: error: {err}", file=sys.stderr)
         run.fail(err)
         return 1
-    write_json(OUT, record)
+    write_json(paths.REGISTER_METRICS, record)
     run.close()
     print(f"register: {params.model_name} v{record['version']} -> {record['alias']} "
           f"({record['reason']})")

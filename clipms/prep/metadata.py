@@ -79,8 +79,7 @@ class MetadataSummary:
                 f"left for the dedupe stage; {self.labelled_rows} rows carry LABELS.")
 
 
-def build_metadata(spec: MetadataSpec, out_path: Path | str = "data/metadata.parquet",
-                   synthetic_dir: Path | str = "data/synthetic",
+def build_metadata(spec: MetadataSpec, out_path: Path | str, synthetic_dir: Path | str,
                    backoff_seconds: float = 1.0) -> MetadataSummary:
     """Fetch or generate the metadata of `spec.source` and write it to `out_path`.
 
