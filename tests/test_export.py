@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -50,6 +52,24 @@ def test_bundle_has_every_file_and_describes_dynamic_batch_inputs(exported, trai
     assert bundle["preprocess"] == run.preprocess.to_dict()
     assert (out / "tokenizer.json").read_bytes() == trained["a"]["tokenizer"].read_bytes()
     assert bundle["logit_scale"] == pytest.approx(1 / 0.07, rel=1e-5)
+    # the names MindSpore gave the graphs' inputs, as read back from the files
+    assert bundle["image_encoder"]["input"]["graph_name"].endswith(":images")
+    assert bundle["text_encoder"]["input"]["graph_name"].endswith(":tokens")
+    assert json.loads((out / "bundle.json").read_text()) == bundle
+
+
+def test_lite_config_for_ascend_has_the_dynamic_batch_profiles_and_precision(exported):
+    from clipms.export import lite_ascend_config
+
+    _, bundle, _ = exported
+    cfg = lite_ascend_config(bundle, "image_encoder", [8, 1, 32, 8])
+    name = bundle["image_encoder"]["input"]["graph_name"]
+    assert cfg == (f"[ascend_context]\ninput_shape={name}:[-1,3,32,32]\n"
+                   "dynamic_dims=[1],[8],[32]\nprecision_mode=preferred_fp32\n")
+    assert "precision_mode=enforce_origin" in lite_ascend_config(
+        {**bundle, "precision": "fp16"}, "text_encoder", [1])
+    assert "input_shape=" + bundle["text_encoder"]["input"]["graph_name"] + ":[-1,16]" in (
+        lite_ascend_config(bundle, "text_encoder", [1, 4]))
 
 
 def test_parity_passes_at_every_batch_size(exported, trained):
@@ -87,6 +107,7 @@ def test_fp16_bundle_is_half_the_size_and_meets_its_own_bar_not_the_fp32_one(exp
     bundle = export_bundle(load_clip(paths["checkpoint"], run.model), run.preprocess,
                            paths["tokenizer"], tmp_path / "fp16", precision="fp16")
     assert bundle["precision"] == "fp16" and fp32_bundle["precision"] == "fp32"
+    assert bundle["image_encoder"]["input"]["graph_name"].endswith(":images")
     assert bundle["parity"] == {"metric": "max_abs_error_normalized",
                                 "tolerance": PARITY["fp16"].tolerance}
     assert bundle["logit_scale"] == fp32_bundle["logit_scale"]  # read before the fp16 cast
