@@ -302,6 +302,32 @@ class TrainSamples:
         return image, self.tokenizer.encode([text])[0]
 
 
+MAX_AUTO_WORKERS = 16  # "auto" stops here: more decode processes mostly cost shared memory
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def loader_workers(setting: int | str, local_ranks: int = 1, cores: int | None = None) -> int:
+    """`train.workers` resolved to decode processes per rank: an int as given; "auto" shares this
+    host's usable cores evenly between its `local_ranks` training processes (at least 1, at most
+    MAX_AUTO_WORKERS). The rank's own process mostly waits on its device, so it gets no core of
+    its own; the worker count never changes which samples a batch holds."""
+    if setting != "auto":
+        if not isinstance(setting, int) or setting < 0:
+            raise DataError(f"workers = {setting!r}: expected 'auto' or an integer >= 0")
+        return setting
+    if local_ranks < 1:
+        raise DataError(f"local_ranks must be >= 1, got {local_ranks}")
+    cores = usable_cores() if cores is None else cores
+    return max(1, min(MAX_AUTO_WORKERS, cores // local_ranks))
+
+
 def build_train_dataset(shards_dir: Path | str, tokenizer: Tokenizer, preprocess: PreprocessConfig,
                         batch_size: int, *, epochs: int = 1, start_step: int = 0, seed: int = 0,
                         rank: int = 0, world_size: int = 1, workers: int = 2,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -57,7 +57,7 @@ class TrainParams(Section):
     grad_clip_norm: float | None = Field(1.0, ge=0)  # null/0: no clipping
     seed: int = 0
     augment: bool = False  # open_clip's RandomResizedCrop(0.9-1.0) on training images
-    workers: int = Field(2, ge=0)  # image-decoding processes of the loader
+    workers: Literal["auto"] | Annotated[int, Field(ge=0)] = "auto"  # decode processes per rank
     checkpoint_every: int = Field(100, ge=1)  # optimizer steps
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(10, ge=1)
@@ -75,6 +75,7 @@ def callbacks() -> list[Any]:
 
 def build_job(params: TrainParams) -> Any:
     from clipms.config import CLIPConfig, get_preset
+    from clipms.data import loader_workers
     from clipms.tokenizer import Tokenizer
     from clipms.train_job import Outputs, TrainJob, data_fingerprint
     from clipms.trainer import TrainConfig
@@ -99,7 +100,9 @@ def build_job(params: TrainParams) -> Any:
     return TrainJob(config=config, shards_dir=str(paths.SHARDS), tokenizer=str(paths.TOKENIZER),
                     checkpoint_dir=str(paths.CHECKPOINTS), outputs=outputs,
                     resume=params.resume == "auto",
-                    loader_workers=params.workers, augment=params.augment)
+                    loader_workers=loader_workers(params.workers,
+                                                  params.distributed.cluster().local_workers),
+                    augment=params.augment)
 
 
 def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
