@@ -72,8 +72,9 @@ def main() -> int:
                      for p in sorted(paths.BUNDLE.glob("*.mindir"))})
     write_json(paths.EXPORT_METRICS, report)
     from registry.run import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
+    from stages.tracking import FILES
 
-    log_stage("export", params.model_dump(), report)
+    log_stage("export", params.model_dump(), FILES, report)
     try:
         assert_parity(report)
     except ParityError as err:

@@ -131,20 +131,24 @@ def main() -> int:
     from clipms import train_job
     from clipms.trainer import NonFiniteLossError
     from registry.run import PipelineRun  # MLflow: one run per pipeline run (docs/mlflow.md)
+    from stages.tracking import FILES
 
-    run = PipelineRun.open("train", params.model_dump())  # never blocks training (journal)
+    # Never blocks training (a background sender, a journal); a training that resumes from a
+    # checkpoint continues the MLflow run that wrote it (paths.CHECKPOINTS_RUN).
+    run = PipelineRun.open("train", params.model_dump(), FILES,
+                           resume_record=paths.CHECKPOINTS_RUN)
     run.start_system_metrics()
     sinks = [*callbacks(), run.callback()]
     try:
-        if cluster.workers > 1:
-            from clipms.distributed import launch
+        with run.failure_recorded():  # any error, SIGTERM too: the run ends FAILED with it
+            if cluster.workers > 1:
+                from clipms.distributed import launch
 
-            launch(job, cluster, paths.MSRUN_LOGS)
-            summary = train_job.replay(job.outputs, sinks)
-        else:
-            summary = train_job.run(job, sinks).summary
+                launch(job, cluster, paths.MSRUN_LOGS)
+                summary = train_job.replay(job.outputs, sinks)
+            else:
+                summary = train_job.run(job, sinks).summary
     except NonFiniteLossError as err:
-        run.close("FAILED")
         print(f"train: error: {err}", file=sys.stderr)
         return 1
     run.log_artifact(job.outputs.plot, "plots")

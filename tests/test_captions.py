@@ -11,18 +11,16 @@ import pytest
 
 from clipms.prep.captions import (
     MetadataError,
-    assign_splits,
     check_usable,
     comparison_keys,
     dedupe,
-    image_identities,
     normalise_captions,
     read_metadata,
     scheme_array,
-    stable_keys,
     write_images,
 )
 from clipms.prep.download import read_parquet
+from clipms.prep.identity import IdentityError, assign_splits, image_identities, stable_keys
 from clipms.prep.urlguard import allowed_schemes, url_scheme
 from stages.dedupe import DedupeParams
 from stages.download import load_download
@@ -149,7 +147,7 @@ def test_identity_is_the_url_path_by_default():
     assert image_identities(urls, "path").to_pylist() == [
         "/x/1.jpg", "/x/1.jpg", "data/synthetic/000001.png", "", "/y.png"]
     assert image_identities(urls, "url").to_pylist() == urls.to_pylist()
-    with pytest.raises(MetadataError, match="metadata.id_col"):
+    with pytest.raises(IdentityError, match="metadata.id_col"):
         image_identities(urls, "id", None)
 
 

@@ -27,14 +27,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clipms.atomic import atomic_write
-from clipms.prep import synthetic
+from clipms.prep import karpathy, synthetic
 from clipms.prep.urlguard import FetchPolicy, RefusedURL, build_opener, check_url
 
 MSCOCO_URL = ("https://huggingface.co/datasets/ChristophSchuhmann/MS_COCO_2017_URL_TEXT/resolve/"
               "main/mscoco.parquet")
 SOURCES = ("synthetic", "mscoco", "local")
+# SPLIT: train/val from a split file (metadata.karpathy_split), null otherwise (dedupe then
+# splits by a hash of each image's identity).
 SCHEMA = pa.schema([("URL", pa.string()), ("TEXT", pa.string()), ("LABELS", pa.string()),
-                    ("ID", pa.string())])
+                    ("ID", pa.string()), ("SPLIT", pa.string())])
 _CHUNK = 1 << 20
 
 
@@ -58,6 +60,7 @@ class MetadataSpec:
     url_col: str = "URL"
     caption_col: str = "TEXT"
     id_col: str | None = None  # a source column naming each image (for dedupe.identity: id)
+    karpathy_split: str | None = None  # mscoco/local: dataset_coco.json (path or http(s) URL)
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,15 @@ class MetadataSummary:
     labelled_rows: int
     seconds: float
     out_path: str
+    split_note: str = ""  # what a split file decided
 
     def paragraph(self) -> str:
         return (f"metadata: {self.rows} caption rows for {self.images} images from source "
                 f"'{self.source}' written to {self.out_path} in {self.seconds:.1f} s; "
                 f"{self.exact_duplicates} rows are exact duplicates and {self.near_duplicates} "
                 f"near-duplicates (case/spacing/punctuation) of another caption of the same image, "
-                f"left for the dedupe stage; {self.labelled_rows} rows carry LABELS.")
+                f"left for the dedupe stage; {self.labelled_rows} rows carry LABELS."
+                + (f" {self.split_note}" if self.split_note else ""))
 
 
 def build_metadata(spec: MetadataSpec, out_path: Path | str, synthetic_dir: Path | str,
@@ -105,8 +110,39 @@ def build_metadata(spec: MetadataSpec, out_path: Path | str, synthetic_dir: Path
         _reset_dir(synthetic_dir)
     else:
         raise MetadataError(f"metadata.source = {spec.source!r}: expected one of {SOURCES}")
+    note = ""
+    if spec.karpathy_split:
+        table, note = karpathy_table(table, spec, out_path.parent, policy, backoff_seconds)
     write_table(table, out_path)
-    return summarise(table, spec.source, out_path, time.monotonic() - start)
+    return replace(summarise(table, spec.source, out_path, time.monotonic() - start),
+                   split_note=note)
+
+
+def karpathy_table(table: pa.Table, spec: MetadataSpec, work_dir: Path, policy: FetchPolicy,
+                   backoff_seconds: float) -> tuple[pa.Table, str]:
+    """SPLIT from Karpathy's dataset_coco.json (`clipms.prep.karpathy`): its test images `val`."""
+    if spec.source == "synthetic":
+        raise MetadataError("metadata.karpathy_split applies to COCO URLs (source mscoco or "
+                            "local), not to the synthetic source")
+    source = spec.karpathy_split
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix=".metadata-download-") as scratch:
+        if source.startswith(("http://", "https://")):
+            path = Path(scratch) / "dataset_coco.json"
+            download(source, path, policy=policy, timeout=spec.timeout, retries=spec.retries,
+                     backoff_seconds=backoff_seconds)
+        else:
+            path = Path(source)
+        try:
+            test = karpathy.test_ids(path)
+        except ValueError as err:
+            raise MetadataError(f"metadata.karpathy_split: {err}") from err
+    column, found = karpathy.splits(table["URL"], test)
+    note = (f"Split from {source}: {found} of its {len(test)} test images are in the metadata "
+            f"and form the val split; every other image is train.")
+    if found < len(test):
+        print(f"metadata: warning: only {found} of the {len(test)} Karpathy test images are in "
+              f"the metadata (matched by the COCO image id in each URL's file name)", flush=True)
+    return table.set_column(SCHEMA.get_field_index("SPLIT"), "SPLIT", column), note
 
 
 def _reset_dir(path: Path) -> None:
@@ -129,8 +165,9 @@ def synthetic_table(spec: MetadataSpec, image_dir: Path) -> pa.Table:
             urls.append(url)
             texts.append(caption)
             labels.append(record.labels_json)
-    return pa.table({"URL": urls, "TEXT": texts, "LABELS": labels,
-                     "ID": pa.nulls(len(urls), pa.string())}, schema=SCHEMA)
+    nulls = pa.nulls(len(urls), pa.string())
+    return pa.table({"URL": urls, "TEXT": texts, "LABELS": labels, "ID": nulls, "SPLIT": nulls},
+                    schema=SCHEMA)
 
 
 def file_url(path: Path) -> str:
