@@ -3,7 +3,8 @@
 Contract (the trainer and the evaluation/export code import these):
 
 Input: `<shards_dir>/manifest.json` and the shards it lists (`train/000000.tar`, ...), each sample
-`<key>.jpg` + `<key>.json` ({"captions": [...], "labels": {...} | null, ...}); see the brief.
+`<key>.jpg` + `<key>.json` ({"captions": [...], "labels": {...} | null, ...}), in the shard format
+that `clipms.webds` owns (key rule, key format, manifest).
 
 Training
   `steps_per_epoch(shards_dir, batch_size, world_size=1, split="train") -> int`
@@ -40,16 +41,16 @@ Evaluation
   `iter_captions(shards_dir, split)`: every caption of a split (the tokenizer stage trains on it).
 
 Errors: `DataError` naming the file/shard/key: a missing or malformed manifest, a shard whose sample
-count differs from the manifest, a truncated tar, a sample without image/json/captions.
+count differs from the manifest, a truncated tar, a key not in the key format, a sample without
+image/json/captions.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
-import re
-import tarfile
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -60,52 +61,28 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from clipms import webds
+from clipms.loader import DECODERS, DEVICE_DECODE_FORMATS, device_transforms
 from clipms.preprocess import (
     INTERPOLATIONS,
     PreprocessConfig,
     PreprocessError,
+    check_pixels,
     decode_image,
     preprocess_image,
     to_normalized_array,
 )
 from clipms.tokenizer import Tokenizer
+from clipms.webds import DataError  # the shard format's error type, raised for loader errors too
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-# webdataset's rule: the key is the path up to the first dot of the file name.
-_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 RRC_SCALE = (0.9, 1.0)  # open_clip's default RandomResizedCrop for training
 RRC_RATIO = (3 / 4, 4 / 3)
 
 
-class DataError(ValueError):
-    """Missing/malformed manifest or shard, or a sample that breaks the shard contract."""
-
-
 # --- manifest and index ---------------------------------------------------------------------------
-def read_manifest(shards_dir: Path | str) -> dict[str, Any]:
-    path = Path(shards_dir) / "manifest.json"
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError as err:
-        raise DataError(f"{path}: manifest not found (run the `shard` stage first)") from err
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}: not valid JSON: {err}") from err
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("splits"), dict):
-        raise DataError(f"{path}: expected {{'splits': {{split: {{'shards': [...]}}}}}}")
-    return manifest
-
-
-def _split_entry(manifest: dict[str, Any], split: str, source: str) -> dict[str, Any]:
-    entry = manifest["splits"].get(split)
-    if not isinstance(entry, dict) or not isinstance(entry.get("shards"), list):
-        raise DataError(f"{source}: no split {split!r} with a 'shards' list "
-                        f"(splits: {sorted(manifest['splits'])})")
-    return entry
-
-
 def split_sample_count(shards_dir: Path | str, split: str) -> int:
     """Samples in a split, from the manifest (no shard is read)."""
-    entry = _split_entry(read_manifest(shards_dir), split, str(shards_dir))
+    entry = webds.split_entry(webds.read_manifest(shards_dir), split, str(shards_dir))
     return int(entry.get("samples", sum(int(s["samples"]) for s in entry["shards"])))
 
 
@@ -123,13 +100,13 @@ def steps_per_epoch(shards_dir: Path | str, batch_size: int, world_size: int = 1
 
 @dataclass
 class ShardIndex:
-    """Where each sample of a split lives: its shard, and offset/size of its image and json."""
+    """Where each sample of a split lives: its shard, and the spans of its image and json."""
 
     shards: list[str]
     keys: list[str] = field(default_factory=list)
     shard_of: list[int] = field(default_factory=list)
-    image: list[tuple[int, int]] = field(default_factory=list)
-    meta: list[tuple[int, int]] = field(default_factory=list)
+    image: list[webds.Span] = field(default_factory=list)
+    meta: list[webds.Span] = field(default_factory=list)
     shard_starts: list[int] = field(default_factory=list)  # first sample index of each shard
 
     def __len__(self) -> int:
@@ -143,7 +120,7 @@ class ShardIndex:
         """Only the parsed json of sample i."""
         return self._read(i, (self.meta[i],), handles)[0]
 
-    def _read(self, i: int, spans: tuple[tuple[int, int], ...],
+    def _read(self, i: int, spans: tuple[webds.Span, ...],
               handles: dict[int, Any] | None) -> tuple[Any, ...]:
         shard = self.shard_of[i]
         handle = handles.get(shard) if handles is not None else None
@@ -152,7 +129,7 @@ class ShardIndex:
             if handles is not None:
                 handles[shard] = handle
         try:
-            data = [_read_at(handle, offset, size) for offset, size in spans]
+            data = [webds.read_span(handle, span) for span in spans]
             return (*data[:-1], json.loads(data[-1]))
         except (OSError, ValueError) as err:
             raise DataError(f"{self.shards[shard]}: sample {self.keys[i]!r}: {err}") from err
@@ -161,26 +138,18 @@ class ShardIndex:
                 handle.close()
 
 
-def _read_at(handle: Any, offset: int, size: int) -> bytes:
-    handle.seek(offset)
-    data = handle.read(size)
-    if len(data) != size:
-        raise OSError(f"short read at byte {offset} ({len(data)} of {size} bytes): truncated?")
-    return data
-
-
 def index_shards(shards_dir: Path | str, split: str) -> ShardIndex:
     """Read the tar headers (not the data) of every shard of `split` listed in the manifest."""
     shards_dir = Path(shards_dir)
-    entry = _split_entry(read_manifest(shards_dir), split, str(shards_dir / "manifest.json"))
+    entry = webds.split_entry(webds.read_manifest(shards_dir), split,
+                              str(shards_dir / webds.MANIFEST))
     index = ShardIndex(shards=[])
     for shard_id, shard in enumerate(entry["shards"]):
         path = shards_dir / shard["name"]
         index.shards.append(str(path))
         index.shard_starts.append(len(index))
-        members = _tar_members(path)
-        for key, exts in members.items():
-            _add_sample(index, shard_id, path, key, exts)
+        for key, spans in webds.index_tar(path).items():
+            _add_sample(index, shard_id, path, key, spans)
         found = len(index) - index.shard_starts[-1]
         if found != int(shard["samples"]):
             raise DataError(f"{path}: {found} samples, but the manifest says {shard['samples']} "
@@ -188,32 +157,16 @@ def index_shards(shards_dir: Path | str, split: str) -> ShardIndex:
     return index
 
 
-def _tar_members(path: Path) -> dict[str, dict[str, tuple[int, int]]]:
-    """{key: {ext: (data offset, size)}} in the order the keys first appear."""
-    samples: dict[str, dict[str, tuple[int, int]]] = {}
-    try:
-        with tarfile.open(path, "r:") as tar:
-            for member in tar:
-                match = _KEY_EXT.match(member.name)
-                if member.isfile() and match:
-                    key, ext = match.group(1), match.group(2).lower()
-                    samples.setdefault(key, {})[ext] = (member.offset_data, member.size)
-    except FileNotFoundError as err:
-        raise DataError(f"{path}: shard listed in the manifest is missing") from err
-    except (tarfile.TarError, EOFError, OSError) as err:
-        raise DataError(f"{path}: unreadable or truncated tar ({err})") from err
-    return samples
-
-
 def _add_sample(index: ShardIndex, shard_id: int, path: Path, key: str,
-                exts: dict[str, tuple[int, int]]) -> None:
-    image_ext = next((e for e in IMAGE_EXTS if e in exts), None)
-    if image_ext is None or "json" not in exts:
-        raise DataError(f"{path}: sample {key!r} lacks an image or a .json (has {sorted(exts)})")
+                spans: dict[str, webds.Span]) -> None:
+    webds.check_key(key, str(path))
+    image_ext = webds.image_ext(spans)
+    if image_ext is None or "json" not in spans:
+        raise DataError(f"{path}: sample {key!r} lacks an image or a .json (has {sorted(spans)})")
     index.keys.append(key)
     index.shard_of.append(shard_id)
-    index.image.append(exts[image_ext])
-    index.meta.append(exts["json"])
+    index.image.append(spans[image_ext])
+    index.meta.append(spans["json"])
 
 
 def captions_of(meta: dict[str, Any], key: str) -> list[str]:
@@ -352,24 +305,61 @@ class TrainSamples:
         return image, self.tokenizer.encode([text])[0]
 
 
+class EncodedTrainSamples(TrainSamples):
+    """TrainSamples that hand over the encoded image (1-D uint8) for MindSpore's own decoder.
+    The header is still read here: only allowed formats within the pixel limit go through."""
+
+    def load(self, sample: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        if os.getpid() != self._pid:
+            self._handles, self._pid = {}, os.getpid()
+        key = self.index.keys[sample]
+        image_bytes, meta = self.index.read(sample, self._handles)
+        text = self.caption(sample, epoch, captions_of(meta, key))
+        shard = self.index.shards[self.index.shard_of[sample]]
+        try:
+            with Image.open(io.BytesIO(image_bytes), formats=DEVICE_DECODE_FORMATS) as header:
+                check_pixels(header.size, self.preprocess.max_pixels, key)
+        except PreprocessError as err:
+            raise DataError(f"{shard}: {err}") from err
+        except Image.DecompressionBombError as err:  # PIL's own limit, checked inside open()
+            raise DataError(f"{shard}: {key}: over the pixel limit ({err})") from err
+        except Exception as err:  # noqa: BLE001 - PIL raises many types for a bad header
+            raise DataError(f"{shard}: sample {key!r} is not a "
+                            f"{' or '.join(DEVICE_DECODE_FORMATS)} image ({err})") from err
+        return np.frombuffer(image_bytes, dtype=np.uint8), self.tokenizer.encode([text])[0]
+
+
 def build_train_dataset(shards_dir: Path | str, tokenizer: Tokenizer, preprocess: PreprocessConfig,
                         batch_size: int, *, epochs: int = 1, start_step: int = 0, seed: int = 0,
                         rank: int = 0, world_size: int = 1, workers: int = 2,
                         augment: bool = False, split: str = "train",
-                        shuffle_window_shards: int = 0) -> Any:
-    """The mindspore.dataset pipeline of (image, text) batches; see the module docstring."""
+                        shuffle_window_shards: int = 0, decode: str = "pil") -> Any:
+    """The mindspore.dataset pipeline of (image, text) batches; see the module docstring.
+    `decode` is one of DECODERS; "cpu"/"ascend" decode in `workers` C++ threads of the dataset
+    (no Python worker processes, no shared memory) and do not augment."""
     import mindspore.dataset as ds  # heavy: only the training path needs it
 
+    if decode not in DECODERS:
+        raise DataError(f"decode = {decode!r}: expected one of {DECODERS}")
+    if decode != "pil" and augment:
+        raise DataError(f"decode = {decode!r} does not augment: use decode 'pil' with augment")
     # Decode workers are forked after the tokenizer may have used its Rust thread pool, which does
     # not survive a fork; one caption per call needs no parallelism anyway.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    source = TrainSamples(index_shards(shards_dir, split), tokenizer, preprocess, batch_size,
-                          epochs=epochs, start_step=start_step, seed=seed, rank=rank,
-                          world_size=world_size, augment=augment,
-                          shuffle_window_shards=shuffle_window_shards)
-    dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
-                                  num_parallel_workers=max(1, workers),
-                                  python_multiprocessing=workers > 1)
+    kind = TrainSamples if decode == "pil" else EncodedTrainSamples
+    source = kind(index_shards(shards_dir, split), tokenizer, preprocess, batch_size,
+                  epochs=epochs, start_step=start_step, seed=seed, rank=rank,
+                  world_size=world_size, augment=augment,
+                  shuffle_window_shards=shuffle_window_shards)
+    if decode == "pil":
+        dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
+                                      num_parallel_workers=max(1, workers),
+                                      python_multiprocessing=workers > 1)
+    else:  # reading encoded bytes is cheap: one reader, the decode fans out in C++
+        dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
+                                      num_parallel_workers=1, python_multiprocessing=False)
+        dataset = dataset.map(device_transforms(preprocess, decode), input_columns=["image"],
+                              num_parallel_workers=max(1, workers))
     return dataset.batch(batch_size, drop_remainder=True)
 
 

@@ -6,6 +6,11 @@
     text_vectors = enc.encode_texts(["a red circle", "a blue square"])    # (M, E), unit length
     scores = image_vectors @ text_vectors.T                                # cosine similarities
 
+Every image goes through the bundle's own decoder limits (preprocess.json: JPEG/PNG/WEBP, at most
+`max_pixels`); a bad one raises PreprocessError naming it. Paths are for local, trusted callers:
+the served model (registry/pyfunc_model.py, serving/) accepts images only as base64
+(clipms.inputs) and never names a file to this class.
+
 CLI: `python -m clipms.infer search --bundle models/export --shards data/shards/val "a red circle"`
 prints the images of the shards that best match the query.
 """
@@ -15,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tarfile
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,13 +29,13 @@ from PIL import Image
 
 from clipms.preprocess import PreprocessConfig, PreprocessError, preprocess_image
 from clipms.tokenizer import Tokenizer
+from clipms.webds import Sample, iter_samples
 
 if TYPE_CHECKING:
     from clipms.runtime import RuntimeConfig
 
 BUNDLE_FORMAT = "clipms-mindir-bundle"  # as clipms.export writes it (no MindSpore import here)
 SUPPORTED_VERSIONS = (1,)
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 
 ImageInput = str | Path | bytes | Image.Image
 
@@ -153,67 +156,17 @@ def _describe(item: ImageInput, index: int) -> str:
     return f"images[{index}] ({item})" if isinstance(item, str | Path) else f"images[{index}]"
 
 
-# ------------------------------------------------------------------------------ shard reading
-@dataclass
-class ShardSample:
-    key: str
-    image: bytes
-    meta: dict[str, Any] = field(default_factory=dict)
-    caption: str = ""
-    extra: dict[str, bytes] = field(default_factory=dict)  # other members, by extension (`cls`)
-
-
-def shard_files(shards: Path | str) -> list[Path]:
-    """A .tar file itself, or every .tar below a folder (sorted, so the order is stable)."""
-    shards = Path(shards)
-    if shards.is_file():
-        return [shards]
-    found = sorted(shards.rglob("*.tar"))
-    if not found:
-        raise FileNotFoundError(f"{shards}: no .tar shards found")
-    return found
-
-
-def iter_shard_samples(shards: Path | str) -> Iterator[ShardSample]:
-    """Samples of webdataset tar shards (`<key>.jpg` + optional `<key>.json` / `<key>.txt`)."""
-    for path in shard_files(shards):
-        try:
-            with tarfile.open(path) as tar:
-                yield from _samples_of(tar)
-        except tarfile.TarError as err:
-            raise ValueError(f"{path}: not a readable tar shard ({err})") from err
-
-
-def _samples_of(tar: tarfile.TarFile) -> Iterator[ShardSample]:
-    grouped: dict[str, dict[str, bytes]] = {}
-    for member in tar:
-        if not member.isfile():
-            continue
-        folder, _, base = member.name.rpartition("/")
-        stem, _, ext = base.partition(".")
-        key = f"{folder}/{stem}" if folder else stem
-        handle = tar.extractfile(member)
-        grouped.setdefault(key, {})[ext.lower()] = handle.read() if handle else b""
-    for key, parts in grouped.items():
-        image = next((parts[e] for e in IMAGE_EXTENSIONS if e in parts), None)
-        if image is None:
-            continue
-        meta = json.loads(parts["json"]) if "json" in parts else {}
-        caption = parts["txt"].decode("utf-8").strip() if "txt" in parts else ""
-        known = {*IMAGE_EXTENSIONS, "json", "txt"}
-        extra = {ext: data for ext, data in parts.items() if ext not in known}
-        yield ShardSample(key=key, image=image, meta=meta, caption=caption, extra=extra)
-
-
 # ---------------------------------------------------------------------------------------- CLI
 def search(encoder: Encoder, shards: Path | str, query: str, top: int) -> list[dict[str, Any]]:
     """The `top` shard images closest to `query`, best first; undecodable images are skipped and
     counted (reported by the CLI), never fatal."""
-    kept: list[ShardSample] = []
+    kept: list[Sample] = []
     vectors: list[np.ndarray] = []
     skipped: list[str] = []
-    batch: list[ShardSample] = []
-    for sample in iter_shard_samples(shards):
+    batch: list[Sample] = []
+    for sample in iter_samples(shards):
+        if sample.image is None:  # another member group (e.g. a stray file), not an image
+            continue
         batch.append(sample)
         if len(batch) == encoder.batch_size:
             _encode_batch(encoder, batch, kept, vectors, skipped)
@@ -229,7 +182,7 @@ def search(encoder: Encoder, shards: Path | str, query: str, top: int) -> list[d
             for r, i in enumerate(order)]
 
 
-def _encode_batch(encoder: Encoder, batch: list[ShardSample], kept: list[ShardSample],
+def _encode_batch(encoder: Encoder, batch: list[Sample], kept: list[Sample],
                   vectors: list[np.ndarray], skipped: list[str]) -> None:
     good, arrays = [], []
     for sample in batch:

@@ -1,7 +1,9 @@
 """CLIP image preprocessing, one definition for training data, evaluation, export and inference.
 
 The transform is open_clip's evaluation transform (torchvision on PIL images), with PIL only:
-  1. decode (bytes) and convert to RGB (before resizing, so palette/alpha images resize as RGB);
+  1. decode (bytes; JPEG, PNG or WEBP only, at most `max_pixels` pixels, checked from the header
+     before any pixel is decoded) and convert to RGB (before resizing, so palette/alpha images
+     resize as RGB);
   2. resize so that the SHORTER side equals `image_size` (the longer side becomes
      int(image_size * long / short), as torchvision computes it), PIL resampling `interpolation`
      (default bicubic, open_clip's choice; PIL filters antialias when shrinking, as torchvision does
@@ -25,10 +27,20 @@ from PIL import Image, UnidentifiedImageError
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's pixel statistics (open_clip too)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 INTERPOLATIONS = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
+# The only decoders ever run on image bytes: everything else PIL can open (EPS runs Ghostscript,
+# others are rarely fuzzed) is refused before a plugin sees more than the first bytes.
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP")
+# 50 megapixels: a 48 MP phone photo passes; its RGB copy is at most 150 MB. A decompression
+# bomb (a few KB claiming 10^10 pixels) is refused from its header, before any allocation.
+DEFAULT_MAX_PIXELS = 50_000_000
 
 
 class PreprocessError(ValueError):
     """An image that cannot be decoded, or an invalid preprocessing config."""
+
+
+class PixelLimitError(PreprocessError):
+    """An image over the pixel limit (so callers can count it apart from broken data)."""
 
 
 @dataclass(frozen=True)
@@ -39,10 +51,14 @@ class PreprocessConfig:
     mean: tuple[float, float, float] = field(default=OPENAI_MEAN)
     std: tuple[float, float, float] = field(default=OPENAI_STD)
     interpolation: str = "bicubic"
+    max_pixels: int = DEFAULT_MAX_PIXELS  # width x height limit of a decoded image
 
     def __post_init__(self) -> None:
         if not isinstance(self.image_size, int) or self.image_size < 1:
             raise PreprocessError(f"image_size must be a positive int, got {self.image_size!r}")
+        if not isinstance(self.max_pixels, int) or self.max_pixels < self.image_size ** 2:
+            raise PreprocessError(f"max_pixels must be an int >= image_size^2 "
+                                  f"({self.image_size ** 2}), got {self.max_pixels!r}")
         if self.interpolation not in INTERPOLATIONS:
             raise PreprocessError(f"interpolation {self.interpolation!r} not one of "
                                   f"{sorted(INTERPOLATIONS)}")
@@ -58,27 +74,61 @@ class PreprocessConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PreprocessConfig:
-        extra = set(data) - {"image_size", "mean", "std", "interpolation", "resize", "crop"}
+        fields = ("image_size", "mean", "std", "interpolation", "max_pixels")
+        extra = set(data) - {*fields, "resize", "crop"}
         if extra:
             raise PreprocessError(f"unknown preprocessing keys {sorted(extra)}")
         resize, crop = data.get("resize", "shorter_side"), data.get("crop", "center")
         if (resize, crop) != ("shorter_side", "center"):
             raise PreprocessError(f"unsupported resize/crop {resize}/{crop}")
-        kwargs = {k: data[k] for k in ("image_size", "mean", "std", "interpolation") if k in data}
+        # A spec written before max_pixels existed gets the default limit, never none.
+        kwargs = {k: data[k] for k in fields if k in data}
         return cls(**kwargs)
 
 
-def decode_image(image: Image.Image | bytes, name: str = "image") -> Image.Image:
-    """A PIL RGB image from bytes or a PIL image; a PreprocessError naming `name` if broken."""
+def decode_image(image: Image.Image | bytes, name: str = "image",
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """A PIL RGB image from encoded bytes (see `open_image`) or a PIL image; a PreprocessError
+    naming `name` for anything else."""
     if isinstance(image, Image.Image):
-        return image if image.mode == "RGB" else image.convert("RGB")
-    if not isinstance(image, bytes | bytearray | memoryview):
-        raise PreprocessError(f"{name}: expected PIL.Image or bytes, got {type(image).__name__}")
+        check_pixels(image.size, max_pixels, name)
+    else:
+        image = open_image(image, name, max_pixels)
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def open_image(data: bytes, name: str = "image",
+               max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """The fully decoded PIL image of encoded bytes, in its own mode, with its `format`.
+
+    Only JPEG, PNG and WEBP, at most `max_pixels` pixels: the size is read from the header, so a
+    decompression bomb (a few KB claiming billions of pixels) never allocates. Broken data, another
+    format or too many pixels is a PreprocessError naming `name`; never another exception type."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise PreprocessError(f"{name}: expected PIL.Image or bytes, got {type(data).__name__}")
     try:
-        with Image.open(io.BytesIO(image)) as opened:
-            return opened.convert("RGB")  # convert() forces the full decode inside the try
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-        raise PreprocessError(f"{name}: cannot decode image ({err})") from err
+        image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+        check_pixels(image.size, max_pixels, name)  # header only: nothing decoded yet
+        image.load()  # the full decode, inside the try (truncated data fails here)
+        return image
+    except UnidentifiedImageError:
+        raise PreprocessError(f"{name}: not a JPEG, PNG or WEBP image (the formats "
+                              f"allowed)") from None
+    except Image.DecompressionBombError as err:  # PIL's own, looser limit, checked inside open()
+        raise PixelLimitError(f"{name}: over the pixel limit of {max_pixels} ({err})") from None
+    except PreprocessError:
+        raise
+    except Exception as err:  # PIL's plugins raise OSError, SyntaxError, struct.error, ...
+        raise PreprocessError(f"{name}: cannot decode image ({type(err).__name__}: "
+                              f"{err})") from err
+
+
+def check_pixels(size: tuple[int, int], max_pixels: int, name: str = "image") -> None:
+    """PixelLimitError when width x height exceeds `max_pixels`."""
+    width, height = size
+    if width * height > max_pixels:
+        raise PixelLimitError(f"{name}: {width}x{height} = {width * height} pixels, over the "
+                              f"pixel limit of {max_pixels}")
 
 
 def resize_shorter_side(image: Image.Image, size: int, interpolation: str) -> Image.Image:
@@ -109,6 +159,6 @@ def to_normalized_array(image: Image.Image, cfg: PreprocessConfig) -> np.ndarray
 def preprocess_image(image: Image.Image | bytes, cfg: PreprocessConfig,
                      name: str = "image") -> np.ndarray:
     """Decode + resize shorter side + centre crop + CLIP mean/std -> (3, size, size) float32."""
-    rgb = decode_image(image, name)
+    rgb = decode_image(image, name, cfg.max_pixels)
     resized = resize_shorter_side(rgb, cfg.image_size, cfg.interpolation)
     return to_normalized_array(center_crop(resized, cfg.image_size), cfg)

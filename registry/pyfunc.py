@@ -84,7 +84,7 @@ def log_model(bundle_dir: Path | str, name: str = "clip", run_id: str | None = N
     """Log the bundle as a pyfunc into run `run_id` (or the active run); returns its ModelInfo."""
     import mlflow
 
-    from registry.tracking import tracking_uri
+    from registry.settings import tracking_uri
 
     bundle = check_bundle(bundle_dir)
     mlflow.set_tracking_uri(tracking_uri())

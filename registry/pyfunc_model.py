@@ -4,38 +4,53 @@ MLflow copies this file into the logged model and runs it on load; the last line
 object, so nothing of ours is pickled. `load_context` opens the bundle artifact once (two MindIR
 graphs + tokenizer.json + preprocess.json, through `clipms.infer.Encoder`); `predict` only computes.
 
-Input: a DataFrame with a `text` column and/or an `image` column (base64-encoded JPEG/PNG, or a path
-to an image file on the serving machine); a row may leave one of them empty. Output: a DataFrame
-with `text_embedding` and/or `image_embedding` (L2-normalised float lists, None for empty inputs).
+Input: a DataFrame with a `text` column and/or an `image` column (base64-encoded JPEG, PNG or WEBP);
+a row may leave one of them empty. Output: a DataFrame with `text_embedding` and/or
+`image_embedding` (L2-normalised float lists, None for empty inputs).
+
+The served model reads no file of its host: an image is only ever base64 (or raw bytes from a Python
+caller), so a string naming a path is refused like any other bad input. Every bad input - not
+base64, not an allowed format, over the bundle's pixel limit, a request over the row or byte limit
+(`clipms.inputs.RequestLimits`; `CLIPMS_SERVE_MAX_ROWS` / `CLIPMS_SERVE_MAX_BYTES` in the serving
+process's environment raise them) - is an MLflow INVALID_PARAMETER_VALUE (HTTP 400) whose message
+names the row and what is allowed, with no stack trace. Any other failure is an INTERNAL_ERROR
+(HTTP 500) without details; the traceback goes to the server's log only.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-from pathlib import Path
+import logging
+import os
 from typing import Any
 
 import mlflow
 import numpy as np
+import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
 
-MAX_PATH_CHARS = 4096
+log = logging.getLogger(__name__)
+LIMIT_VARIABLES = {"max_rows": "CLIPMS_SERVE_MAX_ROWS", "max_bytes": "CLIPMS_SERVE_MAX_BYTES"}
 
 
-def decode_image(value: Any, row: int) -> bytes | str:
-    """Raw image bytes or a file path from one `image` cell; a clear error for anything else."""
-    if isinstance(value, bytes | bytearray):
-        return bytes(value)
-    if not isinstance(value, str):
-        raise ValueError(f"image row {row}: expected base64 JPEG/PNG or a path, got "
-                         f"{type(value).__name__}")
-    if len(value) < MAX_PATH_CHARS and Path(value).is_file():
-        return value
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"image row {row}: neither an existing file nor valid base64") from None
+def request_limits(environ: dict[str, str] | None = None) -> Any:
+    """The limits of this serving process: RequestLimits' defaults, or the environment's."""
+    from clipms.inputs import RequestLimits
+
+    environ = os.environ if environ is None else environ
+    values = {}
+    for field, variable in LIMIT_VARIABLES.items():
+        if environ.get(variable):
+            try:
+                values[field] = int(environ[variable])
+            except ValueError:
+                raise ValueError(f"{variable}={environ[variable]!r}: expected an integer") from None
+    return RequestLimits(**values)
+
+
+def client_error(message: str) -> MlflowException:
+    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
 
 
 def _present(value: Any) -> bool:
@@ -49,41 +64,62 @@ class ClipEmbeddingModel(PythonModel):
         from clipms.infer import Encoder
 
         self.encoder = Encoder(context.artifacts["bundle"])
+        self.limits = request_limits()
 
-    # No type hints on purpose: MLflow 3 would derive a (conflicting) schema from them; the logged
-    # signature is the contract.
-    def predict(self, context, model_input, params=None):  # noqa: ANN001, ANN201
-        import pandas as pd
+    # `model_input: pd.DataFrame` is the one input hint MLflow 3 derives no schema from (the logged
+    # signature stays the contract); without any hint it warns "Add type hints to the `predict`
+    # method" every time this file runs: at each register, load and serve.
+    def predict(self, context, model_input: pd.DataFrame, params=None):  # noqa: ANN001, ANN201
+        from clipms.inputs import InputError
+        from clipms.preprocess import PreprocessError
 
+        try:
+            return self._predict(model_input)
+        except (InputError, PreprocessError) as err:
+            raise client_error(str(err)) from None
+        except MlflowException:
+            raise
+        except Exception:
+            log.exception("clip pyfunc: predict failed")
+            raise MlflowException("internal error while computing embeddings (see the server "
+                                  "log)", error_code=INTERNAL_ERROR) from None
+
+    def _predict(self, model_input: Any) -> Any:
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         columns = [c for c in ("text", "image") if c in frame.columns]
         if not columns:
-            raise ValueError(
-                f"input needs a 'text' and/or 'image' column, got {list(frame.columns)}")
+            raise client_error("input needs a 'text' and/or 'image' column, got "
+                               f"{len(frame.columns)} other column(s)")
+        texts = frame["text"].tolist() if "text" in columns else []
+        images = frame["image"].tolist() if "image" in columns else []
+        self.limits.check([str(t) for t in texts if _present(t)],
+                          [i for i in images if _present(i)], rows=len(frame))
         out = pd.DataFrame(index=frame.index)
         if "text" in columns:
-            out["text_embedding"] = self._embed(frame["text"], self._texts)
+            out["text_embedding"] = self._embed(texts, self._texts)
         if "image" in columns:
-            out["image_embedding"] = self._embed(frame["image"], self._images)
+            out["image_embedding"] = self._embed(images, self._images)
         return out.reset_index(drop=True)
 
-    def _texts(self, values: list[Any]) -> Any:
+    def _texts(self, rows: list[int], values: list[Any]) -> np.ndarray:
         return self.encoder.encode_texts([str(v) for v in values])
 
-    def _images(self, values: list[Any]) -> Any:
-        return self.encoder.encode_images(values)
+    def _images(self, rows: list[int], values: list[Any]) -> np.ndarray:
+        from clipms.inputs import image_bytes
+        from clipms.preprocess import preprocess_image
+
+        arrays = [preprocess_image(image_bytes(value, f"image row {row}"),
+                                   self.encoder.preprocess, name=f"image row {row}")
+                  for row, value in zip(rows, values, strict=True)]
+        return self.encoder.encode_preprocessed(np.stack(arrays))
 
     @staticmethod
-    def _embed(column: Any, encode: Any) -> list[list[float] | None]:
+    def _embed(values: list[Any], encode: Any) -> list[list[float] | None]:
         """Encode the non-empty cells in one batch; empty cells give None."""
-        rows = [i for i, v in enumerate(column.tolist()) if _present(v)]
-        values = column.tolist()
-        inputs = [values[i] for i in rows]
-        if column.name == "image":
-            inputs = [decode_image(v, i) for v, i in zip(inputs, rows, strict=True)]
+        rows = [i for i, v in enumerate(values) if _present(v)]
         result: list[list[float] | None] = [None] * len(values)
         if rows:
-            embeddings = np.asarray(encode(inputs), dtype=np.float32)
+            embeddings = np.asarray(encode(rows, [values[i] for i in rows]), dtype=np.float32)
             # L2-normalise here whatever the encoder returns: cosine similarity is a dot product.
             embeddings /= np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
             for i, embedding in zip(rows, embeddings, strict=True):

@@ -8,43 +8,46 @@ when it is unreachable this stage fails with a message naming it; nothing upstre
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from pydantic import Field
+from stages import paths
+from stages.params import ParamsError
 
-from stages.params import Section, load_section
-
-EVAL_METRICS = Path("metrics/eval.json")
-BUNDLE_DIR = Path("models/export")
-OUT = Path("metrics/register.json")
-
-
-class RegisterParams(Section):
-    model_name: str = Field("clip", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    experiment: str = Field("clip-mindspore", min_length=1)  # read by train, which opens the run
-    primary_metric: str = "i2t_R@5"
-    margin: float = Field(0.0, ge=0.0)
+READS = (paths.BUNDLE, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST)
+WRITES = (paths.REGISTER_METRICS,)
 
 
 def main() -> int:
-    params = load_section("register", RegisterParams)
-    from clipms.jsonio import read_json, write_json
-    from registry.registration import register_version
-    from registry.tracking import PipelineRun, TrackingUnavailable, flatten
+    from registry.settings import register_params
 
     try:
-        run = PipelineRun.resume()
+        params = register_params(paths.PARAMS)
+    except ParamsError as err:
+        print(f"register: error: {err}", file=sys.stderr)
+        return 1
+    from clipms.jsonio import read_json, write_json
+    from registry.gate import GateError
+    from registry.gatelock import GateLockTimeout
+    from registry.lineage import flatten
+    from registry.registration import RegistryError, register_version
+    from registry.run import PipelineRun, TrackingUnavailable
+    from stages.tracking import FILES
+
+    try:
+        run = PipelineRun.resume(FILES)
     except FileNotFoundError as err:  # train ran without tracking: the model still gets a run
         print(f"register: {err}; opening a run here", file=sys.stderr)
-        run = PipelineRun.open("register", {}, run_file=None)
+        run = PipelineRun.open("register", {}, FILES, owns_run_file=False)
     run.log_params(flatten("register", params.model_dump()))
     try:
-        record = register_version(run, BUNDLE_DIR, params.model_name, params.primary_metric,
-                                  params.margin, read_json(EVAL_METRICS))
-    except TrackingUnavailable as err:
-        print(f"register: {err}", file=sys.stderr)
+        record = register_version(run, paths.BUNDLE, params, read_json(paths.EVAL_METRICS))
+    except TrackingUnavailable as err:  # the journal keeps everything for the next attempt
+        print(f"register: error: {err}", file=sys.stderr)
         return 1
-    write_json(OUT, record)
+    except (GateError, GateLockTimeout, RegistryError) as err:  # failed closed: no alias moved
+        print(f"register: error: {err}", file=sys.stderr)
+        run.fail(err)
+        return 1
+    write_json(paths.REGISTER_METRICS, record)
     run.close()
     print(f"register: {params.model_name} v{record['version']} -> {record['alias']} "
           f"({record['reason']})")

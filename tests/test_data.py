@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-import webdataset as wds
 from PIL import Image
 
+from clipms import webds
 from clipms.data import (
     DataError,
     TrainSamples,
@@ -50,29 +49,26 @@ def jpeg(i: int) -> bytes:
 
 def write_shards(root: Path, sizes: dict[str, list[int]]) -> Path:
     """Shards `root/{split}/00000N.tar` with sizes[split][n] samples each, plus the manifest."""
-    manifest: dict = {"samples_per_shard": max(max(v) for v in sizes.values()), "splits": {}}
-    number = 0
+    numbers = iter(range(sum(map(sum, sizes.values()))))
+    splits = {}
     for split, shard_sizes in sizes.items():
-        (root / split).mkdir(parents=True)
         shards = []
         for n, count in enumerate(shard_sizes):
-            name = f"{split}/{n:06d}.tar"
-            with wds.TarWriter(str(root / name)) as sink:
-                for _ in range(count):
-                    key = f"{number:09d}"
-                    captions = [f"sample {number} caption {c}" for c in range(CAPTIONS)]
-                    meta = {"captions": captions, "url": f"file:///{key}.jpg", "key": key,
-                            "split": split, "labels": {"shape": ["circle", "square"][number % 2]}}
-                    sink.write({"__key__": key, "jpg": jpeg(number), "txt": captions[0],
-                                "json": json.dumps(meta).encode()})
-                    number += 1
-            data = (root / name).read_bytes()
-            shards.append({"name": name, "samples": count, "bytes": len(data),
-                           "sha256": hashlib.sha256(data).hexdigest()})
-        manifest["splits"][split] = {"samples": sum(shard_sizes), "shards": shards,
-                                     "bytes": sum(s["bytes"] for s in shards)}
-    (root / "manifest.json").write_text(json.dumps(manifest))
+            name = webds.SHARD_NAME.format(split=split, index=n)
+            samples = [sample_files(next(numbers), split) for _ in range(count)]
+            shards.append({"name": name, **webds.write_tar(root / name, samples)})
+        splits[split] = webds.split_summary(shards)
+    webds.write_manifest(root, max(max(v) for v in sizes.values()), splits)
     return root
+
+
+def sample_files(number: int, split: str) -> webds.SampleFiles:
+    key = f"{number:09d}"
+    captions = [f"sample {number} caption {c}" for c in range(CAPTIONS)]
+    meta = {"captions": captions, "url": f"file:///{key}.jpg", "key": key, "split": split,
+            "labels": {"shape": ["circle", "square"][number % 2]}}
+    return key, {"jpg": jpeg(number), "txt": captions[0].encode(),
+                 "json": json.dumps(meta).encode()}
 
 
 def identify(text_row: np.ndarray, tok: Tokenizer) -> tuple[int, int]:

@@ -3,18 +3,18 @@ features for every input kind, and the `search` CLI finds images in a real tar s
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
-import tarfile
 
 import numpy as np
 import pytest
 
+from clipms import webds
 from clipms.preprocess import PreprocessError, preprocess_image
 from clipms.tokenizer import Tokenizer
 from clipms.trained import RunConfig, load_clip
+from tests.hostile_images import EPS, png_bomb
 from tests.tiny_model import CAPTIONS, jpeg_bytes, random_images, write_trained
 from tests.workspace import PROJECT_ROOT, tool_env
 
@@ -71,22 +71,24 @@ def test_encoder_errors_name_the_problem(bundle, tmp_path):
     encoder = Encoder(bundle["dir"])
     with pytest.raises(PreprocessError, match=r"images\[1\].*not found"):
         encoder.encode_images([random_images(1)[0], tmp_path / "missing.jpg"])
-    with pytest.raises(PreprocessError, match=r"images\[0\]"):
+    with pytest.raises(PreprocessError, match=r"images\[0\]: not a JPEG, PNG or WEBP"):
         encoder.encode_images([b"not an image"])
+    # The bundle's own limits (preprocess.json: max_pixels) apply to every image it encodes.
+    with pytest.raises(PreprocessError, match=r"images\[0\]: 8000x8000 = 64000000 pixels, over "
+                                              r"the pixel limit of 50000000"):
+        encoder.encode_images([png_bomb()])
+    with pytest.raises(PreprocessError, match=r"images\[0\]: not a JPEG, PNG or WEBP"):
+        encoder.encode_images([EPS])
     with pytest.raises(BundleError, match="no bundle.json"):
         Encoder(tmp_path)
 
 
 def write_shard(path, images, captions, first_key=0):
-    with tarfile.open(path, "w") as tar:
-        for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
-            key = f"{first_key + i:06d}"
-            data = b"truncated" if image is None else jpeg_bytes(image)
-            meta = json.dumps({"captions": [caption], "key": key}).encode()
-            for name, payload in ((f"{key}.jpg", data), (f"{key}.json", meta)):
-                info = tarfile.TarInfo(name)
-                info.size = len(payload)
-                tar.addfile(info, io.BytesIO(payload))
+    webds.write_tar(path, [
+        (f"{first_key + i:06d}",
+         {"jpg": b"truncated" if image is None else jpeg_bytes(image),
+          "json": json.dumps({"captions": [caption], "key": f"{first_key + i:06d}"}).encode()})
+        for i, (image, caption) in enumerate(zip(images, captions, strict=True))])
 
 
 def test_search_cli_ranks_shard_images_and_counts_bad_ones(bundle, tmp_path):

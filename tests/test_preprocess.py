@@ -9,12 +9,15 @@ import pytest
 from PIL import Image
 
 from clipms.preprocess import (
+    DEFAULT_MAX_PIXELS,
     OPENAI_MEAN,
     OPENAI_STD,
     PreprocessConfig,
     PreprocessError,
+    open_image,
     preprocess_image,
 )
+from tests.hostile_images import EPS, encoded, png_bomb, png_header_bomb
 
 
 def column_image(width: int, height: int) -> Image.Image:
@@ -78,8 +81,61 @@ def test_config_round_trip_and_errors() -> None:
         PreprocessConfig(image_size=64, interpolation="nearest")
     with pytest.raises(PreprocessError, match="unknown preprocessing keys"):
         PreprocessConfig.from_dict({"image_size": 64, "antialias": True})
-    with pytest.raises(PreprocessError, match="sample-7: cannot decode image"):
+    with pytest.raises(PreprocessError, match="sample-7: not a JPEG, PNG or WEBP"):
         preprocess_image(b"not an image", cfg, name="sample-7")
     truncated = png_bytes(column_image(64, 64))[:100]
     with pytest.raises(PreprocessError, match="cannot decode"):
         preprocess_image(truncated, cfg)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+def test_allowed_formats_decode(fmt) -> None:
+    image = open_image(encoded(fmt), "x")
+    assert image.format == fmt and image.size == (24, 20)
+    assert preprocess_image(encoded(fmt), PreprocessConfig(16)).shape == (3, 16, 16)
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "BMP", "TIFF", "ICO", "PPM"])
+def test_other_formats_pil_reads_are_refused(fmt) -> None:
+    # PIL decodes every one of these; the decoder must not even try.
+    with pytest.raises(PreprocessError, match=r"^img-3: not a JPEG, PNG or WEBP image"):
+        preprocess_image(encoded(fmt), PreprocessConfig(16), name="img-3")
+
+
+def test_eps_is_refused_before_any_interpreter_runs() -> None:
+    with pytest.raises(PreprocessError, match="not a JPEG, PNG or WEBP"):
+        open_image(EPS, "upload")
+
+
+def test_decompression_bomb_is_refused_from_its_header() -> None:
+    bomb = png_bomb()  # 64 MP: under PIL's own limits, over the default one
+    assert len(bomb) < 20_000
+    with pytest.raises(PreprocessError, match=rf"8000x8000 = 64000000 pixels, over the pixel "
+                                              rf"limit of {DEFAULT_MAX_PIXELS}"):
+        preprocess_image(bomb, PreprocessConfig(16))
+    with pytest.raises(PreprocessError, match="over the pixel limit of 50000000"):
+        open_image(png_header_bomb())  # 10^10 pixels claimed, nothing behind it
+
+
+def test_pixel_limit_is_a_field_of_the_spec() -> None:
+    cfg = PreprocessConfig(image_size=16, max_pixels=24 * 20 - 1)
+    with pytest.raises(PreprocessError, match="24x20 = 480 pixels, over the pixel limit of 479"):
+        preprocess_image(encoded("PNG"), cfg)
+    assert preprocess_image(encoded("PNG"), PreprocessConfig(16, max_pixels=480)).shape[0] == 3
+    assert cfg.to_dict()["max_pixels"] == 479
+    assert PreprocessConfig.from_dict(cfg.to_dict()) == cfg
+    older = {k: v for k, v in cfg.to_dict().items() if k != "max_pixels"}  # a spec from before
+    assert PreprocessConfig.from_dict(older).max_pixels == DEFAULT_MAX_PIXELS
+    with pytest.raises(PreprocessError, match="max_pixels must be an int >= image_size"):
+        PreprocessConfig(image_size=16, max_pixels=255)
+    with pytest.raises(PreprocessError, match="over the pixel limit"):
+        preprocess_image(Image.new("RGB", (30, 30)), PreprocessConfig(16, max_pixels=256))
+
+
+def test_data_cut_inside_the_pixels_is_an_error() -> None:
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(noise).save(buffer, format="JPEG")  # noise: the data dwarfs the header
+    data = buffer.getvalue()
+    with pytest.raises(PreprocessError, match="cannot decode image"):
+        open_image(data[: len(data) * 2 // 3])

@@ -3,19 +3,22 @@ compare table, the pyfunc's input decoding. Server-backed tests are in test_regi
 
 from __future__ import annotations
 
-import base64
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from registry import gate, tracking
+from registry import gate, journal, lineage, run, settings
 from registry.compare import VersionRow, differing_params, render
 from registry.gate import CHALLENGER, CHAMPION, Candidate, decide
+from stages import paths
+from stages.tracking import FILES
 
 DIGEST = "a" * 32
+LOCK, MANIFEST = paths.LOCK, paths.MANIFEST  # relative: the tests chdir into a workspace
 
 
 def test_first_version_becomes_champion() -> None:
@@ -46,6 +49,77 @@ def test_a_different_val_set_is_never_compared() -> None:
     assert "different evaluation set" in d.reason and DIGEST in d.reason
 
 
+@pytest.mark.parametrize(("new", "champion", "alias"), [
+    (12.0, 10.0, CHALLENGER),  # a higher mean rank is worse
+    (10.0, 10.0, CHALLENGER),  # a tie never replaces the champion
+    (8.0, 10.0, CHAMPION),     # lower is better
+])
+def test_gate_respects_a_lower_is_better_metric(new: float, champion: float, alias: str) -> None:
+    d = decide(Candidate("2", new, DIGEST), Candidate("1", champion, DIGEST), "i2t_mean_rank",
+               0.0, direction="lower")
+    assert (d.alias, d.direction, d.compared) == (alias, "lower", True)
+    assert "lower is better" in d.reason
+
+
+def test_two_missing_val_digests_are_not_the_same_evaluation_set() -> None:
+    """Issue 14.10: a version and a champion that both lack a val digest were evaluated on sets
+    nobody can tell apart: never compared, whatever the numbers."""
+    d = decide(Candidate("2", 0.9, None), Candidate("1", 0.1, None), "i2t_R@5", 0.0)
+    assert (d.alias, d.compared) == (CHALLENGER, False)
+    assert "unknown evaluation set" in d.reason
+    d = decide(Candidate("2", 0.9, DIGEST), Candidate("1", 0.1, None), "i2t_R@5", 0.0)
+    assert (d.alias, d.compared) == (CHALLENGER, False)
+    d = decide(Candidate("2", 0.9, ""), Candidate("1", 0.1, ""), "i2t_R@5", 0.0)
+    assert (d.alias, d.compared) == (CHALLENGER, False)
+
+
+def test_metric_directions_cover_what_evaluate_writes() -> None:
+    from clipms.metrics import metric_direction
+
+    written = json.loads((Path(__file__).resolve().parents[1] / "metrics/eval.json").read_text())
+    directions = {k: metric_direction(k) for k in written}
+    assert directions["i2t_R@5"] == directions["mAP@10"] == directions["zeroshot_top1"] \
+        == directions["zeroshot_mean_per_class_recall"] == "higher"
+    assert directions["i2t_mean_rank"] == directions["t2i_median_rank"] == "lower"
+    assert directions["num_images"] is directions["chance_i2t_R@5"] is None
+    assert directions["zeroshot_classes"] is directions["zeroshot_skipped"] is None
+    # every number evaluate writes is either a ranked quality metric or a known non-metric
+    unranked = {k for k, d in directions.items() if d is None}
+    assert all(k.startswith(("chance_", "num_", "zeroshot_")) for k in unranked), unranked
+    assert gate.primary_direction("i2t_mean_rank", written) == "lower"
+    with pytest.raises(gate.GateError, match="does not rank models"):
+        gate.primary_direction("num_images", written)
+
+
+def test_the_gate_lock_is_beside_a_sqlite_store_and_times_out(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    from registry import gatelock
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert gatelock.lock_kind(uri) == "file"
+    assert gatelock.lock_file(uri, "clip") == tmp_path / ".mlflow.db.gate-clip.lock"
+    assert gatelock.lock_kind("http://127.0.0.1:5000") == "machine"
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    assert gatelock.lock_kind("http://127.0.0.1:5000") == "prefect"
+    assert gatelock.lock_kind(uri) == "file"  # a local database is shared through its folder
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom registry.gatelock import gate_lock\n"
+        f"with gate_lock({uri!r}, 'clip', 5):\n    print('held', flush=True)\n"
+        "    time.sleep(30)\n")], stdout=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(gatelock.GateLockTimeout, match="register.lock_timeout"), \
+                gatelock.gate_lock(uri, "clip", 0.5):
+            pass
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    with gatelock.gate_lock(uri, "clip", 5) as kind:  # released when its holder died
+        assert kind == "file"
+
+
 def test_a_missing_digest_or_value_is_not_compared() -> None:
     champion = Candidate("1", 0.1, DIGEST)
     assert decide(Candidate("2", 0.9, None), champion, "m", 0.0).compared is False
@@ -68,10 +142,10 @@ def test_decision_tags_hold_both_numbers_and_the_reason() -> None:
 
 
 def test_params_are_flattened_and_never_leak_secrets_or_home(monkeypatch) -> None:
-    flat = tracking.flatten("train", {"lr": 1e-3, "sizes": [1, 7], "distributed": {"workers": 2}})
+    flat = lineage.flatten("train", {"lr": 1e-3, "sizes": [1, 7], "distributed": {"workers": 2}})
     assert flat == {"train.lr": "0.001", "train.sizes": "[1, 7]", "train.distributed.workers": "2"}
     home = str(Path.home())
-    safe = tracking.safe_params({
+    safe = lineage.safe_params({
         "metadata.api_key": "abc", "x.password": "p", "x.hf_token": "t",
         "metadata.url": "https://user:pw@example.org/data.parquet",
         "metadata.path": f"{home}/data/meta.parquet", "tokenizer.kind": "bpe",
@@ -80,7 +154,7 @@ def test_params_are_flattened_and_never_leak_secrets_or_home(monkeypatch) -> Non
     assert safe["metadata.url"] == "https://example.org/data.parquet"
     assert safe["metadata.path"] == "~/data/meta.parquet"
     assert safe["tokenizer.kind"] == "bpe"
-    assert tracking.redact_uri("http://u:p@127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert settings.redact_uri("http://u:p@127.0.0.1:5000") == "http://127.0.0.1:5000"
 
 
 def write_pipeline_state(root: Path, shards_md5: str = "1" * 32, val_sha: str = "f" * 64) -> None:
@@ -117,7 +191,7 @@ def test_lineage_reads_git_dvc_lock_and_manifest(tmp_path: Path, monkeypatch) ->
     subprocess.run([*git, "add", "dvc.lock"], cwd=tmp_path, check=True)
     subprocess.run([*git, "commit", "-qm", "x"], cwd=tmp_path, check=True)
     monkeypatch.chdir(tmp_path)
-    tags = tracking.lineage()
+    tags = lineage.lineage(lineage.read_lock(LOCK), MANIFEST)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True,
                           text=True, check=True).stdout.strip()
     assert tags["lineage.git_commit"] == tags["mlflow.source.git.commit"] == head
@@ -128,35 +202,36 @@ def test_lineage_reads_git_dvc_lock_and_manifest(tmp_path: Path, monkeypatch) ->
     assert tags["lineage.metadata_md5"] == "2" * 32
     assert len(tags["lineage.val_digest"]) == 32
     (tmp_path / "dvc.lock").write_text((tmp_path / "dvc.lock").read_text() + "\n# edited\n")
-    assert tracking.lineage()["lineage.git_dirty"] == "true"
+    assert lineage.lineage(lineage.read_lock(LOCK), MANIFEST)["lineage.git_dirty"] == "true"
     write_pipeline_state(tmp_path, val_sha="0" * 64)
-    assert tracking.lineage()["lineage.val_digest"] != tags["lineage.val_digest"]
-    dataset = tracking.dataset_record(tags)
+    again = lineage.lineage(lineage.read_lock(LOCK), MANIFEST)
+    assert again["lineage.val_digest"] != tags["lineage.val_digest"]
+    dataset = lineage.dataset_record(tags, MANIFEST)
     assert dataset is not None and dataset["digest"] == "1" * 32
     assert json.loads(dataset["profile"]) == {"train": 30, "val": 10}
-    combined = tracking.lock_hash(tracking.read_lock(), "data/parts")
+    combined = lineage.lock_hash(lineage.read_lock(LOCK), "data/parts")
     assert combined is not None and len(combined) == 32 and combined not in ("4" * 32, "5" * 32)
-    assert tracking.lock_hash(tracking.read_lock(), "data/parts/val") == "4" * 32
-    assert tracking.lock_hash(tracking.read_lock(), "data/part") is None
-    params = tracking.lock_params(tracking.read_lock(), tracking.DATA_STAGES)
+    assert lineage.lock_hash(lineage.read_lock(LOCK), "data/parts/val") == "4" * 32
+    assert lineage.lock_hash(lineage.read_lock(LOCK), "data/part") is None
+    params = lineage.lock_params(lineage.read_lock(LOCK), lineage.DATA_STAGES)
     assert params["metadata.source"] == "synthetic" and params["tokenizer.vocab_size"] == "400"
 
 
 def test_metric_names_become_names_mlflow_accepts() -> None:
-    assert tracking.mlflow_key("i2t_R@5") == "i2t_R_at_5"
-    assert tracking.mlflow_key("mAP@10") == "mAP_at_10"
-    assert tracking.mlflow_key("system/cpu usage:1.x-y") == "system/cpu usage:1.x-y"
-    assert tracking.mlflow_key("a$b") == "a_b"
+    assert journal.mlflow_key("i2t_R@5") == "i2t_R_at_5"
+    assert journal.mlflow_key("mAP@10") == "mAP_at_10"
+    assert journal.mlflow_key("system/cpu usage:1.x-y") == "system/cpu usage:1.x-y"
+    assert journal.mlflow_key("a$b") == "a_b"
 
 
 def test_training_metrics_are_queued_into_one_batch() -> None:
-    run = tracking.PipelineRun("key", None, "exp")
-    callback = run.callback(flush_every_s=3600)
+    pipeline_run = run.PipelineRun("key", None, "exp", FILES)
+    callback = pipeline_run.callback(flush_every_s=3600)
     for step in range(1, 51):
         callback.on_step_end(step, {"loss": 1.0 / step, "lr": 1e-3, "bad": float("nan")})
-    assert [op["op"] for op in run.pending] == ["metrics"]
-    assert run.queued_metrics() == 100  # the NaN is dropped, never sent
-    steps = sorted({row[3] for row in run.pending[0]["metrics"]})
+    assert [type(r) for r in pipeline_run.pending] == [journal.LogMetrics]
+    assert pipeline_run.queued_metrics() == 100  # the NaN is dropped, never sent
+    steps = sorted({row.step for row in pipeline_run.pending[0].metrics})
     assert steps == list(range(1, 51))
 
 
@@ -175,41 +250,27 @@ def test_compare_shows_only_params_that_differ() -> None:
     assert "v1: first" in text
 
 
-def test_pyfunc_input_decoding(tmp_path: Path) -> None:
-    from registry.pyfunc import example_image
-    from registry.pyfunc_model import decode_image
-
-    png = example_image()
-    assert decode_image(png, 0)[:4] == b"\x89PNG"
-    image_file = tmp_path / "x.png"
-    image_file.write_bytes(base64.b64decode(png))
-    assert decode_image(str(image_file), 0) == str(image_file)
-    with pytest.raises(ValueError, match="row 3"):
-        decode_image("not base64 and not a file!", 3)
-    with pytest.raises(ValueError, match="got int"):
-        decode_image(7, 0)
-
-
 def test_tracking_uri_defaults_to_the_project_database(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("DVC_ROOT", raising=False)
-    assert tracking.tracking_uri() == "sqlite:///mlflow.db"
+    assert settings.tracking_uri() == "sqlite:///mlflow.db"
     # A queued/--temp `dvc exp run` executes in a temporary copy; DVC_ROOT is the user's repo.
     monkeypatch.setenv("DVC_ROOT", str(tmp_path))
-    assert tracking.tracking_uri() == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert settings.tracking_uri() == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
-    assert tracking.tracking_uri() == "http://127.0.0.1:5000"
+    assert settings.tracking_uri() == "http://127.0.0.1:5000"
     monkeypatch.setenv("DVC_EXP_NAME", "lr-sweep-1")
-    assert tracking.dvc_experiment_tags() == {"dvc.exp_name": "lr-sweep-1"}
+    assert lineage.dvc_experiment_tags() == {"dvc.exp_name": "lr-sweep-1"}
 
 
 def test_register_refuses_a_missing_primary_metric_before_touching_mlflow() -> None:
     from registry.registration import register_version
+    from registry.settings import RegisterParams
 
-    run = tracking.PipelineRun("key", None, "exp")
-    with pytest.raises(KeyError, match="i2t_R@5.*available.*mAP@10"):
-        register_version(run, "models/export", "clip", "i2t_R@5", 0.0, {"mAP@10": 0.5})
-    assert run.pending == []
+    pipeline_run = run.PipelineRun("key", None, "exp", FILES)
+    with pytest.raises(gate.GateError, match=r"'i2t_R@5' is not in.*allowed: mAP@10 \(higher"):
+        register_version(pipeline_run, "models/export", RegisterParams(), {"mAP@10": 0.5})
+    assert pipeline_run.pending == []
 
 
 def test_only_mindir_and_json_files_are_packaged(tmp_path: Path) -> None:
@@ -223,3 +284,24 @@ def test_only_mindir_and_json_files_are_packaged(tmp_path: Path) -> None:
     (tmp_path / "extra.pkl").write_bytes(b"\x80\x04")
     with pytest.raises(ValueError, match=r"extra\.pkl"):
         check_bundle(tmp_path)
+
+
+def test_registry_imports_nothing_from_stages_or_flows() -> None:
+    from tests.test_boundaries import imported_roots
+
+    package = Path(__file__).resolve().parents[1] / "registry"
+    for module in sorted(package.glob("*.py")):
+        assert not imported_roots(module.read_text()) & {"stages", "flows"}, module.name
+
+
+def test_the_pyfunc_model_code_runs_without_mlflow_warnings() -> None:
+    """MLflow runs the model file at every register, load and serve; a warning there is noise the
+    user cannot act on (issue 12 item 10)."""
+    code = ("import warnings, mlflow.pyfunc\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import registry.pyfunc_model\n"
+            "print([str(w.message) for w in seen])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout

@@ -11,26 +11,28 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import chdir
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from registry import tracking
+from registry import lineage, settings
+from registry import run as tracking_run
+from stages.tracking import FILES
+from tests import mlflow_server as server_fixtures
 from tests.mlflow_server import MlflowServer, http_get
 from tests.test_registry import write_pipeline_state
 
 pytestmark = pytest.mark.slow
+mlflow_server = server_fixtures.mlflow_server  # the session fixture (pytest finds it by name)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    srv = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+@pytest.fixture
+def server(mlflow_server: MlflowServer) -> MlflowServer:
+    if mlflow_server.proc is None:  # a test that took it away failed before bringing it back
+        mlflow_server.start()
+    return mlflow_server
 
 
 @pytest.fixture
@@ -43,7 +45,11 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server: MlflowSer
     return tmp_path
 
 
-def train_like(run: tracking.PipelineRun, steps: int, start: int = 1) -> None:
+def journals() -> list[Path]:
+    return sorted(FILES.journal_dir.glob("*.json"))
+
+
+def train_like(run: tracking_run.PipelineRun, steps: int, start: int = 1) -> None:
     callback = run.callback(flush_every_s=0.0, prefix="")
     for step in range(start, start + steps):
         callback.on_step_end(step, {"loss": 2.0 / step, "lr": 1e-3})
@@ -55,8 +61,8 @@ def test_ui_page_answers(server: MlflowServer) -> None:
 
 
 def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> None:
-    run = tracking.PipelineRun.open("train", {"lr": 1e-3, "epochs": 1})
-    assert run.run_id and not run.pending
+    run = tracking_run.PipelineRun.open("train", {"lr": 1e-3, "epochs": 1}, FILES)
+    assert run.flush() and run.run_id and not run.pending
     run.start_system_metrics(sampling_interval=1.0)
     train_like(run, 20)
     callback = run.callback()
@@ -66,12 +72,13 @@ def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> Non
     (workspace / "plots" / "train.csv").write_text("step,loss\n1,2.0\n")
     run.log_artifact("plots/train.csv", "plots")
     assert run.close() is True
-    assert not tracking.JOURNAL_FILE.exists()
+    assert not journals()
 
-    resumed = tracking.log_stage("evaluate", {"batch_size": 16}, {"i2t_R@5": 0.5, "mAP@10": 0.25})
+    resumed = tracking_run.log_stage("evaluate", {"batch_size": 16}, FILES,
+                                     {"i2t_R@5": 0.5, "mAP@10": 0.25})
     assert resumed is not None and resumed.run_id == run.run_id
 
-    client = tracking.client()
+    client = settings.client()
     data = client.get_run(run.run_id)
     assert data.info.status == "FINISHED"
     assert client.get_experiment(data.info.experiment_id).name == "test-exp"
@@ -90,7 +97,7 @@ def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> Non
     assert [a.path for a in client.list_artifacts(run.run_id, "plots")] == ["plots/train.csv"]
 
     # A rerun of a later stage with a changed param keeps the first value and records the new one.
-    tracking.log_stage("evaluate", {"batch_size": 32}, {"i2t_R@5": 0.5})
+    tracking_run.log_stage("evaluate", {"batch_size": 32}, FILES, {"i2t_R@5": 0.5})
     rerun = client.get_run(run.run_id).data
     assert rerun.params["evaluate.batch_size"] == "16"
     assert rerun.tags["rerun_param.evaluate.batch_size"] == "32"
@@ -99,11 +106,11 @@ def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> Non
 def test_server_going_away_mid_run_loses_nothing(workspace: Path, server: MlflowServer,
                                                  tmp_path_factory: pytest.TempPathFactory,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    run = tracking.PipelineRun.open("train", {"lr": 1e-3})
+    run = tracking_run.PipelineRun.open("train", {"lr": 1e-3}, FILES)
     train_like(run, 10)
-    assert not run.pending  # flushed while the server was up
+    assert run.flush() and not run.pending  # sent while the server was up
 
-    # Fail fast instead of MLflow's ~3 s of retries per request (the default set by tracking.py).
+    # Fail fast instead of ~3 s of retries per request (the default set by registry.settings).
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     server.stop()
     started = time.monotonic()
@@ -111,29 +118,30 @@ def test_server_going_away_mid_run_loses_nothing(workspace: Path, server: Mlflow
     run.callback().on_train_end({"loss": 0.2})
     assert run.close() is False
     assert time.monotonic() - started < 60
-    assert tracking.JOURNAL_FILE.exists() and tracking.RUN_FILE.exists()
-    tracking.log_stage("evaluate", {"batch_size": 16}, {"i2t_R@5": 0.75})  # also journaled
-    with pytest.raises(tracking.TrackingUnavailable, match="cannot reach the MLflow tracking"):
-        tracking.PipelineRun.resume().require_sent()
+    assert journals() and FILES.run_file.exists()
+    tracking_run.log_stage("evaluate", {"batch_size": 16}, FILES, {"i2t_R@5": 0.75})  # journaled
+    with pytest.raises(tracking_run.TrackingUnavailable, match="cannot reach the MLflow tracking"):
+        tracking_run.PipelineRun.resume(FILES).require_sent()
 
     # A second pipeline that starts while the server is down has no run id at all yet.
     other = tmp_path_factory.mktemp("offline-start")
     write_pipeline_state(other)
+    (other / "params.yaml").write_text("register:\n  experiment: test-exp\n")
     monkeypatch.chdir(other)
-    offline = tracking.PipelineRun.open("train", {"lr": 2e-3})
+    offline = tracking_run.PipelineRun.open("train", {"lr": 2e-3}, FILES)
     train_like(offline, 5)
     assert offline.close() is False and offline.run_id is None
 
     server.start()
-    resumed = tracking.PipelineRun.resume()
+    resumed = tracking_run.PipelineRun.resume(FILES)
     resumed.require_sent()  # replays the journal, creating the run first
     assert resumed.run_id and not resumed.pending
     monkeypatch.chdir(workspace)
-    first = tracking.PipelineRun.resume()
+    first = tracking_run.PipelineRun.resume(FILES)
     first.require_sent()
     assert first.run_id == run.run_id
 
-    client = tracking.client()
+    client = settings.client()
     history = client.get_metric_history(run.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1, 21))
     data = client.get_run(run.run_id).data
@@ -158,31 +166,46 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_tiny_bundle(tmp_path_factory.mktemp("export"), seed=0)
 
 
-def pipeline_run(root: Path, bundle: Path, score: float, val_sha: str = "f" * 64) -> dict:
-    """One pipeline run as the stages leave it (train opens the run, evaluate logs), then the
-    real register stage, in a workspace of its own."""
+def prepare_workspace(root: Path, bundle: Path, eval_metrics: dict, model: str = MODEL,
+                      primary_metric: str = "i2t_R@5", val_sha: str = "f" * 64,
+                      train_params: dict | None = None) -> Path:
+    """A workspace as the stages before register leave it: dvc.lock, manifest, params, the export
+    bundle, metrics/eval.json, and the pipeline's MLflow run (train opened it, evaluate logged)."""
     import shutil
 
-    from clipms.jsonio import read_json, write_json
-    from stages import register
+    from clipms.jsonio import write_json
 
     root.mkdir(parents=True)
     write_pipeline_state(root, val_sha=val_sha)
     (root / "params.yaml").write_text(
-        f"register:\n  model_name: {MODEL}\n  experiment: test-exp\n"
-        "  primary_metric: i2t_R@5\n  margin: 0.0\n")
+        f"register:\n  model_name: {model}\n  experiment: test-exp\n"
+        f"  primary_metric: {primary_metric}\n  margin: 0.0\n")
     shutil.copytree(bundle, root / "models" / "export")
-    eval_metrics = {"i2t_R@1": score / 2, "i2t_R@5": score, "mAP@10": score / 3, "images": 10}
     write_json(root / "metrics" / "eval.json", eval_metrics)
-    cwd = Path.cwd()
-    os.chdir(root)
-    try:
-        tracking.PipelineRun.open("train", {"lr": score}).close()
-        tracking.log_stage("evaluate", {"batch_size": 16}, eval_metrics)
-        assert register.main() == 0
-        return read_json("metrics/register.json")
-    finally:
-        os.chdir(cwd)
+    with chdir(root):
+        tracking_run.PipelineRun.open("train", train_params or {"lr": 1e-3}, FILES).close()
+        tracking_run.log_stage("evaluate", {"batch_size": 16}, FILES, eval_metrics)
+    return root
+
+
+def register_in(root: Path) -> tuple[int, dict | None]:
+    """The real register stage, in-process, in `root`: (exit code, metrics/register.json)."""
+    from clipms.jsonio import read_json
+    from stages import register
+
+    with chdir(root):
+        code = register.main()
+        out = Path("metrics/register.json")
+        return code, read_json(out) if out.exists() else None
+
+
+def pipeline_run(root: Path, bundle: Path, score: float, val_sha: str = "f" * 64) -> dict:
+    """One pipeline run as the stages leave it, then the real register stage."""
+    eval_metrics = {"i2t_R@1": score / 2, "i2t_R@5": score, "mAP@10": score / 3, "images": 10}
+    prepare_workspace(root, bundle, eval_metrics, val_sha=val_sha, train_params={"lr": score})
+    code, record = register_in(root)
+    assert code == 0 and record is not None
+    return record
 
 
 def test_gate_sequence_on_real_registered_models(workspace: Path, bundle: Path) -> None:
@@ -197,7 +220,7 @@ def test_gate_sequence_on_real_registered_models(workspace: Path, bundle: Path) 
     assert other_set["alias"] == "challenger" and other_set["compared"] is False
     assert "different evaluation set" in other_set["reason"]
 
-    client = tracking.client()
+    client = settings.client()
     assert client.get_model_version_by_alias(MODEL, "champion").version == "3"
     assert client.get_model_version_by_alias(MODEL, "challenger").version == "4"
     v2 = client.get_model_version(MODEL, "2")
@@ -224,10 +247,8 @@ def champion_input(tmp_path: Path) -> tuple[object, list[str], list[str]]:
 
     from registry.pyfunc import example_image
 
-    image_file = tmp_path / "disc.png"
-    image_file.write_bytes(base64.b64decode(example_image(40)))
     texts = ["a red circle", "a blue square"]
-    images = [example_image(24), str(image_file)]
+    images = [example_image(24), example_image(40)]  # base64 only: the model reads no files
     return pd.DataFrame({"text": texts, "image": images}), texts, images
 
 
@@ -235,14 +256,14 @@ def expected(bundle: Path, texts: list[str], images: list[str]) -> tuple[np.ndar
     from clipms.infer import Encoder
 
     encoder = Encoder(bundle)
-    raw = [base64.b64decode(images[0]), images[1]]
+    raw = [base64.b64decode(image) for image in images]
     return encoder.encode_texts(texts), encoder.encode_images(raw)
 
 
 def test_champion_loads_and_matches_clipms_infer(workspace: Path, bundle: Path) -> None:
     import mlflow
 
-    if not tracking.client().search_model_versions(f"name = '{MODEL}'"):
+    if not settings.client().search_model_versions(f"name = '{MODEL}'"):
         pipeline_run(workspace / "run1", bundle, 0.5)
     model = mlflow.pyfunc.load_model(f"models:/{MODEL}@champion")
     frame, texts, images = champion_input(workspace)
@@ -262,7 +283,7 @@ def test_mlflow_models_serve_answers_invocations(workspace: Path, bundle: Path,
                                                  server: MlflowServer) -> None:
     from tests.mlflow_server import free_port
 
-    if not tracking.client().search_model_versions(f"name = '{MODEL}'"):
+    if not settings.client().search_model_versions(f"name = '{MODEL}'"):
         pipeline_run(workspace / "run1", bundle, 0.5)
     port = free_port()
     mlflow_bin = str(Path(sys.executable).parent / "mlflow")
@@ -329,10 +350,10 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     train_summary = read_json(ws / "metrics" / "train.json")
     assert record["run_id"] == info["run_id"]
     assert (record["version"], record["alias"]) == (1, "champion")
-    assert not (ws / "models" / "mlflow_journal.json").exists()
+    assert not list((ws / FILES.journal_dir).glob("*.json"))
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
-    client = tracking.client()
+    client = settings.client()
     data = client.get_run(info["run_id"])
     assert data.info.status == "FINISHED"
     params = data.data.params
@@ -348,10 +369,10 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     assert any(k.startswith("system/") for k in metrics)
     plots = {a.path for a in client.list_artifacts(info["run_id"], "plots")}
     assert {"plots/train.csv", "plots/recall_at_k.csv"} <= plots
-    lock = tracking.read_lock(ws / "dvc.lock")
+    lock = lineage.read_lock(ws / "dvc.lock")
     tags = data.data.tags
-    assert tags["lineage.data_shards_md5"] == tracking.lock_hash(lock, "data/shards")
-    assert tags["lineage.tokenizer_md5"] == tracking.lock_hash(lock, "models/tokenizer.json")
+    assert tags["lineage.data_shards_md5"] == lineage.lock_hash(lock, "data/shards")
+    assert tags["lineage.tokenizer_md5"] == lineage.lock_hash(lock, "models/tokenizer.json")
     head = run(["git", "rev-parse", "HEAD"], ws).stdout.strip()
     assert tags["lineage.git_commit"] == head
     assert [i.dataset.digest for i in data.inputs.dataset_inputs] == [

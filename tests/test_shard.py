@@ -8,10 +8,12 @@ import json
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import webdataset as wds
 from PIL import Image
 
+from clipms import webds
 from clipms.prep.shards import ShardError, ShardSettings, build_shards
 from stages.params import ParamsError, load_section
 from stages.shard import ShardParams
@@ -50,48 +52,72 @@ def good(i: int, split: str = "train") -> dict:
 def read_output(folder: Path) -> dict[str, dict]:
     samples: dict[str, dict] = {}
     for tar_path in sorted(folder.glob("*/*.tar")):
-        with tarfile.open(tar_path) as tar:
-            names = tar.getnames()
-            assert names == [n for k in dict.fromkeys(n.split(".")[0] for n in names)
-                             for n in (f"{k}.jpg", f"{k}.json", f"{k}.txt")]
-            for member in tar:
-                assert member.mtime == 0 and member.uid == 0 and member.uname == ""
-                key, _, ext = member.name.partition(".")
-                data = tar.extractfile(member).read()
-                samples.setdefault(key, {"tar": tar_path.relative_to(folder).as_posix()})[ext] = (
-                    json.loads(data) if ext == "json" else data)
+        found = webds.read_tar(tar_path)
+        with tarfile.open(tar_path) as tar:  # fixed headers, each sample's members together
+            assert tar.getnames() == [f"{s.key}.{ext}" for s in found for ext in s.files]
+            assert all(m.mtime == 0 and m.uid == 0 and m.uname == "" for m in tar)
+        for sample in found:
+            assert list(sample.files) == ["jpg", "json", "txt"]
+            samples[sample.key] = {"tar": tar_path.relative_to(folder).as_posix(),
+                                   "jpg": sample.files["jpg"], "json": sample.meta,
+                                   "txt": sample.files["txt"]}
     return samples
+
+
+def noisy_jpeg(size=(64, 64)) -> bytes:
+    """A JPEG whose entropy-coded data is most of the file (flat colours compress to ~nothing)."""
+    pixels = np.random.default_rng(0).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", quality=95)
+    return out.getvalue()
+
+
+def cut_in_image_data() -> bytes:
+    """A JPEG cut inside its scan data: the header still parses, only a full decode fails."""
+    data = noisy_jpeg()
+    truncated = data[: len(data) * 2 // 3]
+    with Image.open(io.BytesIO(truncated)) as image:
+        assert image.size == (64, 64)  # Image.open alone would accept it
+    return truncated
 
 
 def test_bad_samples_are_dropped_and_counted(tmp_path):
     src = tmp_path / "download"
     src.mkdir()
-    truncated = image_bytes()[:300]
     bad = [
-        {"__key__": "000000100", "jpg": image_bytes(size=(16, 16)), "json": json.dumps(meta(100))},
+        {"__key__": "000000100", "jpg": image_bytes(size=(31, 64)), "json": json.dumps(meta(100))},
         {"__key__": "000000101", "jpg": b"not an image", "json": json.dumps(meta(101))},
-        {"__key__": "000000102", "jpg": truncated, "json": json.dumps(meta(102))},
+        {"__key__": "000000102", "jpg": cut_in_image_data(), "json": json.dumps(meta(102))},
         {"__key__": "000000103", "jpg": image_bytes(), "txt": " ",
          "json": json.dumps(meta(103, captions=["", "  "]))},
         {"__key__": "000000104", "jpg": image_bytes(), "json": json.dumps(meta(104, split=None))},
         {"__key__": "000000105", "jpg": image_bytes(), "json": "{not json"},
         {"__key__": "000000106", "txt": "caption", "json": json.dumps(meta(106))},
     ]
+    # Keys that would name a path (or are not in the loader's key format) never become members.
+    bad_keys = [{"__key__": f"00000020{n}", "jpg": image_bytes(),
+                 "json": json.dumps({**meta(200 + n), "image_key": key})}
+                for n, key in enumerate(["../../etc/evil", "a/b", "a.b", "", None, "x" * 129])]
+    edge = {"__key__": "000000108", "jpg": image_bytes(size=(32, 40)),  # exactly min_image_size
+            "json": json.dumps(meta(108))}
     png = {"__key__": "000000107", "png": image_bytes(fmt="PNG"), "json": json.dumps(meta(107))}
-    write_tar(src / "00000.tar", [good(0), good(1, "val"), *bad, png])
+    write_tar(src / "00000.tar", [good(0), good(1, "val"), *bad, *bad_keys, edge, png])
     write_tar(src / "00001.tar", [good(2), good(0)])  # good(0) again: a duplicate key
     metrics = build_shards(src, tmp_path / "shards", ShardSettings(samples_per_shard=2,
                                                                    workers=1), quiet)
     assert metrics["dropped"] == {
-        "missing_image": 1, "undecodable_image": 2, "too_small": 1, "no_caption": 1,
-        "missing_split": 1, "bad_metadata": 1, "duplicate_key": 1,
+        "missing_image": 1, "undecodable_image": 2, "too_large": 0, "too_small": 1,
+        "no_caption": 1, "missing_split": 1, "bad_metadata": 1, "bad_key": 6, "duplicate_key": 1,
     }
-    assert metrics["samples_in"] == 12 and metrics["samples_out"] == 4
+    assert metrics["samples_in"] == 19 and metrics["samples_out"] == 5
     out = read_output(tmp_path / "shards")
-    assert set(out) == {f"{i:016x}" for i in (0, 1, 2, 107)}
-    assert (metrics["train"]["samples"], metrics["val"]["samples"]) == (3, 1)
+    assert set(out) == {f"{i:016x}" for i in (0, 1, 2, 107, 108)}
+    assert (metrics["train"]["samples"], metrics["val"]["samples"]) == (4, 1)
     png = Image.open(io.BytesIO(out[f"{107:016x}"]["jpg"]))
     assert png.format == "JPEG" and png.size == (64, 64)  # a PNG input is converted to JPEG
+    for tar_path in (tmp_path / "shards").glob("*/*.tar"):
+        with tarfile.open(tar_path) as tar:
+            assert all("/" not in n and ".." not in n for n in tar.getnames())
 
 
 def test_truncated_input_tar_is_reported_and_skipped(tmp_path):
@@ -182,3 +208,23 @@ def test_shard_params_validation(tmp_path):
     message = str(err.value)
     assert "shard.samples_per_shard = 0" in message and "greater than or equal to 1" in message
     assert "shard.seeds: unknown key" in message and "seed" in message
+
+
+def test_decompression_bombs_and_other_formats_are_bad_samples_by_reason(tmp_path):
+    # The shard stage decodes through clipms.preprocess.open_image: a 64 MP PNG bomb (~8 KB) and a
+    # header claiming 10^10 pixels are too_large (never allocated); a GIF (which PIL would decode)
+    # is undecodable_image.
+    from tests.hostile_images import png_bomb, png_header_bomb
+
+    src = tmp_path / "download"
+    src.mkdir()
+    hostile = [{"__key__": "000000200", "png": png_bomb(), "json": json.dumps(meta(200))},
+               {"__key__": "000000201", "jpg": image_bytes(fmt="GIF"),  # named .jpg, a GIF
+                "json": json.dumps(meta(201))},
+               {"__key__": "000000202", "png": png_header_bomb(), "json": json.dumps(meta(202))}]
+    write_tar(src / "00000.tar", [good(0), good(1, "val"), *hostile])
+    metrics = build_shards(src, tmp_path / "shards", ShardSettings(samples_per_shard=2,
+                                                                   workers=1), quiet)
+    dropped = {reason: n for reason, n in metrics["dropped"].items() if n}
+    assert dropped == {"too_large": 2, "undecodable_image": 1}
+    assert metrics["samples_out"] == 2

@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import tarfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 import clipms  # noqa: F401  (sets MindSpore's runtime switches before it is imported)
+from clipms import webds
 from clipms.config import CLIPConfig, get_preset
 from clipms.jsonio import write_json
 from clipms.preprocess import PreprocessConfig
@@ -86,12 +86,6 @@ COLOURS = ["red", "blue", "green"]
 SHAPES = ["circle", "square"]
 
 
-def add_member(tar, name, payload):
-    info = tarfile.TarInfo(name)
-    info.size = len(payload)
-    tar.addfile(info, io.BytesIO(payload))
-
-
 def make_val_shards(root, n_images=11, per_shard=4):
     """Shards + manifest in the shard stage's format; image i has 1-3 captions and labels."""
     rng = np.random.default_rng(0)
@@ -101,16 +95,8 @@ def make_val_shards(root, n_images=11, per_shard=4):
         captions = [CAPTIONS[(3 * i + j) % len(CAPTIONS)] for j in range(1 + i % 3)]
         labels = None if i == 4 else {"colour": COLOURS[i % 3], "shape": SHAPES[rng.integers(2)]}
         samples.append((f"{i:06d}", jpeg_bytes(image), captions, labels))
-    (root / "val").mkdir(parents=True)
-    shards = []
-    for s, start in enumerate(range(0, n_images, per_shard)):
-        name = f"val/{s:06d}.tar"
-        with tarfile.open(root / name, "w") as tar:
-            for key, data, captions, labels in samples[start:start + per_shard]:
-                add_member(tar, f"{key}.jpg", data)
-                meta = {"captions": captions, "key": key, "split": "val", "labels": labels}
-                add_member(tar, f"{key}.json", json.dumps(meta).encode())
-        shards.append({"name": name, "samples": len(samples[start:start + per_shard])})
-    write_json(root / "manifest.json", {"samples_per_shard": per_shard, "splits": {
-        "val": {"samples": n_images, "shards": shards}}})
+    files = [(key, {"jpg": data, "json": json.dumps({"captions": captions, "key": key,
+                                                     "split": "val", "labels": labels}).encode()})
+             for key, data, captions, labels in samples]
+    webds.write_manifest(root, per_shard, {"val": webds.write_split(root, "val", files, per_shard)})
     return samples

@@ -9,7 +9,6 @@ seconds. Rows are removed in a fixed order; each is counted under the first reas
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import unicodedata
@@ -25,11 +24,20 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clipms.atomic import atomic_write
-from clipms.prep.download import scheme_array
+from clipms.prep.identity import (
+    Identity,
+    IdentityError,
+    assign_splits,
+    image_identities,
+    stable_keys,
+)
+from clipms.prep.urlguard import SCHEME_PATTERN
 
 URL_COL = "URL"
 TEXT_COL = "TEXT"
 LABELS_COL = "LABELS"
+ID_COL = "ID"  # optional: an image id from the source (metadata.id_col), for identity "id"
+SPLIT_COL = "SPLIT"  # optional: train/val from a split file (metadata.karpathy_split)
 REASONS = (
     "missing_url", "disallowed_scheme", "empty_caption", "short_caption",
     "exact_duplicate", "duplicate_caption", "not_first_caption",
@@ -106,25 +114,11 @@ def _to_series(values: pa.Array, index: pd.Index) -> pd.Series:
     return pd.Series(values.to_numpy(zero_copy_only=False), index=index, dtype=object)
 
 
-def stable_keys(urls: Iterable[str]) -> list[str]:
-    """16 hex chars of blake2b(url): the same URL gets the same key on every run and machine."""
-    return [hashlib.blake2b(u.encode(), digest_size=8).hexdigest() for u in urls]
-
-
-def assign_splits(urls: Iterable[str], val_fraction: float, salt: str) -> list[str]:
-    """'val' when a salted hash of the URL falls in the lowest `val_fraction` of its range.
-
-    Splitting by a hash of the URL (not by row order or an RNG) keeps every image in the same split
-    whatever else is added to or removed from the metadata.
-    """
-    threshold = int(val_fraction * 2**64)
-    salt_bytes = salt.encode() + b"\0"
-    return [
-        "val" if int.from_bytes(
-            hashlib.blake2b(salt_bytes + u.encode(), digest_size=8).digest(), "big") < threshold
-        else "train"
-        for u in urls
-    ]
+def scheme_array(urls: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """Lower-cased URL scheme of each URL ('' when there is none, e.g. ' file://' or '/etc/x'),
+    by the download's one scheme rule (`urlguard.SCHEME_PATTERN`), vectorised in Arrow."""
+    found = pc.extract_regex(urls, SCHEME_PATTERN)
+    return pc.fill_null(pc.utf8_lower(pc.struct_field(found, [0])), "")
 
 
 def read_metadata(path: Path | str) -> pa.Table:
@@ -153,6 +147,7 @@ def dedupe(
     keep: KeepMode = "all",
     val_fraction: float = 0.1,
     split_salt: str = "clipms",
+    identity: Identity = "path",
     log: Callable[[str], None] = print,
 ) -> DedupeResult:
     """Clean, dedupe and group captions by image; stable keys and a train/val split by image."""
@@ -178,14 +173,40 @@ def dedupe(
     tick(f"applied the dedupe rules, {int(rules.keep.sum()):,} captions kept")
 
     rows = np.flatnonzero(rules.keep)
-    labels = _labels(metadata)
     images = _group_by_image(urls.take(rows), captions.take(rows))
-    images["labels"] = _labels_by_url(images["url"], urls, labels)
-    images["key"] = stable_keys(images["url"])
-    images["split"] = assign_splits(images["url"], val_fraction, split_salt)
-    images = images[IMAGE_COLUMNS]
+    images["labels"] = _first_by_url(images["url"], urls, _labels(metadata))
+    given = _given_splits(images["url"], urls, metadata)
+    images, same = _by_identity(images, identity, _first_by_url(images["url"], urls, _optional(
+        metadata, ID_COL)) if identity == "id" else None, val_fraction, split_salt, given)
+    if given is not None:
+        tick("split from the metadata's SPLIT column (a split file), not by hash")
+    if same:
+        log(f"dedupe: warning: {same:,} images share their identity (dedupe.identity: "
+            f"{identity}) with an earlier image and were dropped as copies; if distinct images "
+            f"differ only in host or query string, set dedupe.identity: url")
     tick(f"grouped into {len(images):,} images")
-    return DedupeResult(images=images, stats=_stats(len(metadata), urls, images, rules.removed))
+    stats = _stats(len(metadata), urls, images, rules.removed)
+    return DedupeResult(images=images, stats={**stats, "same_identity": same})
+
+
+def _by_identity(images: pd.DataFrame, identity: Identity, ids: np.ndarray | None,
+                 val_fraction: float, salt: str,
+                 given: np.ndarray | None = None) -> tuple[pd.DataFrame, int]:
+    """Keys and splits from each image's identity (the split: `given` per image, when a split
+    file decided it); a later image whose identity was already seen (the same image from another
+    host, with identity path) is dropped. -> (images, dropped)."""
+    id_array = None if ids is None else pa.array(ids, type=pa.string(), from_pandas=True)
+    try:
+        names = image_identities(pa.array(images["url"], type=pa.string()), identity, id_array)
+    except IdentityError as err:
+        raise MetadataError(str(err)) from err
+    names = pd.Series(names.to_numpy(zero_copy_only=False), dtype=object)
+    first = ~names.duplicated().to_numpy()
+    images, names = images[first].reset_index(drop=True), names[first]
+    images["key"] = stable_keys(names)
+    images["split"] = (assign_splits(names, val_fraction, salt) if given is None
+                       else given[first])
+    return images[IMAGE_COLUMNS], int((~first).sum())
 
 
 class _Rules:
@@ -237,14 +258,34 @@ def _group_by_image(urls: pa.Array, captions: pa.Array) -> pd.DataFrame:
     return images
 
 
-def _labels_by_url(image_urls: pd.Series, urls: pa.Array, labels: pa.Array | None) -> np.ndarray:
-    """Each image's first non-null LABELS value over all its metadata rows (dropped ones too)."""
-    if labels is None:
+def _first_by_url(image_urls: pd.Series, urls: pa.Array, values: pa.Array | None) -> np.ndarray:
+    """Each image's first non-null value (LABELS, ID) over all its metadata rows (dropped ones
+    too)."""
+    if values is None:
         return np.full(len(image_urls), None, dtype=object)
-    firsts = pa.table({"url": urls, "labels": labels}).group_by("url", use_threads=False).aggregate(
-        [("labels", "first")])
+    firsts = pa.table({"url": urls, "value": values}).group_by("url", use_threads=False).aggregate(
+        [("value", "first")])
     where = pc.index_in(pa.array(image_urls, type=pa.string()), value_set=firsts["url"])
-    return _np(firsts["labels_first"].take(where)).astype(object)
+    return _np(firsts["value_first"].take(where)).astype(object)
+
+
+def _optional(metadata: pd.DataFrame | pa.Table, name: str) -> pa.Array | None:
+    names = metadata.column_names if isinstance(metadata, pa.Table) else metadata.columns
+    return _column(metadata, name) if name in names else None
+
+
+def _given_splits(image_urls: pd.Series, urls: pa.Array,
+                  metadata: pd.DataFrame | pa.Table) -> np.ndarray | None:
+    """Each image's split from the SPLIT column, or None when the column is absent or empty."""
+    column = _optional(metadata, SPLIT_COL)
+    if column is None or column.null_count == len(column):
+        return None
+    given = _first_by_url(image_urls, urls, column)
+    bad = sorted({str(v) for v in given if v not in ("train", "val")})
+    if bad:
+        raise MetadataError(f"{SPLIT_COL} column: every image needs 'train' or 'val', found "
+                            f"{bad[:5]}")
+    return given
 
 
 def _column(metadata: pd.DataFrame | pa.Table, name: str) -> pa.Array:
@@ -295,6 +336,21 @@ def _stats(rows_in: int, urls: pa.Array, images: pd.DataFrame,
     }
 
 
+def check_usable(stats: dict[str, Any]) -> None:
+    """MetadataError when nothing useful is left: no image at all, or an empty split (a run would
+    only fail stages later, after the download)."""
+    if not stats["images_out"]:
+        removed = ", ".join(f"{k} {v:,}" for k, v in stats["removed"].items() if v) or "none"
+        raise MetadataError(f"no image left after dedupe ({stats['rows_in']:,} caption rows in; "
+                            f"rows removed: {removed}); check the metadata and "
+                            f"download.allowed_schemes")
+    for split in ("train", "val"):
+        if not stats[f"{split}_images"]:
+            raise MetadataError(f"the {split} split is empty ({stats['images_out']:,} images, "
+                                f"dedupe.val_fraction decides the split); use more images or "
+                                f"another val_fraction")
+
+
 def summary(stats: dict[str, Any], seconds: float) -> str:
     """The one-paragraph end-of-stage summary."""
     reasons = ", ".join(f"{k} {v:,}" for k, v in stats["removed"].items() if v) or "nothing"
@@ -302,7 +358,8 @@ def summary(stats: dict[str, Any], seconds: float) -> str:
         f"dedupe: {stats['rows_in']:,} caption rows for {stats['images_in']:,} images in "
         f"{seconds:.1f} s -> {stats['images_out']:,} images ({stats['train_images']:,} train, "
         f"{stats['val_images']:,} val) with {stats['captions_kept']:,} captions. Removed rows: "
-        f"{reasons}; {stats['images_removed']:,} images lost every caption."
+        f"{reasons}; {stats['images_removed']:,} images removed ({stats['same_identity']:,} of "
+        f"them copies of an image already kept, by identity)."
     )
 
 

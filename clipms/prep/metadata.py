@@ -1,11 +1,12 @@
-"""Caption metadata from one of three sources -> `data/metadata.parquet` (URL, TEXT, LABELS).
+"""Caption metadata from one of three sources -> `data/metadata.parquet` (URL, TEXT, LABELS, ID).
 
 - `synthetic`: the generated MSCOCO look-alike (`clipms.prep.synthetic`), images written next to it.
 - `mscoco`: the public MSCOCO 2017 URL/TEXT parquet, downloaded with retries and a checksum.
 - `local`: any parquet (a path or an http(s) URL) whose URL/caption columns are named in params.
 
-One row per caption, as MSCOCO's file: URL, TEXT, and LABELS (a JSON string of the generator's
-attributes for synthetic rows, null otherwise). The file is written atomically and
+One row per caption, as MSCOCO's file: URL, TEXT, LABELS (a JSON string of the generator's
+attributes for synthetic rows, null otherwise) and ID (the source's `metadata.id_col` column, for
+`dedupe.identity: id`; null when none is named). The file is written atomically and
 deterministically: the same inputs give the same bytes.
 """
 
@@ -18,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,12 +27,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clipms.atomic import atomic_write
-from clipms.prep import synthetic
+from clipms.prep import karpathy, synthetic
+from clipms.prep.urlguard import FetchPolicy, RefusedURL, build_opener, check_url
 
 MSCOCO_URL = ("https://huggingface.co/datasets/ChristophSchuhmann/MS_COCO_2017_URL_TEXT/resolve/"
               "main/mscoco.parquet")
 SOURCES = ("synthetic", "mscoco", "local")
-SCHEMA = pa.schema([("URL", pa.string()), ("TEXT", pa.string()), ("LABELS", pa.string())])
+# SPLIT: train/val from a split file (metadata.karpathy_split), null otherwise (dedupe then
+# splits by a hash of each image's identity).
+SCHEMA = pa.schema([("URL", pa.string()), ("TEXT", pa.string()), ("LABELS", pa.string()),
+                    ("ID", pa.string()), ("SPLIT", pa.string())])
 _CHUNK = 1 << 20
 
 
@@ -54,6 +59,8 @@ class MetadataSpec:
     path: str | None = None
     url_col: str = "URL"
     caption_col: str = "TEXT"
+    id_col: str | None = None  # a source column naming each image (for dedupe.identity: id)
+    karpathy_split: str | None = None  # mscoco/local: dataset_coco.json (path or http(s) URL)
 
 
 @dataclass(frozen=True)
@@ -67,19 +74,21 @@ class MetadataSummary:
     labelled_rows: int
     seconds: float
     out_path: str
+    split_note: str = ""  # what a split file decided
 
     def paragraph(self) -> str:
         return (f"metadata: {self.rows} caption rows for {self.images} images from source "
                 f"'{self.source}' written to {self.out_path} in {self.seconds:.1f} s; "
                 f"{self.exact_duplicates} rows are exact duplicates and {self.near_duplicates} "
                 f"near-duplicates (case/spacing/punctuation) of another caption of the same image, "
-                f"left for the dedupe stage; {self.labelled_rows} rows carry LABELS.")
+                f"left for the dedupe stage; {self.labelled_rows} rows carry LABELS."
+                + (f" {self.split_note}" if self.split_note else ""))
 
 
-def build_metadata(spec: MetadataSpec, out_path: Path | str = "data/metadata.parquet",
-                   synthetic_dir: Path | str = "data/synthetic",
-                   backoff_seconds: float = 1.0) -> MetadataSummary:
-    """Fetch or generate the metadata of `spec.source` and write it to `out_path`.
+def build_metadata(spec: MetadataSpec, out_path: Path | str, synthetic_dir: Path | str,
+                   policy: FetchPolicy, backoff_seconds: float = 1.0) -> MetadataSummary:
+    """Fetch or generate the metadata of `spec.source` and write it to `out_path`; an http(s)
+    `url`/`path` is fetched under `policy` (the download stage's URL rule, `clipms.prep.urlguard`).
 
     `synthetic_dir` is recreated for every source, so that it always exists as the declared output
     (empty unless the source is synthetic). Keep it relative to the working directory: synthetic
@@ -93,15 +102,47 @@ def build_metadata(spec: MetadataSpec, out_path: Path | str = "data/metadata.par
         _reset_dir(synthetic_dir)
         table = synthetic_table(spec, synthetic_dir)
     elif spec.source == "mscoco":
-        table = _fetch_parquet(spec.url, out_path.parent, spec, "URL", "TEXT", backoff_seconds)
+        table = _fetch_parquet(spec.url, out_path.parent, spec, "URL", "TEXT", policy,
+                               backoff_seconds)
         _reset_dir(synthetic_dir)
     elif spec.source == "local":
-        table = local_table(spec, out_path.parent, backoff_seconds)
+        table = local_table(spec, out_path.parent, policy, backoff_seconds)
         _reset_dir(synthetic_dir)
     else:
         raise MetadataError(f"metadata.source = {spec.source!r}: expected one of {SOURCES}")
+    note = ""
+    if spec.karpathy_split:
+        table, note = karpathy_table(table, spec, out_path.parent, policy, backoff_seconds)
     write_table(table, out_path)
-    return summarise(table, spec.source, out_path, time.monotonic() - start)
+    return replace(summarise(table, spec.source, out_path, time.monotonic() - start),
+                   split_note=note)
+
+
+def karpathy_table(table: pa.Table, spec: MetadataSpec, work_dir: Path, policy: FetchPolicy,
+                   backoff_seconds: float) -> tuple[pa.Table, str]:
+    """SPLIT from Karpathy's dataset_coco.json (`clipms.prep.karpathy`): its test images `val`."""
+    if spec.source == "synthetic":
+        raise MetadataError("metadata.karpathy_split applies to COCO URLs (source mscoco or "
+                            "local), not to the synthetic source")
+    source = spec.karpathy_split
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix=".metadata-download-") as scratch:
+        if source.startswith(("http://", "https://")):
+            path = Path(scratch) / "dataset_coco.json"
+            download(source, path, policy=policy, timeout=spec.timeout, retries=spec.retries,
+                     backoff_seconds=backoff_seconds)
+        else:
+            path = Path(source)
+        try:
+            test = karpathy.test_ids(path)
+        except ValueError as err:
+            raise MetadataError(f"metadata.karpathy_split: {err}") from err
+    column, found = karpathy.splits(table["URL"], test)
+    note = (f"Split from {source}: {found} of its {len(test)} test images are in the metadata "
+            f"and form the val split; every other image is train.")
+    if found < len(test):
+        print(f"metadata: warning: only {found} of the {len(test)} Karpathy test images are in "
+              f"the metadata (matched by the COCO image id in each URL's file name)", flush=True)
+    return table.set_column(SCHEMA.get_field_index("SPLIT"), "SPLIT", column), note
 
 
 def _reset_dir(path: Path) -> None:
@@ -124,7 +165,9 @@ def synthetic_table(spec: MetadataSpec, image_dir: Path) -> pa.Table:
             urls.append(url)
             texts.append(caption)
             labels.append(record.labels_json)
-    return pa.table({"URL": urls, "TEXT": texts, "LABELS": labels}, schema=SCHEMA)
+    nulls = pa.nulls(len(urls), pa.string())
+    return pa.table({"URL": urls, "TEXT": texts, "LABELS": labels, "ID": nulls, "SPLIT": nulls},
+                    schema=SCHEMA)
 
 
 def file_url(path: Path) -> str:
@@ -134,54 +177,63 @@ def file_url(path: Path) -> str:
     return "file:" + urllib.request.pathname2url(path.as_posix())
 
 
-def local_table(spec: MetadataSpec, work_dir: Path, backoff_seconds: float) -> pa.Table:
+def local_table(spec: MetadataSpec, work_dir: Path, policy: FetchPolicy,
+                backoff_seconds: float) -> pa.Table:
     """A user's parquet (path or http(s) URL), its `url_col`/`caption_col` renamed to URL/TEXT."""
     if not spec.path:
         raise MetadataError("metadata.path must be set when metadata.source is 'local' "
                             "(a parquet file path or an http(s) URL)")
     if spec.path.startswith(("http://", "https://")):
-        return _fetch_parquet(spec.path, work_dir, spec, spec.url_col, spec.caption_col,
+        return _fetch_parquet(spec.path, work_dir, spec, spec.url_col, spec.caption_col, policy,
                               backoff_seconds)
     path = Path(spec.path)
     if not path.is_file():
         raise MetadataError(f"metadata.path = {spec.path!r}: no such file")
     if spec.sha256:
         verify_sha256(path, spec.sha256)
-    return read_captions(path, spec.url_col, spec.caption_col)
+    return read_captions(path, spec.url_col, spec.caption_col, spec.id_col)
 
 
 def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, caption_col: str,
-                   backoff_seconds: float) -> pa.Table:
+                   policy: FetchPolicy, backoff_seconds: float) -> pa.Table:
     """Download a parquet next to the output, read the caption columns, delete the download."""
     with tempfile.TemporaryDirectory(dir=work_dir, prefix=".metadata-download-") as scratch:
         tmp = Path(scratch) / "download.parquet"
-        download(url, tmp, timeout=spec.timeout, retries=spec.retries, sha256=spec.sha256,
-                 backoff_seconds=backoff_seconds)
-        return read_captions(tmp, url_col, caption_col, shown_name=url)
+        download(url, tmp, policy=policy, timeout=spec.timeout, retries=spec.retries,
+                 sha256=spec.sha256, backoff_seconds=backoff_seconds)
+        return read_captions(tmp, url_col, caption_col, spec.id_col, shown_name=url)
 
 
 # ---------------------------------------------------------------------------------------------
 # Download with retries and checksum
 
 
-def download(url: str, dest: Path, *, timeout: float, retries: int, sha256: str | None = None,
-             backoff_seconds: float = 1.0) -> str:
-    """Download `url` to `dest` (via a temp file + rename); return the file's sha256.
+def download(url: str, dest: Path, *, policy: FetchPolicy, timeout: float, retries: int,
+             sha256: str | None = None, backoff_seconds: float = 1.0) -> str:
+    """Download `url` to `dest` (via a temp file + rename) under `policy`; return its sha256.
 
     Connection errors, timeouts and HTTP 5xx/429 are retried `retries` times with exponential
-    backoff; other HTTP errors and a checksum mismatch fail at once, since retrying cannot fix them.
+    backoff; other HTTP errors, a URL the policy refuses (scheme, address, redirect) and a checksum
+    mismatch fail at once, since retrying cannot fix them.
     """
     last_error: Exception | None = None
     print(f"metadata: downloading {url}", flush=True)
+    opener = build_opener(replace(policy, max_bytes=None))  # streamed to disk, not to memory
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(backoff_seconds * 2 ** (attempt - 1))
         try:
-            digest = _download_once(url, dest, timeout)
+            check_url(url, policy)
+            digest = _download_once(opener, url, dest, timeout)
         except urllib.error.HTTPError as err:
             if err.code < 500 and err.code != 429:
                 raise MetadataError(f"downloading {url}: HTTP {err.code} {err.reason}") from err
             last_error = err
+        except (RefusedURL, urllib.error.URLError) as err:
+            refused = err if isinstance(err, RefusedURL) else err.reason
+            if isinstance(refused, RefusedURL) and refused.reason != "unresolvable_host":
+                raise MetadataError(f"downloading {url}: {refused}") from err
+            last_error = err  # DNS may come back: retried like a connection error
         except (OSError, http.client.HTTPException) as err:  # refused, DNS, timeout, cut short
             last_error = err
         else:
@@ -198,11 +250,12 @@ def download(url: str, dest: Path, *, timeout: float, retries: int, sha256: str 
         f"the file elsewhere and set metadata.source: local with metadata.path.")
 
 
-def _download_once(url: str, dest: Path, timeout: float) -> str:
+def _download_once(opener: urllib.request.OpenerDirector, url: str, dest: Path,
+                   timeout: float) -> str:
     digest = hashlib.sha256()
     request = urllib.request.Request(url, headers={"User-Agent": "clipms-metadata"})
     with atomic_write(dest) as tmp, open(tmp, "wb") as handle, \
-            urllib.request.urlopen(request, timeout=timeout) as response:
+            opener.open(request, timeout=timeout) as response:
         expected = response.headers.get("Content-Length")
         received = 0
         while chunk := response.read(_CHUNK):
@@ -237,28 +290,29 @@ def verify_sha256(path: Path, expected: str) -> None:
 # Reading and writing
 
 
-def read_captions(path: Path, url_col: str, caption_col: str,
+def read_captions(path: Path, url_col: str, caption_col: str, id_col: str | None = None,
                   shown_name: str | None = None) -> pa.Table:
-    """The URL/caption columns of a parquet as URL, TEXT (strings) and LABELS (kept if present)."""
+    """The URL/caption columns of a parquet as URL, TEXT (strings), LABELS (kept if present) and
+    ID (the `id_col` column, if one is named)."""
     name = shown_name or str(path)
     try:
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError) as err:
         raise MetadataError(f"{name}: not a readable parquet file ({err})") from err
-    missing = [c for c in (url_col, caption_col) if c not in schema.names]
+    named = {"URL": url_col, "TEXT": caption_col, "ID": id_col,
+             "LABELS": "LABELS" if "LABELS" in schema.names else None}
+    missing = [c for c in named.values() if c is not None and c not in schema.names]
     if missing:
         raise MetadataError(
-            f"{name}: missing column(s) {missing} (set metadata.url_col / metadata.caption_col); "
-            f"columns found: {schema.names}")
-    wanted = [url_col, caption_col]
-    if "LABELS" in schema.names and "LABELS" not in wanted:
-        wanted.append("LABELS")
+            f"{name}: missing column(s) {missing} (set metadata.url_col / metadata.caption_col / "
+            f"metadata.id_col); columns found: {schema.names}")
+    wanted = list(dict.fromkeys(c for c in named.values() if c is not None))
     try:
         table = pq.read_table(path, columns=wanted)
     except (pa.ArrowException, OSError) as err:
         raise MetadataError(f"{name}: could not read columns {wanted} ({err})") from err
-    labels = table["LABELS"] if "LABELS" in wanted[2:] else pa.nulls(table.num_rows, pa.string())
-    columns = {"URL": table[url_col], "TEXT": table[caption_col], "LABELS": labels}
+    columns = {out: table[named[out]] if named.get(out) else pa.nulls(table.num_rows, pa.string())
+               for out in SCHEMA.names}
     try:
         return pa.table({k: pc.cast(v, pa.string()) for k, v in columns.items()}, schema=SCHEMA)
     except pa.ArrowException as err:

@@ -2,7 +2,9 @@
 
 Input: img2dataset's `NNNNN.tar` files (`<k>.jpg`, `<k>.txt`, `<k>.json` carrying our `captions`,
 `split`, `image_key`, `labels`). Every sample is decoded with PIL and checked; a bad sample is
-dropped and counted by reason, a truncated or corrupt input tar is reported and skipped whole.
+dropped and counted by reason, a truncated or corrupt input tar is reported and skipped whole. The
+output key is the sample's `image_key` (dedupe's stable key), checked against the shard key format
+of `clipms.webds` here, where keys enter the shards; the format itself is `clipms.webds`'.
 
 Output is a pure function of the input samples and the settings: samples are sorted by key,
 shuffled once with a seeded RNG per split, and written to tars whose headers carry fixed
@@ -12,12 +14,10 @@ that decoded are copied as they are, never re-encoded.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import random
 import shutil
-import tarfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -28,15 +28,14 @@ from typing import Any
 
 from PIL import Image
 
-from clipms.jsonio import write_json
+from clipms import webds
+from clipms.preprocess import PixelLimitError, open_image
 
 SPLITS = ("train", "val")
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 DROP_REASONS = (
-    "missing_image", "undecodable_image", "too_small", "no_caption", "missing_split",
-    "bad_metadata", "duplicate_key",
+    "missing_image", "undecodable_image", "too_large", "too_small", "no_caption", "missing_split",
+    "bad_metadata", "bad_key", "duplicate_key",
 )
-END_OF_ARCHIVE = b"\0" * 1024  # a complete tar ends with (at least) two zero blocks
 
 
 @dataclass(frozen=True)
@@ -56,8 +55,7 @@ class Sample:
     meta: bytes                      # the output <key>.json
     text: bytes                      # the output <key>.txt (first caption)
     source: str                      # input tar the image comes from
-    offset: int                      # image data offset in that tar
-    size: int
+    span: webds.Span                 # where the image data lies in that tar
     image: bytes | None = None       # set only when the image had to be converted to JPEG
 
 
@@ -81,14 +79,14 @@ def scan_tar(path: str, min_image_size: int) -> TarScan:
     """Read and validate every sample of one input tar; a corrupt tar gives `error`, no samples."""
     scan = TarScan(name=Path(path).name)
     try:
-        _check_complete(path)
-        groups = _read_groups(path)
-    except (tarfile.TarError, EOFError, OSError, ValueError) as err:
-        scan.error = f"{type(err).__name__}: {err}"
+        webds.check_complete(path)
+        samples = webds.read_tar(path)
+    except webds.DataError as err:
+        scan.error = str(err).removeprefix(f"{path}: ")
         return scan
-    for key in sorted(groups):
+    for raw in sorted(samples, key=lambda s: s.key):
         scan.seen += 1
-        sample, reason = _validate(key, groups[key], path, min_image_size)
+        sample, reason = _validate(raw, path, min_image_size)
         if sample is None:
             scan.dropped[reason] += 1
         else:
@@ -96,91 +94,56 @@ def scan_tar(path: str, min_image_size: int) -> TarScan:
     return scan
 
 
-def _check_complete(path: str) -> None:
-    """A tar cut at a member boundary still parses; only the end-of-archive blocks prove it is."""
-    with open(path, "rb") as handle:
-        handle.seek(0, io.SEEK_END)
-        size = handle.tell()
-        if size < len(END_OF_ARCHIVE) or size % 512:
-            raise ValueError(f"truncated tar ({size} bytes, not a whole number of 512-byte blocks)")
-        handle.seek(size - len(END_OF_ARCHIVE))
-        if handle.read() != END_OF_ARCHIVE:
-            raise ValueError("truncated tar (no end-of-archive marker)")
-
-
-def _read_groups(path: str) -> dict[str, dict[str, tuple[bytes, int]]]:
-    """{sample key: {extension: (bytes, data offset)}}; reads every member, so cuts surface."""
-    groups: dict[str, dict[str, tuple[bytes, int]]] = {}
-    with tarfile.open(path, "r:") as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            base = member.name.rsplit("/", 1)[-1]
-            key, _, ext = base.partition(".")
-            handle = tar.extractfile(member)
-            data = handle.read() if handle else b""
-            if len(data) != member.size:
-                raise tarfile.ReadError(f"member {member.name} is cut short")
-            groups.setdefault(key, {})[ext.lower()] = (data, member.offset_data)
-    return groups
-
-
-def _validate(key: str, files: dict[str, tuple[bytes, int]], path: str,
-              min_image_size: int) -> tuple[Sample | None, str]:
-    ext = next((e for e in IMAGE_EXTS if e in files), None)
+def _validate(raw: webds.Sample, path: str, min_image_size: int) -> tuple[Sample | None, str]:
+    ext = raw.image_ext
     if ext is None:
         return None, "missing_image"
     try:
-        meta = json.loads(files["json"][0]) if "json" in files else {}
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        meta = raw.meta
+    except webds.DataError:
         return None, "bad_metadata"
-    if not isinstance(meta, dict):
-        return None, "bad_metadata"
-    data, offset = files[ext]
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()  # a full decode: verify() alone misses truncated JPEG data
-            width, height, fmt = image.width, image.height, image.format
-            converted = None if fmt == "JPEG" else _to_jpeg(image)
-    except Exception:  # PIL raises many types (OSError, SyntaxError, DecompressionBombError, ...)
+        # The one decoder (JPEG/PNG/WEBP, the pixel limit read from the header, then a full
+        # decode: the header alone misses truncated image data).
+        image = open_image(raw.files[ext], raw.key)
+        width, height, fmt = image.width, image.height, image.format
+        converted = None if fmt == "JPEG" else _to_jpeg(image)
+    except PixelLimitError:  # a decompression bomb or an oversized image, refused unallocated
+        return None, "too_large"
+    except Exception:  # PreprocessError, or an encoder error while converting to JPEG
         return None, "undecodable_image"
     if min(width, height) < min_image_size:
         return None, "too_small"
-    text = files["txt"][0].decode("utf-8", "replace") if "txt" in files else ""
-    captions = _captions(meta, text)
+    captions = _captions(meta, raw.caption)
     if not captions:
         return None, "no_caption"
     split = meta.get("split")
     if split not in SPLITS:
         return None, "missing_split"
-    url = meta.get("url")
     labels = meta.get("labels")
     try:
         labels = json.loads(labels) if isinstance(labels, str) else labels
     except json.JSONDecodeError:
         return None, "bad_metadata"
-    key = meta.get("image_key") or (_url_key(url) if url else key)
-    out = {"captions": captions, "url": url, "key": key, "split": split, "labels": labels}
+    # The key becomes the output member names: it must be in the format the loader accepts
+    # (which also keeps path separators and `..` out of every name).
+    key = meta.get("image_key")
+    if not webds.is_valid_key(key):
+        return None, "bad_key"
+    out = {"captions": captions, "url": meta.get("url"), "key": key, "split": split,
+           "labels": labels}
     return Sample(
         key=key, split=split, meta=json.dumps(out, ensure_ascii=False, sort_keys=True).encode(),
-        text=captions[0].encode(), source=path, offset=offset, size=len(data), image=converted,
+        text=captions[0].encode(), source=path, span=raw.spans[ext], image=converted,
     ), ""
-
-
-def _url_key(url: str) -> str:
-    """dedupe's stable key, for a sample that lost ours (imported here only: captions.py pulls in
-    pandas/pyarrow, which every spawned worker would otherwise pay for)."""
-    from clipms.prep.captions import stable_keys
-
-    return stable_keys([url])[0]
 
 
 def _captions(meta: dict[str, Any], text: str) -> list[str]:
     raw = meta.get("captions")
     captions = [c.strip() for c in raw if isinstance(c, str) and c.strip()] if isinstance(
         raw, list) else []
-    if not captions and text.strip():
-        captions = [text.strip()]
+    if not captions and text:
+        captions = [text]
     return captions
 
 
@@ -207,16 +170,6 @@ def scan_all(tars: list[Path], settings: ShardSettings) -> Iterator[TarScan]:
 # ---------------------------------------------------------------- writing
 
 
-def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mtime = 0
-    info.mode = 0o644
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    tar.addfile(info, io.BytesIO(data))
-
-
 class _ImageReader:
     """Reads image bytes back from the input tars by offset, keeping the files open."""
 
@@ -229,40 +182,19 @@ class _ImageReader:
         handle = self.handles.get(sample.source)
         if handle is None:
             handle = self.handles[sample.source] = open(sample.source, "rb")  # noqa: SIM115
-        handle.seek(sample.offset)
-        return handle.read(sample.size)
+        return webds.read_span(handle, sample.span)
 
     def close(self) -> None:
         for handle in self.handles.values():
             handle.close()
 
 
-def write_split(samples: list[Sample], split: str, out_dir: Path, samples_per_shard: int,
-                reader: _ImageReader, progress: Callable[[int], None]) -> dict[str, Any]:
-    """Write one split's shards; return its manifest entry."""
-    (out_dir / split).mkdir(parents=True, exist_ok=True)
-    shards = []
-    for index, start in enumerate(range(0, len(samples), samples_per_shard)):
-        chunk = samples[start:start + samples_per_shard]
-        name = f"{split}/{index:06d}.tar"
-        path = out_dir / name
-        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
-            for sample in chunk:
-                _add_member(tar, f"{sample.key}.jpg", reader.read(sample))
-                _add_member(tar, f"{sample.key}.json", sample.meta)
-                _add_member(tar, f"{sample.key}.txt", sample.text)
-        shards.append({"name": name, "samples": len(chunk), "bytes": path.stat().st_size,
-                       "sha256": _sha256(path)})
-        progress(len(chunk))
-    return {"samples": len(samples), "bytes": sum(s["bytes"] for s in shards), "shards": shards}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def output_files(samples: list[Sample], reader: _ImageReader,
+                 progress: Callable[[int], None]) -> Iterator[webds.SampleFiles]:
+    """The members of each output sample, in the order they are written (image bytes read late)."""
+    for sample in samples:
+        yield sample.key, {"jpg": reader.read(sample), "json": sample.meta, "txt": sample.text}
+        progress(1)
 
 
 def shuffled(samples: list[Sample], seed: int, split: str) -> list[Sample]:
@@ -287,26 +219,26 @@ def build_shards(input_dir: Path | str, output_dir: Path | str, settings: ShardS
     if output_dir.exists():
         shutil.rmtree(output_dir)
     output_dir.mkdir(parents=True)
-    manifest: dict[str, Any] = {"samples_per_shard": settings.samples_per_shard, "splits": {}}
     reader = _ImageReader()
     written = [0]
 
     def progress(n: int) -> None:
         written[0] += n
-        if written[0] % (settings.samples_per_shard * 20) < n or written[0] == len(samples):
+        if written[0] % (settings.samples_per_shard * 20) == 0 or written[0] == len(samples):
             print_fn(f"shard: wrote {written[0]:,}/{len(samples):,} samples "
                      f"({time.perf_counter() - started:.1f} s)")
 
+    splits: dict[str, Any] = {}
     try:
         for split in SPLITS:
             chosen = shuffled([s for s in samples if s.split == split], settings.seed, split)
-            manifest["splits"][split] = write_split(chosen, split, output_dir,
-                                                    settings.samples_per_shard, reader, progress)
+            splits[split] = webds.write_split(output_dir, split,
+                                              output_files(chosen, reader, progress),
+                                              settings.samples_per_shard)
     finally:
         reader.close()
-    write_json(output_dir / "manifest.json", manifest)
-    for split in SPLITS:
-        entry = manifest["splits"][split]
+    webds.write_manifest(output_dir, settings.samples_per_shard, splits)
+    for split, entry in splits.items():
         metrics[split] = {"samples": entry["samples"], "shards": len(entry["shards"]),
                           "bytes": entry["bytes"]}
     seconds = time.perf_counter() - started

@@ -1,0 +1,159 @@
+"""What a run was made from, read from git, `dvc.lock` and the shard manifest: lineage tags, the
+params the data stages ran with, the evaluation-set digest and the dataset input record.
+
+Nothing here talks to MLflow; the values are plain strings, made safe to log (`safe_params`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from clipms.jsonio import read_json
+from registry.settings import redact_uri
+
+# Stages that never talk to MLflow: their resolved params are taken from dvc.lock by `open`.
+DATA_STAGES = ("metadata", "dedupe", "download", "shard", "tokenizer")
+SECRET_KEY = re.compile(r"(password|passwd|secret|credential|api_?key|(^|_)token$)", re.IGNORECASE)
+MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+
+
+def flatten(prefix: str, value: Any) -> dict[str, str]:
+    """{"train.lr": "0.0005", "export.batch_sizes": "[1, 7, 32]"} from nested mappings."""
+    if isinstance(value, Mapping):
+        out: dict[str, str] = {}
+        for key, sub in value.items():
+            out.update(flatten(f"{prefix}.{key}" if prefix else str(key), sub))
+        return out
+    if isinstance(value, list | tuple):
+        return {prefix: json.dumps(list(value))}
+    return {prefix: str(value)}
+
+
+def safe_params(params: Mapping[str, str]) -> dict[str, str]:
+    """Drop what must never be logged: secrets, credentials in URLs, the user's home directory."""
+    home = str(Path.home())
+    out = {}
+    for key, value in params.items():
+        leaf = key.rsplit(".", 1)[-1]
+        if SECRET_KEY.search(leaf):
+            value = "<redacted>"
+        elif "://" in value:
+            value = redact_uri(value)
+        if home not in ("", "/") and home in value:
+            value = value.replace(home, "~")
+        out[key] = value[:MAX_PARAM_CHARS]
+    return out
+
+
+def _git(*args: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def read_lock(path: Path) -> dict[str, Any]:
+    """dvc.lock's stages, or {} when the pipeline has not been locked yet."""
+    if not path.exists():
+        return {}
+    return (yaml.safe_load(path.read_text()) or {}).get("stages", {})
+
+
+def lock_hash(lock: Mapping[str, Any], out_path: str) -> str | None:
+    """The DVC hash (md5, `.dir` suffix dropped) of an out path in dvc.lock. For a folder whose
+    parts are separate outs (data/shards/train, .../val, .../manifest.json), the md5 of their
+    sorted "path md5" lines: it changes exactly when one of their DVC hashes changes."""
+    found = {}
+    for stage in lock.values():
+        for out in stage.get("outs", []):
+            path, md5 = out.get("path", ""), out.get("md5")
+            if md5 and (path == out_path or path.startswith(out_path.rstrip("/") + "/")):
+                found[path] = str(md5).removesuffix(".dir")
+    if not found:
+        return None
+    if list(found) == [out_path]:
+        return found[out_path]
+    lines = "\n".join(f"{path} {md5}" for path, md5 in sorted(found.items()))
+    return hashlib.md5(lines.encode()).hexdigest()
+
+
+def lock_params(lock: Mapping[str, Any], stages: Iterable[str]) -> dict[str, str]:
+    """The params each stage actually ran with, as dvc.lock recorded them, flattened."""
+    out: dict[str, str] = {}
+    for name in stages:
+        for values in lock.get(name, {}).get("params", {}).values():
+            out.update(flatten("", values))
+    return out
+
+
+def val_digest(manifest: Path) -> str | None:
+    """A digest of the evaluation set: sha256 over the val shards' names and sha256s."""
+    if not manifest.exists():
+        return None
+    shards = read_json(manifest).get("splits", {}).get("val", {}).get("shards", [])
+    if not shards:
+        return None
+    lines = sorted(f"{s['name']}:{s['sha256']}" for s in shards)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
+
+
+def lineage(lock: Mapping[str, Any], manifest: Path) -> dict[str, str]:
+    """Tags that say exactly what a run was made from: code, data and tokenizer versions
+    (`lock`: dvc.lock's stages, `manifest`: the shard manifest)."""
+    meta = lock.get("metadata", {}).get("params", {}).get("params.yaml", {}).get("metadata", {})
+    source = str(meta.get("source", "unknown"))
+    where = {"mscoco": meta.get("url"), "local": meta.get("path")}.get(source)
+    tags = {
+        "lineage.git_commit": _git("rev-parse", "HEAD"),
+        "lineage.git_dirty": _dirty(),
+        "lineage.data_shards_md5": lock_hash(lock, "data/shards"),
+        "lineage.tokenizer_md5": lock_hash(lock, "models/tokenizer.json"),
+        "lineage.metadata_source": source,
+        "lineage.metadata_location": where,
+        "lineage.metadata_md5": lock_hash(lock, "data/metadata.parquet"),
+        "lineage.metadata_sha256": meta.get("sha256"),
+        "lineage.val_digest": val_digest(manifest),
+    }
+    if tags["lineage.git_commit"]:
+        tags["mlflow.source.git.commit"] = tags["lineage.git_commit"]
+    return safe_params({k: str(v) for k, v in tags.items() if v is not None})
+
+
+def dvc_experiment_tags() -> dict[str, str]:
+    """The DVC experiment this run belongs to, when DVC says so (queued/temp experiments)."""
+    names = {"DVC_EXP_NAME": "dvc.exp_name", "DVC_EXP_BASELINE_REV": "dvc.exp_baseline_rev"}
+    return {tag: os.environ[env] for env, tag in names.items() if os.environ.get(env)}
+
+
+def _dirty() -> str | None:
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else str(bool(status)).lower()
+
+
+def dataset_record(tags: Mapping[str, str], manifest: Path) -> dict[str, str] | None:
+    """The shards as an MLflow dataset input: name, digest = DVC hash, source = their origin."""
+    digest = tags.get("lineage.data_shards_md5")
+    if not digest:
+        return None
+    source = tags.get("lineage.metadata_source", "unknown")
+    location = tags.get("lineage.metadata_location")
+    if source == "mscoco" and location:
+        source_type, uri = "http", location
+    elif source == "local" and location:
+        source_type, uri = "local", location
+    else:
+        source_type, uri = "code", f"clipms.prep ({source} metadata)"
+    splits = read_json(manifest).get("splits", {}) if manifest.exists() else {}
+    profile = {name: split.get("samples") for name, split in splits.items()}
+    return {"name": f"{source}-shards", "digest": digest[:36], "source_type": source_type,
+            "source": json.dumps({"uri": uri}), "profile": json.dumps(profile)}

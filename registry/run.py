@@ -1,0 +1,536 @@
+"""One MLflow run per pipeline run, threaded through the stages by a small file DVC tracks.
+
+`train` opens the run (`PipelineRun.open`) and writes its id to `models/mlflow_run.json` (a DVC out
+of train, so a rerun or `dvc exp run` carries the right id and `dvc checkout` restores it);
+`evaluate`, `export` and `register` continue it (`PipelineRun.resume` / `log_stage`).
+
+Nothing here may cost a trained model or stall training. Every write is a journal record
+(`registry.journal`) queued in memory; one background thread per run sends the queue in order, so
+the training loop never waits on the network (a step only appends to a list). A server that stops
+answering costs a stage at most `OPEN_TIMEOUT_S` when train opens the run and `CLOSE_TIMEOUT_S` (+
+`MONITOR_STOP_TIMEOUT_S`) when it ends; what was not sent by then is saved in the journal folder
+with a warning, and the next stage that reaches the server replays it (creating the run first
+if the server was already down when training started). Only `register` needs the server.
+
+A training run that resumes from a checkpoint continues the MLflow run that wrote the checkpoint
+(`resume_record`, a small file beside the checkpoints), and a run that fails ends as FAILED with
+its error recorded (`failure_recorded`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import traceback
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from clipms.jsonio import read_json, write_json
+from registry import journal
+from registry.journal import (
+    CreateRun,
+    Journal,
+    JournalError,
+    LogArtifact,
+    LogDataset,
+    LogMetrics,
+    LogParams,
+    MetricRow,
+    Record,
+    SetStatus,
+    SetTags,
+    finite_number,
+    mlflow_key,
+    now_ms,
+)
+from registry.lineage import (
+    DATA_STAGES,
+    dataset_record,
+    dvc_experiment_tags,
+    flatten,
+    lineage,
+    lock_params,
+    read_lock,
+    safe_params,
+)
+from registry.settings import (
+    DEFAULT_TRACKING_URI,
+    TrackingFiles,
+    client,
+    is_local_store,
+    local_artifact_location,
+    redact_uri,
+    register_params,
+    tracking_uri,
+)
+
+# How long a stage waits for a server that has stopped answering (no record sent for that long):
+CLOSE_TIMEOUT_S = 15.0  # when it ends
+OPEN_TIMEOUT_S = 5.0  # when train opens the run (then training starts; the sender keeps trying)
+REPLAY_TIMEOUT_S = 10.0  # for the journals of earlier runs, replayed when a new run opens
+MONITOR_STOP_TIMEOUT_S = 5.0  # for the system-metrics monitor's last upload
+RUN_KEY_TAG = "pipeline.run_key"
+MAX_ERROR_CHARS = 5000
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking server could not be reached; the message says what is safe and what to do."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (a cancelled flow run, a stopped worker): unwind and record the failure."""
+
+
+class _Sender:
+    """A daemon thread that runs `work` in rounds; `kick` asks for a round, `wait` waits (bounded)
+    for every round asked so far. A hanging server blocks this thread, never its callers."""
+
+    def __init__(self, work: Callable[[], bool]) -> None:
+        self._work = work
+        self._cond = threading.Condition()
+        self._asked = self._done = 0
+        self.ok = True
+        self._thread = threading.Thread(target=self._loop, name="mlflow-sender", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> int:
+        with self._cond:
+            self._asked += 1
+            self._cond.notify_all()
+            return self._asked
+
+    def wait(self, target: int, timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._done >= target, timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._asked > self._done)
+                target = self._asked
+            try:
+                ok = self._work()
+            except BaseException:  # noqa: BLE001 - the thread must survive to report
+                ok = False
+            with self._cond:
+                self._done, self.ok = target, ok
+                self._cond.notify_all()
+
+
+class PipelineRun:
+    """The MLflow run of one pipeline run, with a local queue of what has not been sent yet."""
+
+    def __init__(self, run_key: str, run_id: str | None, experiment: str, files: TrackingFiles,
+                 records: Iterable[Record] = ()) -> None:
+        self.run_key = run_key
+        self.run_id = run_id
+        self.experiment = experiment
+        self.files = files
+        self.pending: list[Record] = list(records)
+        self.last_error: str | None = None
+        self.owns_run_file = False  # only train (which opened the run) writes its DVC out
+        self.resume_record: Path | None = None  # train: which run wrote the checkpoints
+        self._lock = threading.RLock()  # guards pending, run_id, _held
+        self._in_flight: Record | None = None
+        self._progress = 0  # records sent so far: a flush waits while this moves
+        self._held = False  # sending waits until train knows whether it resumed (`resolve`)
+        self._earlier: dict[str, Any] | None = None  # the run a resumed training continues
+        self._sender: _Sender | None = None
+        self._monitor_interval: float | None = None
+        self._monitor: Any = None
+
+    # -- opening ---------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, stage: str, params: Mapping[str, Any], files: TrackingFiles,
+             experiment: str | None = None, run_name: str | None = None,
+             owns_run_file: bool = True, resume_record: Path | None = None) -> PipelineRun:
+        """Start the run of a new pipeline run (the train stage): params, lineage, dataset input.
+
+        The experiment defaults to `register.experiment` in params.yaml. `owns_run_file=False` (a
+        stage other than train) keeps the run in memory instead of writing train's DVC out.
+        `resume_record` (train: a file beside the checkpoints) names the run that wrote the
+        checkpoints; when training turns out to resume from one (`resolve`), that run continues.
+        """
+        replay_journals(files)  # earlier runs' unsent records go first, and are never dropped
+        run = cls(uuid.uuid4().hex, None,
+                  experiment or register_params(files.params).experiment, files)
+        lock = read_lock(files.lock)
+        tags = {**lineage(lock, files.manifest), **dvc_experiment_tags()}
+        run_name = run_name or os.environ.get("DVC_EXP_NAME")  # `dvc exp run` names the run
+        run.pending.append(CreateRun(run_name, {**tags, RUN_KEY_TAG: run.run_key,
+                                                "pipeline.opened_by": stage}))
+        run.log_params(lock_params(lock, DATA_STAGES))
+        run.log_params(flatten(stage, dict(params)))
+        dataset = dataset_record(tags, files.manifest)
+        if dataset:
+            run.pending.append(LogDataset(dataset, "training"))
+        run.owns_run_file = owns_run_file
+        run.resume_record = resume_record
+        if resume_record is not None and resume_record.exists():
+            run._earlier = read_json(resume_record)
+            run._held = True  # until the first training step says whether it resumed
+        else:
+            run.flush(OPEN_TIMEOUT_S)
+        if run.owns_run_file and not run._held:
+            run.save()
+        return run
+
+    @classmethod
+    def resume(cls, files: TrackingFiles) -> PipelineRun:
+        """Continue the run that train opened, with anything earlier stages could not send."""
+        if not files.run_file.exists():
+            raise FileNotFoundError(
+                f"{files.run_file}: no MLflow run to continue (run the train stage)")
+        info = read_json(files.run_file)
+        run = cls(info["run_key"], info.get("run_id"),
+                  info.get("experiment") or register_params(files.params).experiment, files)
+        saved = Journal.find(files.journal_dir, run.run_key)
+        if saved is not None:
+            run.run_id = run.run_id or saved.run_id
+            run.pending = saved.records
+        return run
+
+    def resolve(self, resumed: bool) -> None:
+        """Train's first step is known: continue the earlier run if training resumed from its
+        checkpoint, else create a new one. Sending starts here."""
+        with self._lock:
+            if not self._held:
+                return
+            earlier, self._earlier, self._held = self._earlier, None, False
+            if resumed and earlier and earlier.get("run_key"):
+                self._continue(earlier)
+        if self.owns_run_file:
+            self.save()
+        self.flush(timeout=0)
+
+    def _continue(self, earlier: dict[str, Any]) -> None:
+        """Take over the earlier run's identity: its id (or, if it never reached the server,
+        its queued records, creation first), then mark it RUNNING again."""
+        self.run_key = str(earlier["run_key"])
+        self.run_id = earlier.get("run_id")
+        saved = Journal.find(self.files.journal_dir, self.run_key)
+        head: list[Record] = saved.records if saved else []
+        mine = [r for r in self.pending if not isinstance(r, CreateRun | LogDataset)]
+        if self.run_id is None and not any(isinstance(r, CreateRun) for r in head):
+            # It never reached the server, or its journal is gone: create (or find) it now.
+            head = [CreateRun(r.run_name, {**r.tags, RUN_KEY_TAG: self.run_key})
+                    for r in self.pending if isinstance(r, CreateRun)]
+        self.pending = [*head, SetStatus("RUNNING"), *mine,
+                        SetTags({"pipeline.resumed": "true"})]
+
+    # -- queueing ----------------------------------------------------------------------------
+
+    def _queue(self, record: Record) -> None:
+        with self._lock:
+            self.pending.append(record)
+
+    def log_params(self, params: Mapping[str, str]) -> None:
+        if params:
+            self._queue(LogParams({mlflow_key(k): v for k, v in safe_params(params).items()}))
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        if tags:
+            self._queue(SetTags({mlflow_key(k): str(v) for k, v in tags.items()}))
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int = 0) -> None:
+        """Queue metrics; consecutive calls share one batch until it is sent. Non-numbers and
+        NaN/inf are skipped: one rejected value would make the server refuse the whole batch."""
+        now = now_ms()
+        rows = [MetricRow(mlflow_key(k), float(v), now, int(step)) for k, v in metrics.items()
+                if finite_number(v)]
+        if not rows:
+            return
+        with self._lock:
+            if self.pending and isinstance(self.pending[-1], LogMetrics):
+                self.pending[-1].metrics.extend(rows)
+            else:
+                self.pending.append(LogMetrics(rows))
+
+    def log_artifact(self, path: Path | str, artifact_path: str | None = None) -> None:
+        """Queue a file or folder for upload (it must still exist when it is sent)."""
+        if Path(path).exists():
+            self._queue(LogArtifact(str(path), artifact_path))
+
+    def queued_metrics(self) -> int:
+        with self._lock:
+            return sum(len(r.metrics) for r in self.pending if isinstance(r, LogMetrics))
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = CLOSE_TIMEOUT_S) -> bool:
+        """Send what is queued, in order; True when everything was sent. Waits while records
+        keep going out, and gives up once `timeout` seconds pass without one (a hung server);
+        None waits until the sender is done, 0 starts sending and returns at once."""
+        if self._sender is None:
+            self._sender = _Sender(self._send_all)
+        target = self._sender.kick()
+        if timeout == 0:
+            return False
+        while True:
+            before = self._progress
+            if self._sender.wait(target, timeout):
+                break
+            if self._progress == before:
+                self.last_error = f"no answer from the server within {timeout:g} s"
+                return False
+        with self._lock:
+            return self._sender.ok and not self.pending and self._in_flight is None
+
+    def _send_all(self) -> bool:
+        """The sender thread's round: records in order until the queue is empty or one fails."""
+        try:
+            mlflow_client = client()
+            while True:
+                with self._lock:
+                    if self._held or not self.pending:
+                        break
+                    record = self._in_flight = self._next_record()
+                try:
+                    self._send_one(mlflow_client, record)
+                except BaseException:
+                    with self._lock:  # unsent (or partly sent) records go back to the front
+                        self.pending.insert(0, record)
+                    raise
+                finally:
+                    with self._lock:
+                        self._in_flight = None
+                self._progress += 1
+        except Exception as err:  # an unreachable server surfaces as many exception types
+            self.last_error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            return False
+        self.last_error = None
+        return True
+
+    def _next_record(self) -> Record:
+        """The first queued record, a big metrics batch cut to one request's worth (so that
+        progress is visible request by request); the caller holds the lock."""
+        record = self.pending[0]
+        if isinstance(record, LogMetrics) and len(record.metrics) > journal.MAX_METRICS:
+            head = LogMetrics(record.metrics[:journal.MAX_METRICS])
+            del record.metrics[:journal.MAX_METRICS]
+            return head
+        return self.pending.pop(0)
+
+    def _send_one(self, mlflow_client: Any, record: Record) -> None:
+        """Send one record; one the server rejects as invalid is reported and dropped, because
+        replaying it would fail forever and block everything queued behind it."""
+        from mlflow.exceptions import MlflowException
+
+        if isinstance(record, CreateRun):
+            self.run_id = self._create(mlflow_client, record)
+            self._start_monitor_if_wanted()
+            return
+        if self.run_id is None:
+            raise TrackingUnavailable("the MLflow run has not been created yet")
+        try:
+            journal.send(record, mlflow_client, self.run_id)
+        except MlflowException as err:
+            if err.error_code != "INVALID_PARAMETER_VALUE":
+                raise
+            print(f"[mlflow] WARNING: dropped a {record.kind} record the server rejected: "
+                  f"{str(err).splitlines()[0][:300]}", file=sys.stderr)
+        if isinstance(record, SetStatus) and record.status == "RUNNING":
+            self._start_monitor_if_wanted()
+
+    def _create(self, mlflow_client: Any, record: CreateRun) -> str:
+        """Create the run, or find it when an earlier attempt did but its answer was lost."""
+        experiment_id = ensure_experiment(mlflow_client, self.experiment)
+        found = mlflow_client.search_runs(
+            [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'",
+            max_results=1)
+        if found:
+            return str(found[0].info.run_id)
+        run = mlflow_client.create_run(experiment_id, tags=record.tags, run_name=record.run_name)
+        return str(run.info.run_id)
+
+    # -- system metrics ----------------------------------------------------------------------
+
+    def start_system_metrics(self, sampling_interval: float = 5.0) -> None:
+        """CPU/memory/disk/network of this machine, logged into the run while it trains (the
+        monitor starts once the run exists on the server, from the sender thread)."""
+        self._monitor_interval = sampling_interval
+        with self._lock:
+            ready = self.run_id is not None and not self._held and not self.pending
+        if ready:
+            self._start_monitor_if_wanted()
+
+    def _start_monitor_if_wanted(self) -> None:
+        if self._monitor_interval is None or self._monitor is not None or self.run_id is None:
+            return
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._monitor = SystemMetricsMonitor(self.run_id,
+                                                 sampling_interval=self._monitor_interval,
+                                                 tracking_uri=tracking_uri())
+            self._monitor.start()
+        except Exception as err:  # optional: never let monitoring stop training
+            print(f"[mlflow] system metrics disabled: {err}", file=sys.stderr)
+            self._monitor = None
+
+    def stop_system_metrics(self, timeout: float = MONITOR_STOP_TIMEOUT_S) -> None:
+        """Stop the monitor; its last upload may hang on a dead server, so wait `timeout` only."""
+        monitor, self._monitor, self._monitor_interval = self._monitor, None, None
+        if monitor is None:
+            return
+        stopper = threading.Thread(target=_finish_quietly, args=(monitor,), daemon=True)
+        stopper.start()
+        stopper.join(timeout)
+
+    # -- closing -------------------------------------------------------------------------------
+
+    def fail(self, error: BaseException) -> None:
+        """Record why the run failed (type, message, traceback) and end it as FAILED."""
+        message = f"{type(error).__name__}: {error}".strip()
+        trace = "".join(traceback.format_exception(error))[-MAX_ERROR_CHARS:]
+        self.set_tags({"error.type": type(error).__name__,
+                       "error.message": message[:MAX_ERROR_CHARS],
+                       "mlflow.note.content": f"Failed: {message[:MAX_ERROR_CHARS]}\n\n"
+                                              f"```\n{trace}\n```"})
+        self.close("FAILED")
+
+    @contextmanager
+    def failure_recorded(self) -> Iterator[PipelineRun]:
+        """End the run as FAILED, with the error, if the block raises anything (SIGTERM too);
+        the exception then propagates unchanged."""
+        previous = _raise_on_sigterm()
+        try:
+            yield self
+        except BaseException as err:
+            self.fail(err)
+            raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def close(self, status: str = "FINISHED", timeout: float = CLOSE_TIMEOUT_S) -> bool:
+        """Set the run's status, send everything (giving up after `timeout` seconds without an
+        answer, plus at most MONITOR_STOP_TIMEOUT_S for the system metrics), journal what was not
+        sent; True if all was sent."""
+        self.resolve(resumed=False)  # training that never reached a step: a run of its own
+        self.stop_system_metrics()
+        self._queue(SetStatus(status, now_ms()))
+        sent = self.flush(timeout)
+        self.save()
+        if not sent:
+            print(f"[mlflow] WARNING: could not send to the tracking server "
+                  f"{redact_uri(tracking_uri())} ({self.last_error}); "
+                  f"{len(self.pending)} queued record(s) saved to "
+                  f"{Journal.path(self.files.journal_dir, self.run_key)}; they are replayed by "
+                  "the next stage that reaches the server (register requires it). Model files "
+                  "are unaffected.", file=sys.stderr)
+        return sent
+
+    def save(self) -> None:
+        """Write the journal (what is unsent, in flight included: sending twice is harmless)
+        and, for train, the run file (its DVC out) and the resume record."""
+        with self._lock:
+            records = [r for r in (self._in_flight, *self.pending) if r is not None]
+            Journal(self.run_key, self.run_id, self.experiment, records).save(
+                self.files.journal_dir)
+        if not self.owns_run_file:
+            return
+        uri = tracking_uri()
+        info = {"run_key": self.run_key, "run_id": self.run_id, "experiment": self.experiment,
+                # no local paths in a DVC out:
+                "tracking_uri": DEFAULT_TRACKING_URI if is_local_store(uri) else redact_uri(uri)}
+        write_json(self.files.run_file, info)
+        if self.resume_record is not None:
+            write_json(self.resume_record, info)
+
+    def require_sent(self) -> None:
+        """Raise TrackingUnavailable unless the run exists and nothing is left queued."""
+        sent = self.flush(timeout=None)
+        self.save()
+        if not sent or self.run_id is None:
+            raise TrackingUnavailable(
+                f"cannot reach the MLflow tracking server at {redact_uri(tracking_uri())} "
+                f"({self.last_error}). The trained and exported model is safe in models/; "
+                f"{len(self.pending)} queued record(s) are kept in "
+                f"{Journal.path(self.files.journal_dir, self.run_key)}. Start the server (or fix "
+                "MLFLOW_TRACKING_URI) and rerun `dvc repro` to replay and register.")
+
+    def callback(self, flush_every_s: float = 10.0, prefix: str = "") -> Any:
+        from registry.callback import TrainCallback
+
+        return TrainCallback(self, flush_every_s=flush_every_s, prefix=prefix)
+
+
+def _finish_quietly(monitor: Any) -> None:
+    try:
+        monitor.finish()
+    except Exception as err:  # noqa: BLE001 - monitoring is optional
+        print(f"[mlflow] system metrics monitor did not stop cleanly: {err}", file=sys.stderr)
+
+
+def _raise_on_sigterm() -> Any:
+    """Turn SIGTERM into a `Terminated` exception in the main thread (None elsewhere)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated(f"terminated by signal {signum} (SIGTERM)")
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def ensure_experiment(mlflow_client: Any, name: str) -> str:
+    """The experiment's id, created if missing (artifacts beside the database for a local store)."""
+    experiment = mlflow_client.get_experiment_by_name(name)
+    if experiment is not None:
+        return str(experiment.experiment_id)
+    location = local_artifact_location() if is_local_store(tracking_uri()) else None
+    return str(mlflow_client.create_experiment(name, artifact_location=location))
+
+
+def replay_journals(files: TrackingFiles, exclude: str | None = None,
+                    timeout: float = REPLAY_TIMEOUT_S) -> int:
+    """Send the journals of earlier pipeline runs; a server that answers nothing for `timeout`
+    seconds ends the replay (it would not answer the next one either). A journal is deleted only
+    once all its records were sent. Returns how many journals are still unsent."""
+    paths = Journal.all_paths(files.journal_dir)
+    for done, path in enumerate(paths):
+        try:
+            saved = Journal.load(path)
+        except (JournalError, KeyError) as err:
+            print(f"[mlflow] WARNING: {err}", file=sys.stderr)
+            continue
+        if saved.run_key == exclude:
+            continue
+        run = PipelineRun(saved.run_key, saved.run_id, saved.experiment, files, saved.records)
+        sent = run.flush(timeout)
+        run.save()  # removes the file when everything went
+        if not sent:
+            print(f"[mlflow] WARNING: {len(paths) - done} earlier journal(s) in "
+                  f"{files.journal_dir} not replayed yet ({run.last_error}); kept for the next "
+                  "stage", file=sys.stderr)
+            break
+    return sum(1 for _ in Journal.all_paths(files.journal_dir))
+
+
+def log_stage(stage: str, params: Mapping[str, Any], files: TrackingFiles,
+              metrics: Mapping[str, float] | None = None,
+              artifacts: Iterable[tuple[Path | str, str | None]] = ()) -> PipelineRun | None:
+    """What evaluate/export call at their end: params, metrics, artifacts into the pipeline's run.
+
+    Never fails the stage over tracking: without a run file (train ran without tracking) it only
+    warns; an unreachable server leaves everything in the journal for `register` to replay.
+    """
+    try:
+        run = PipelineRun.resume(files)
+    except FileNotFoundError as err:
+        print(f"[mlflow] WARNING: {err}; {stage} not tracked", file=sys.stderr)
+        return None
+    run.log_params(flatten(stage, dict(params)))
+    if metrics:
+        run.log_metrics(metrics)
+    for path, artifact_path in artifacts:
+        run.log_artifact(path, artifact_path)
+    run.close()
+    return run

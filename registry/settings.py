@@ -1,0 +1,106 @@
+"""Where tracking goes and how the registry is configured: the tracking URI, the MLflow client,
+the `register` params section, and the files the tracking layer keeps in the project.
+
+The tracking URI is `MLFLOW_TRACKING_URI` when set, else the project's SQLite database
+`mlflow.db` (artifacts beside it in `mlartifacts/`). The registry lives in the same store.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import Field
+
+from clipms.params import Section, load_section
+
+# MLflow's HTTP client retries 7 times with exponential backoff (minutes) before giving up; a stage
+# that cannot reach the server should notice in seconds and fall back to the journal instead.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # MLflow's store, not a pipeline file
+LOCAL_ARTIFACTS_DIR = "mlartifacts"  # beside the SQLite database
+
+
+@dataclass(frozen=True)
+class TrackingFiles:
+    """The project files the tracking layer reads and keeps; the stages name them
+    (`stages.tracking.FILES`, from `stages.paths`)."""
+
+    params: Path  # params.yaml: `register.experiment` when a stage does not say
+    run_file: Path  # a DVC out of train: the run the later stages log into
+    journal_dir: Path  # unsent records, one file per pipeline run
+    lock: Path  # dvc.lock: lineage and the params the data stages ran with
+    manifest: Path  # the shard manifest: the val digest and the dataset profile
+
+
+class RegisterParams(Section):
+    """The `register` section of params.yaml (the register stage, and train for `experiment`)."""
+
+    model_name: str = Field("clip", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    experiment: str = Field("clip-mindspore", min_length=1)  # read by train, which opens the run
+    primary_metric: str = "i2t_R@5"
+    margin: float = Field(0.0, ge=0.0)
+    lock_timeout: float = Field(600.0, gt=0)  # seconds to wait for another registration's gate
+
+
+def register_params(params_file: Path) -> RegisterParams:
+    """The validated `register` section of params.yaml (ParamsError if invalid)."""
+    return load_section("register", RegisterParams, params_file)
+
+
+def project_root() -> Path:
+    """The DVC project root: DVC_ROOT when DVC runs the stage (for a queued or `--temp` experiment
+    that is the user's repo, not the temporary copy that is deleted afterwards), else the cwd."""
+    return Path(os.environ.get("DVC_ROOT") or ".")
+
+
+def tracking_uri() -> str:
+    """`MLFLOW_TRACKING_URI` if set, else the project's SQLite database `mlflow.db`."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    if os.environ.get("DVC_ROOT"):
+        return f"sqlite:///{(project_root() / 'mlflow.db').resolve()}"
+    return DEFAULT_TRACKING_URI
+
+
+def client() -> Any:
+    """An MlflowClient for the tracking URI (the registry lives in the same store)."""
+    from mlflow import MlflowClient
+
+    uri = tracking_uri()
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def is_local_store(uri: str) -> bool:
+    return uri.startswith(("sqlite:", "file:")) or "://" not in uri
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:///PATH` URI (None for any other store)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(uri.removeprefix("sqlite:///"))
+
+
+def local_artifact_location() -> str:
+    """Where a new experiment of a local store keeps its artifacts: `mlartifacts/` beside the
+    SQLite database (so a run started from a temporary copy of the project still lands there)."""
+    db = sqlite_path(tracking_uri())
+    folder = db.parent if db is not None else project_root()
+    return (folder / LOCAL_ARTIFACTS_DIR).resolve().as_uri()
+
+
+def redact_uri(uri: str) -> str:
+    """The URI without user:password@, so it can be written to files and logs."""
+    parts = urlsplit(uri)
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        netloc = f"{host}:{parts.port}" if parts.port else host
+        return urlunsplit(parts._replace(netloc=netloc))
+    return uri

@@ -1,0 +1,47 @@
+"""Hostile image inputs shared by the decoder, pyfunc-server and service tests (issue 14.1, 16.5).
+
+Each is small on the wire; what it claims or contains is what a decoder must refuse.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+from PIL import Image
+
+
+def png_chunk(kind: bytes, payload: bytes) -> bytes:
+    return (struct.pack(">I", len(payload)) + kind + payload
+            + struct.pack(">I", zlib.crc32(kind + payload) & 0xFFFFFFFF))
+
+
+def png_bomb(width: int = 8000, height: int = 8000) -> bytes:
+    """A valid 1-bit greyscale PNG of width x height black pixels: ~8 KB on disk for 64 MP (the
+    default), 192 MB once converted to RGB. PIL's own limit (89 MP warning, 178 MP error) lets
+    64 MP through, so only the decoder's own pixel limit stops it."""
+    row = b"\x00" + bytes((width + 7) // 8)  # filter byte 0 + packed zero bits
+    packer = zlib.compressobj(9)
+    body = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)  # 1 bit, greyscale
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", body)
+            + png_chunk(b"IEND", b""))
+
+
+def png_header_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
+    """A PNG whose header claims 10^10 pixels, with almost no data: decoding must never start."""
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header)
+            + png_chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + png_chunk(b"IEND", b""))
+
+
+EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n"
+       b"newpath 0 0 moveto 10 10 lineto stroke\nshowpage\n%%EOF\n")
+
+
+def encoded(fmt: str, size: tuple[int, int] = (24, 20), colour=(200, 30, 30)) -> bytes:
+    """A small solid image in any format PIL writes (JPEG, PNG, WEBP, GIF, BMP, TIFF, ...)."""
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format=fmt)
+    return buffer.getvalue()

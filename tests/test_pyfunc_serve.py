@@ -1,0 +1,176 @@
+"""Issue 14.1 against a real `mlflow models serve` of a registered model: hostile inputs are 400s.
+
+The model is registered in a SQLite registry in a temporary folder (no tracking server needed) and
+served by MLflow's own scoring server on a free loopback port, with small row and byte limits set
+in its environment. Every hostile input must be an INVALID_PARAMETER_VALUE 400 with the same shape
+of message, no traceback and no host path, answered within seconds, and the next valid request
+must still be answered.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.hostile_images import EPS, encoded, png_bomb, png_header_bomb
+from tests.mlflow_server import free_port, http_get
+
+pytestmark = pytest.mark.slow
+MODEL = "clip-hostile"
+MAX_ROWS, MAX_BYTES = 8, 200_000
+ANSWER_WITHIN_S = 10.0
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    """(url, root, bundle) of `mlflow models serve` running models:/MODEL/1."""
+    import mlflow
+
+    from registry import pyfunc
+    from tests.tiny_model import export_tiny_bundle
+
+    root = tmp_path_factory.mktemp("pyfunc-serve")
+    bundle = export_tiny_bundle(root / "export")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    cwd, old_uri = Path.cwd(), os.environ.get("MLFLOW_TRACKING_URI")
+    os.chdir(root)  # the SQLite store's default artifact root is ./mlruns
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        mlflow.set_tracking_uri(uri)
+        with mlflow.start_run():
+            info = pyfunc.log_model(bundle, name="clip")
+        mlflow.register_model(info.model_uri, MODEL)
+    finally:
+        os.chdir(cwd)
+        if old_uri is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = old_uri
+    port = free_port()
+    bin_dir = str(Path(sys.executable).parent)
+    env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PATH=bin_dir + os.pathsep + os.environ["PATH"],
+               CLIPMS_SERVE_MAX_ROWS=str(MAX_ROWS), CLIPMS_SERVE_MAX_BYTES=str(MAX_BYTES))
+    log_path = root / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [f"{bin_dir}/mlflow", "models", "serve", "-m", f"models:/{MODEL}/1", "--env-manager",
+             "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
+    try:
+        wait_until_up(f"http://127.0.0.1:{port}/ping", proc, log_path, timeout=300)
+        yield f"http://127.0.0.1:{port}", root, bundle
+    finally:
+        os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+            proc.wait(timeout=20)
+
+
+def wait_until_up(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if http_get(url, timeout=2)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"{url} not answering after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def invoke(url: str, columns: list[str], rows: list[list]) -> tuple[int, dict, float]:
+    body = json.dumps({"dataframe_split": {"columns": columns, "data": rows}}).encode()
+    request = urllib.request.Request(f"{url}/invocations", data=body,
+                                     headers={"Content-Type": "application/json"})
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            status, payload = response.status, response.read()
+    except urllib.error.HTTPError as err:
+        status, payload = err.code, err.read()
+    return status, json.loads(payload), time.monotonic() - started
+
+
+def noise_png(side: int) -> bytes:
+    pixels = np.random.default_rng(side).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def hostile_requests(root: Path) -> dict[str, tuple[list[str], list[list], str]]:
+    """name -> (columns, rows, what the message must say)."""
+    real_image = root / "real.png"
+    real_image.write_bytes(encoded("PNG"))
+    not_image = root / "notes.txt"
+    not_image.write_text("a file of the host that is no image\n")
+    not_base64 = "not valid base64; images are accepted only as base64-encoded JPEG, PNG or WEBP"
+    big = b64(noise_png(260))  # ~270 KB of base64: over the 200 KB byte limit
+    assert len(big) > MAX_BYTES
+    return {
+        "path to a real image": (["image"], [[str(real_image)]], not_base64),
+        "path to an existing non-image": (["image"], [[str(not_image)]], not_base64),
+        "path to a missing file": (["image"], [[str(root / "missing.png")]], not_base64),
+        "/etc/passwd": (["image"], [["/etc/passwd"]], not_base64),
+        "file: URL": (["image"], [["file:///etc/hostname"]], not_base64),
+        "decompression bomb PNG (64 MP)": (["image"], [[b64(png_bomb())]],
+                                           "over the pixel limit of 50000000"),
+        "PNG header claiming 10^10 pixels": (["image"], [[b64(png_header_bomb())]],
+                                             "over the pixel limit of 50000000"),
+        "EPS": (["image"], [[b64(EPS)]], "not a JPEG, PNG or WEBP image"),
+        "GIF": (["image"], [[b64(encoded("GIF"))]], "not a JPEG, PNG or WEBP image"),
+        "truncated PNG": (["image"], [[b64(noise_png(64)[:2000])]], "cannot decode image"),
+        "too many rows": (["text"], [[f"caption {i}"] for i in range(MAX_ROWS + 1)],
+                          f"{MAX_ROWS + 1} rows in one request, over the limit of {MAX_ROWS}"),
+        "too many bytes": (["image"], [[big]], f"over the limit of {MAX_BYTES}"),
+    }
+
+
+def test_hostile_inputs_are_400s_and_the_server_keeps_answering(served) -> None:
+    url, root, bundle = served
+    from clipms.infer import Encoder
+
+    valid_image = encoded("PNG", size=(40, 32))
+    want = Encoder(bundle, kernel_fusion=False).encode_images([valid_image])[0]
+    messages = {}
+    for name, (columns, rows, expected) in hostile_requests(root).items():
+        status, body, seconds = invoke(url, columns, rows)
+        assert status == 400, (name, status, body)
+        assert body["error_code"] == "INVALID_PARAMETER_VALUE", (name, body)
+        assert "stack_trace" not in body, (name, body)
+        text = json.dumps(body)
+        assert "Traceback" not in text and "site-packages" not in text, (name, text[:500])
+        assert str(bundle) not in text and ".py" not in text, (name, text[:500])
+        assert expected in body["message"], (name, body["message"][-400:])
+        assert seconds < ANSWER_WITHIN_S, (name, seconds)
+        messages[name] = body["message"].split("\nError: ", 1)[-1]
+        print(f"{name}: {status} in {seconds:.2f} s: {messages[name]}")
+        # ... and the next valid request is answered, with the right embedding.
+        status, ok, _ = invoke(url, ["image"], [[b64(valid_image)]])
+        assert status == 200, (name, ok)
+        np.testing.assert_allclose(ok["predictions"][0]["image_embedding"], want, atol=1e-5)
+    # No existence oracle: an existing image, an existing other file and a missing one alike.
+    paths = ("path to a real image", "path to an existing non-image", "path to a missing file")
+    assert len({messages[name] for name in paths}) == 1, {name: messages[name] for name in paths}
+    assert messages["too many rows"].startswith(f"{MAX_ROWS + 1} rows")
