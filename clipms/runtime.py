@@ -45,7 +45,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict
+
+from clipms.params import Section
+from clipms.schema import cadence
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +65,13 @@ SWITCH = "CLIPMS_KERNEL_FUSION"
 DEFAULT_JIT_LEVEL = {"Ascend": "O1"}  # elsewhere MindSpore's own default (O0)
 
 
-class RuntimeConfig(BaseModel):
+class RuntimeConfig(Section):
     """The `runtime` params section (params.yaml documents each key)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     device_target: Literal["CPU", "GPU", "Ascend"] = "CPU"
-    device_id: int | None = Field(None, ge=0)  # None: MindSpore's choice (0; negotiated by msrun)
+    device_id: int | None = cadence(None, ge=0)  # None: MindSpore's choice (msrun: per rank)
     mode: Literal["graph", "pynative"] = "graph"
     jit_level: Literal["O0", "O1"] | None = None  # None: DEFAULT_JIT_LEVEL of the device
     kernel_fusion: bool = True  # CPU only: graph-kernel fusion (FUSION_FLAGS)
