@@ -59,7 +59,8 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
     with _step(f"tagging version {number}"):
         run_tags = mlflow_client.get_run(run.run_id).data.tags
         tags = {k: v for k, v in run_tags.items() if k.startswith("lineage.")}
-        tags["lineage.val_digest"] = val_digest() or run_tags.get("lineage.val_digest", "")
+        tags["lineage.val_digest"] = (val_digest(run.files.manifest)
+                                     or run_tags.get("lineage.val_digest", ""))
         tags.update({f"metric.{mlflow_key(k)}": repr(v) for k, v in metrics.items()})
         tags["run_id"] = run.run_id or ""
         for key, value in tags.items():

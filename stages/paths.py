@@ -28,7 +28,9 @@ TOKENIZER = Path("models/tokenizer.json")
 CHECKPOINT = Path("models/clip.ckpt")
 RUN_CONFIG = Path("models/clip.json")
 MLFLOW_RUN = Path("models/mlflow_run.json")  # the MLflow run the stages after train log into
+MLFLOW_JOURNAL = Path("models/mlflow-journal")  # tracking records not sent yet (not a DVC out)
 CHECKPOINTS = Path("models/checkpoints")
+CHECKPOINTS_RUN = CHECKPOINTS / "mlflow_run.json"  # the MLflow run that wrote the checkpoints
 MSRUN_LOGS = CHECKPOINTS / "msrun"
 BUNDLE = Path("models/export")
 

@@ -20,7 +20,7 @@ def main() -> int:
     from registry.settings import register_params
 
     try:
-        params = register_params()
+        params = register_params(paths.PARAMS)
     except ParamsError as err:
         print(f"register: error: {err}", file=sys.stderr)
         return 1
@@ -30,12 +30,13 @@ def main() -> int:
     from registry.lineage import flatten
     from registry.registration import RegistryError, register_version
     from registry.run import PipelineRun, TrackingUnavailable
+    from stages.tracking import FILES
 
     try:
-        run = PipelineRun.resume()
+        run = PipelineRun.resume(FILES)
     except FileNotFoundError as err:  # train ran without tracking: the model still gets a run
         print(f"register: {err}; opening a run here", file=sys.stderr)
-        run = PipelineRun.open("register", {}, run_file=None)
+        run = PipelineRun.open("register", {}, FILES, owns_run_file=False)
     run.log_params(flatten("register", params.model_dump()))
     try:
         record = register_version(run, paths.BUNDLE, params, read_json(paths.EVAL_METRICS))
