@@ -278,7 +278,7 @@ def train_split_size(manifest: Path) -> tuple[int | None, str]:
 def preflight(params: dict[str, Any], manifest: Path, checkpoints: Path,
               stale_sets: int) -> tuple[RunPlan, list[Check], dict[str, Any]]:
     """(plan, checks, what the run would do) for a params dict; nothing runs or is written."""
-    from clipms.data import loader_workers
+    from clipms.loader import loader_workers
 
     plan = RunPlan.from_params(params)
     model = model_config(params)
@@ -323,7 +323,7 @@ def apply_overrides(params: dict[str, Any], overrides: dict[str, Any]) -> dict[s
 
 
 def _usable_cores() -> int:
-    from clipms.data import usable_cores
+    from clipms.loader import usable_cores
 
     return usable_cores()
 

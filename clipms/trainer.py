@@ -82,6 +82,7 @@ class TrainConfig:
     loss_scale: float = 2.0**16  # amp: initial dynamic loss scale
     loss_scale_window: int = 1000  # amp: finite steps before doubling the scale
     data_fingerprint: str = ""  # hash of the data/tokenizer the batches come from
+    decode: str = "pil"  # where training images decode (clipms.loader): its pixels differ
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -150,12 +151,12 @@ class ShardBatches:
 
     def __init__(self, shards_dir: Path | str, tokenizer: Any, preprocess: Any, batch_size: int,
                  seed: int = 0, rank: int = 0, group_size: int = 1, workers: int = 2,
-                 augment: bool = False) -> None:
+                 augment: bool = False, decode: str = "pil") -> None:
         from clipms import data
 
         self.shards_dir, self.tokenizer, self.preprocess = shards_dir, tokenizer, preprocess
         self.batch_size, self.seed, self.rank, self.group_size = batch_size, seed, rank, group_size
-        self.workers, self.augment = workers, augment
+        self.workers, self.augment, self.decode = workers, augment, decode
         self.batches_per_epoch = data.steps_per_epoch(shards_dir, batch_size, group_size)
 
     def stream(self, start: int, stop: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -167,7 +168,7 @@ class ShardBatches:
             self.shards_dir, self.tokenizer, self.preprocess, self.batch_size,
             epochs=-(-stop // self.batches_per_epoch), start_step=start, seed=self.seed,
             rank=self.rank, world_size=self.group_size, workers=self.workers,
-            augment=self.augment)
+            augment=self.augment, decode=self.decode)
         batches = dataset.create_tuple_iterator(num_epochs=1, output_numpy=True)
         for _, (images, tokens) in zip(range(stop - start), batches, strict=False):
             yield images, tokens

@@ -57,6 +57,7 @@ class TrainParams(Section):
     grad_clip_norm: float | None = Field(1.0, ge=0)  # null/0: no clipping
     seed: int = 0
     augment: bool = False  # open_clip's RandomResizedCrop(0.9-1.0) on training images
+    decode: Literal["pil", "cpu", "ascend"] = "pil"  # where images decode (clipms.loader)
     workers: Literal["auto"] | Annotated[int, Field(ge=0)] = "auto"  # decode processes per rank
     checkpoint_every: int = Field(100, ge=1)  # optimizer steps
     keep_checkpoints: int = Field(2, ge=1)
@@ -75,7 +76,7 @@ def callbacks() -> list[Any]:
 
 def build_job(params: TrainParams) -> Any:
     from clipms.config import CLIPConfig, get_preset
-    from clipms.data import loader_workers
+    from clipms.loader import loader_workers
     from clipms.tokenizer import Tokenizer
     from clipms.train_job import Outputs, TrainJob, data_fingerprint
     from clipms.trainer import TrainConfig
@@ -93,7 +94,7 @@ def build_job(params: TrainParams) -> Any:
         lock_image=params.lock_image, lock_text=params.lock_text, init_from=params.init_from,
         mode=params.mode, device_target=params.device_target, kernel_fusion=params.kernel_fusion,
         checkpoint_every=params.checkpoint_every, keep_checkpoints=params.keep_checkpoints,
-        log_every=params.log_every,
+        log_every=params.log_every, decode=params.decode,
         data_fingerprint=data_fingerprint(paths.SHARDS, paths.TOKENIZER))
     outputs = Outputs(checkpoint=str(paths.CHECKPOINT), run_config=str(paths.RUN_CONFIG),
                       metrics=str(paths.TRAIN_METRICS), plot=str(paths.TRAIN_CURVE))
