@@ -13,6 +13,7 @@ from registry.run import PipelineRun
 from registry.settings import client
 
 MODEL_ARTIFACT = "clip"  # the logged model's name inside the run
+INDEX_ARTIFACT = "index"  # the search index's folder among the run's artifacts (serving/ reads it)
 
 
 def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -22,8 +23,10 @@ def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 def register_version(run: PipelineRun, bundle_dir: Path | str, model_name: str,
                      primary_metric: str, margin: float,
-                     eval_metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """Log + register the bundle as a new version of `model_name`; returns the gate's record."""
+                     eval_metrics: Mapping[str, Any],
+                     index_dir: Path | str | None = None) -> dict[str, Any]:
+    """Log + register the bundle as a new version of `model_name`; returns the gate's record.
+    `index_dir` (the index stage's output) is logged beside it, so the version's run holds both."""
     import mlflow
 
     metrics = numeric(eval_metrics)
@@ -33,6 +36,8 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, model_name: str,
     run.require_sent()  # replays anything earlier stages could not send; raises if unreachable
     mlflow_client = client()
     info = pyfunc.log_model(bundle_dir, name=MODEL_ARTIFACT, run_id=run.run_id)
+    if index_dir is not None:
+        mlflow_client.log_artifacts(run.run_id, str(index_dir), INDEX_ARTIFACT)
     version = mlflow.register_model(info.model_uri, model_name)
     number = str(version.version)
 

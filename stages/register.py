@@ -14,6 +14,7 @@ from stages.params import ParamsError
 
 EVAL_METRICS = Path("metrics/eval.json")
 BUNDLE_DIR = Path("models/export")
+INDEX_DIR = Path("models/index")  # the index stage's output, logged with the version's run
 OUT = Path("metrics/register.json")
 
 
@@ -38,7 +39,8 @@ def main() -> int:
     run.log_params(flatten("register", params.model_dump()))
     try:
         record = register_version(run, BUNDLE_DIR, params.model_name, params.primary_metric,
-                                  params.margin, read_json(EVAL_METRICS))
+                                  params.margin, read_json(EVAL_METRICS),
+                                  index_dir=INDEX_DIR if INDEX_DIR.is_dir() else None)
     except TrackingUnavailable as err:
         print(f"register: {err}", file=sys.stderr)
         return 1
