@@ -1,0 +1,126 @@
+"""The model being served, its loading, and the live swap to a new champion.
+
+Loading happens off the event loop: downloading and checking the index in a worker thread, then
+building the encoder and compiling every batch shape in the model thread (MindSpore graphs are only
+ever touched from that one thread). A version is swapped in only when all of that succeeded; the
+swap itself is one assignment on the event loop, so a request sees the old engine or the new one,
+never a mix. The old engine keeps answering the requests it accepted and is closed after the last.
+
+`follow()` polls the registry every `poll_s` seconds; a version that failed to load is not tried
+again (its reason stays in `/metrics` and the log), the current one keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from serving.engine import BatchSettings, Engine
+from serving.metrics import ServiceMetrics
+from serving.source import Fetched, RegistrySource
+
+log = logging.getLogger("clipms.serving")
+
+
+class NotReady(RuntimeError):
+    """No model is loaded yet (HTTP 503)."""
+
+
+def build_engine(fetched: Fetched, max_batch: int) -> Engine:
+    """Encoder + checked index + compiled shapes; blocking, run in the model thread."""
+    from clipms.index import ImageIndex, ImageIndexError, bundle_digest
+    from clipms.infer import Encoder
+
+    digest = bundle_digest(fetched.bundle_dir)
+    index = ImageIndex.load(fetched.index_dir, bundle_digest=digest)
+    encoder = Encoder(fetched.bundle_dir, batch_size=max_batch)
+    if index.meta["dim"] != encoder.embed_dim:
+        raise ImageIndexError(f"index dim {index.meta['dim']} != model's {encoder.embed_dim}")
+    engine = Engine(fetched.info, encoder, index, fetched.bundle_dir, digest)
+    engine.warm_up(max_batch)
+    return engine
+
+
+class ServiceState:
+    def __init__(self, batching: BatchSettings, metrics: ServiceMetrics) -> None:
+        self.batching = batching
+        self.metrics = metrics
+        # One thread runs every MindIR call (and model loads): MindSpore graphs are not shared
+        # between threads, and on a small machine one call at a time uses all cores anyway.
+        self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.decode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="decode")
+        self.engine: Engine | None = None
+        self._fetched: dict[str, Fetched] = {}
+        self.failed: dict[str, str] = {}  # version -> why it was not swapped in
+        self._retiring: set[asyncio.Task] = set()
+
+    def acquire(self) -> Engine:
+        if self.engine is None:
+            raise NotReady("no model loaded yet")
+        return self.engine.acquire()
+
+    async def load(self, fetch: Any) -> Engine:
+        """Fetch (`fetch()` -> Fetched, in a thread), build in the model thread, then swap in."""
+        loop = asyncio.get_running_loop()
+        fetched = await asyncio.to_thread(fetch)
+        try:
+            engine = await loop.run_in_executor(self.model_thread, build_engine, fetched,
+                                                self.batching.max_batch)
+        except BaseException:
+            fetched.cleanup()
+            raise
+        self._swap(engine, fetched)
+        return engine
+
+    def _swap(self, engine: Engine, fetched: Fetched) -> None:
+        engine.start(self.model_thread, self.batching, self.metrics.observe_batch)
+        old, self.engine = self.engine, engine  # the atomic swap: one assignment on the loop
+        self._fetched[engine.info.version] = fetched
+        info = engine.info
+        self.metrics.serving(info.name, info.version, info.alias, len(engine.index))
+        if old is not None:
+            self.metrics.swaps.inc()
+            log.info("serving %s v%s (was v%s)", info.name, info.version, old.info.version)
+            task = asyncio.get_running_loop().create_task(self._retire(old))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+        else:
+            log.info("serving %s v%s", info.name, info.version)
+
+    async def _retire(self, old: Engine) -> None:
+        await old.retire()
+        fetched = self._fetched.pop(old.info.version, None)
+        if fetched is not None:
+            fetched.cleanup()  # downloaded files of a version no longer served
+
+    async def follow(self, source: RegistrySource, poll_s: float) -> None:
+        """Swap in each new version the alias points to, until cancelled."""
+        while True:
+            await asyncio.sleep(poll_s)
+            try:
+                version, run_id = await asyncio.to_thread(source.current)
+            except Exception as err:  # the registry is down: keep serving, try again later
+                log.warning("follow %s: cannot read the registry (%s)", source.uri, err)
+                continue
+            current = self.engine.info.version if self.engine else None
+            if version == current or version in self.failed:
+                continue
+            try:
+                await self.load(lambda v=version, r=run_id: source.fetch(v, r))
+            except Exception as err:
+                reason = f"{type(err).__name__}: {err}"
+                self.failed[version] = reason
+                self.metrics.swap_failed(version, reason, time.time())
+                log.error("follow %s: v%s not swapped in, still serving v%s: %s", source.uri,
+                          version, current, reason)
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.retire()
+        self.model_thread.shutdown(wait=False, cancel_futures=True)
+        self.decode_pool.shutdown(wait=False, cancel_futures=True)
+        for fetched in self._fetched.values():
+            fetched.cleanup()
