@@ -9,7 +9,7 @@ import csv
 import hashlib
 import io
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,12 @@ CSV_COLUMNS = ("step", "epoch", "loss", "lr", "logit_scale", "samples_per_s", "g
 
 @dataclass(frozen=True)
 class Outputs:
-    checkpoint: str = "models/clip.ckpt"
-    run_config: str = "models/clip.json"
-    metrics: str = "metrics/train.json"
-    plot: str = "plots/train.csv"
+    """Where a finished run's files go (the train stage names them)."""
+
+    checkpoint: str
+    run_config: str
+    metrics: str
+    plot: str
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class TrainJob:
     shards_dir: str
     tokenizer: str
     checkpoint_dir: str
-    outputs: Outputs = field(default_factory=Outputs)
+    outputs: Outputs
     resume: bool = True
     loader_workers: int = 2
     augment: bool = False

@@ -8,26 +8,34 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
 from clipms.jsonio import write_json
-from clipms.prep.captions import MetadataError, dedupe, read_metadata, summary, write_images
+from clipms.prep.captions import (
+    MetadataError,
+    check_usable,
+    dedupe,
+    read_metadata,
+    summary,
+    write_images,
+)
+from stages import paths
 from stages.download import fetch_schemes
 from stages.params import ParamsError, Section, load_section
 
-IN_PATH = Path("data/metadata.parquet")
-OUT_PATH = Path("data/images.parquet")
-METRICS_PATH = Path("metrics/dedupe.json")
+READS = (paths.METADATA,)
+WRITES = (paths.IMAGES, paths.DEDUPE_METRICS)
 
 
 class DedupeParams(Section):
     keep: Literal["all", "first"] = "all"
     min_caption_chars: int = Field(5, ge=1, le=1000)
-    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    # Strictly between 0 and 1: an empty train or val split would only fail stages later.
+    val_fraction: float = Field(0.1, gt=0.0, lt=1.0)
     split_salt: str = "clipms"
+    identity: Literal["path", "url", "id"] = "path"  # what keys and splits hash (captions.py)
 
 
 def main() -> int:
@@ -35,13 +43,14 @@ def main() -> int:
     try:
         params = load_section("dedupe", DedupeParams)
         _, schemes = fetch_schemes()
-        result = dedupe(read_metadata(IN_PATH), schemes, **params.model_dump())
+        result = dedupe(read_metadata(paths.METADATA), schemes, **params.model_dump())
+        print(summary(result.stats, time.perf_counter() - started))
+        check_usable(result.stats)
     except (ParamsError, MetadataError) as err:
         print(f"dedupe: error: {err}", file=sys.stderr)
         return 1
-    write_images(result.images, OUT_PATH)
-    write_json(METRICS_PATH, result.stats)
-    print(summary(result.stats, time.perf_counter() - started))
+    write_images(result.images, paths.IMAGES)
+    write_json(paths.DEDUPE_METRICS, result.stats)
     return 0
 
 

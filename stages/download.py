@@ -16,11 +16,11 @@ from pydantic import Field, field_validator
 
 from clipms.jsonio import write_json
 from clipms.prep.download import DownloadError, DownloadSettings, allowed_schemes, download_images
+from stages import paths
 from stages.params import PARAMS_FILE, ParamsError, Section, read_params, validate_section
 
-IN_PATH = Path("data/images.parquet")
-OUT_DIR = Path("data/download")
-METRICS_PATH = Path("metrics/download.json")
+READS = (paths.IMAGES, paths.SYNTHETIC)  # file: URLs of the synthetic source point there
+WRITES = (paths.DOWNLOAD, paths.DOWNLOAD_METRICS)
 
 
 class DownloadParams(Section):
@@ -68,11 +68,11 @@ def main() -> int:
     try:
         params, schemes = fetch_schemes()
         settings = DownloadSettings(**params.model_dump(exclude={"allowed_schemes"}))
-        metrics = download_images(IN_PATH, OUT_DIR, settings, schemes)
+        metrics = download_images(paths.IMAGES, paths.DOWNLOAD, settings, schemes)
     except (ParamsError, DownloadError, FileNotFoundError, ValueError) as err:
         print(f"download: error: {err}", file=sys.stderr)
         return 1
-    write_json(METRICS_PATH, metrics)
+    write_json(paths.DOWNLOAD_METRICS, metrics)
     return 0
 
 

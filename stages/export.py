@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from pydantic import Field
 
+from stages import paths
 from stages.params import ParamsError, Section, load_section
 
-CHECKPOINT = Path("models/clip.ckpt")
-RUN_CONFIG = Path("models/clip.json")
-TOKENIZER = Path("models/tokenizer.json")
-SHARDS_DIR = Path("data/shards")
-BUNDLE_DIR = Path("models/export")
-METRICS = Path("metrics/export.json")
+READS = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.TOKENIZER, paths.SHARDS_VAL, paths.MANIFEST,
+         paths.MLFLOW_RUN)
+WRITES = (paths.BUNDLE, paths.EXPORT_METRICS)
 
 
 class ExportParams(Section):
@@ -35,9 +32,9 @@ def parity_inputs(params: ExportParams, preprocess, tokenizer) -> tuple[np.ndarr
     from clipms.data import iter_eval_batches
 
     wanted = max(params.batch_sizes)
-    batch = next(iter_eval_batches(SHARDS_DIR, preprocess, wanted, split=params.split), None)
+    batch = next(iter_eval_batches(paths.SHARDS, preprocess, wanted, split=params.split), None)
     if batch is None:
-        raise ValueError(f"{SHARDS_DIR}: split {params.split!r} has no samples to check against")
+        raise ValueError(f"{paths.SHARDS}: split {params.split!r} has no samples to check against")
     captions = [caption for captions in batch.captions for caption in captions]
     return batch.images, tokenizer.encode(captions[:wanted])
 
@@ -57,19 +54,20 @@ def main() -> int:
     from clipms.trained import RunConfig, TrainedModelError, load_clip
 
     try:
-        run = RunConfig.read(RUN_CONFIG)
-        export_bundle(load_clip(CHECKPOINT, run.model), run.preprocess, TOKENIZER, BUNDLE_DIR)
-        images, tokens = parity_inputs(params, run.preprocess, Tokenizer.load(TOKENIZER))
-        reference = load_clip(CHECKPOINT, run.model)  # fresh from disk: the checkpoint is truth
-        report = parity_report(reference, BUNDLE_DIR, images, tokens, params.batch_sizes,
+        run = RunConfig.read(paths.RUN_CONFIG)
+        export_bundle(load_clip(paths.CHECKPOINT, run.model), run.preprocess, paths.TOKENIZER,
+                      paths.BUNDLE)
+        images, tokens = parity_inputs(params, run.preprocess, Tokenizer.load(paths.TOKENIZER))
+        reference = load_clip(paths.CHECKPOINT, run.model)  # fresh from disk: the truth
+        report = parity_report(reference, paths.BUNDLE, images, tokens, params.batch_sizes,
                                params.tolerance)
     except (TrainedModelError, ValueError) as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 1
     report.update(parity_images=int(images.shape[0]), parity_captions=int(tokens.shape[0]),
                   **{f"{p.stem}_mb": round(p.stat().st_size / 2**20, 3)
-                     for p in sorted(BUNDLE_DIR.glob("*.mindir"))})
-    write_json(METRICS, report)
+                     for p in sorted(paths.BUNDLE.glob("*.mindir"))})
+    write_json(paths.EXPORT_METRICS, report)
     from registry.run import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
 
     log_stage("export", params.model_dump(), report)
@@ -78,7 +76,7 @@ def main() -> int:
     except ParityError as err:
         print(f"export: FAILED: {err}", file=sys.stderr)
         return 1
-    print(f"export: {BUNDLE_DIR} written and checked in {time.perf_counter() - started:.1f} s: "
+    print(f"export: {paths.BUNDLE} written and checked in {time.perf_counter() - started:.1f} s: "
           f"max abs error image {report['image_max_abs_error']:.2e}, text "
           f"{report['text_max_abs_error']:.2e} (tolerance {params.tolerance:g}, batch sizes "
           f"{params.batch_sizes})")

@@ -10,17 +10,15 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
+from stages import paths
 from stages.params import ParamsError, Section, load_section
 
-BUNDLE_DIR = Path("models/export")
-SHARDS_DIR = Path("data/shards")
-INDEX_DIR = Path("models/index")
-METRICS = Path("metrics/index.json")
+READS = (paths.BUNDLE, paths.SHARDS_TRAIN, paths.SHARDS_VAL, paths.MANIFEST)
+WRITES = (paths.INDEX, paths.INDEX_METRICS)
 
 
 class IndexParams(Section):
@@ -39,10 +37,10 @@ def items(splits: list[str]) -> Iterator:
     from clipms.index import Item
     from clipms.webds import read_manifest, read_tar, split_entry
 
-    manifest = read_manifest(SHARDS_DIR)
+    manifest = read_manifest(paths.SHARDS)
     for split in splits:
-        for shard in split_entry(manifest, split, str(SHARDS_DIR))["shards"]:
-            for sample in read_tar(SHARDS_DIR / shard["name"]):
+        for shard in split_entry(manifest, split, str(paths.SHARDS))["shards"]:
+            for sample in read_tar(paths.SHARDS / shard["name"]):
                 captions = sample.meta.get("captions") or [sample.caption]
                 yield Item(sample.key, sample.image or b"", str(captions[0]), split)
 
@@ -64,16 +62,17 @@ def main() -> int:
                             hnsw_ef_search=params.hnsw_ef_search, ivf_nlist=params.ivf_nlist,
                             ivf_nprobe=params.ivf_nprobe)
     try:
-        encoder = Encoder(BUNDLE_DIR, batch_size=params.batch_size)
-        report = build_index(encoder, items(params.splits), INDEX_DIR, bundle_digest(BUNDLE_DIR),
-                             options, params.thumbnail_size, params.batch_size)
+        encoder = Encoder(paths.BUNDLE, batch_size=params.batch_size)
+        report = build_index(encoder, items(params.splits), paths.INDEX,
+                             bundle_digest(paths.BUNDLE), options, params.thumbnail_size,
+                             params.batch_size)
     except (BundleError, DataError, ImageIndexError, ImportError) as err:
         print(f"index: error: {err}", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - started
     report.update(seconds=round(seconds, 2), splits=params.splits)
-    write_json(METRICS, report)
-    print(f"index: {report['rows']} images of {params.splits} in {INDEX_DIR} "
+    write_json(paths.INDEX_METRICS, report)
+    print(f"index: {report['rows']} images of {params.splits} in {paths.INDEX} "
           f"({params.search} search, {sum(report['skipped'].values())} skipped) in {seconds:.1f} s")
     return 0
 

@@ -12,10 +12,11 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from clipms.prep.metadata import MSCOCO_URL, MetadataError, MetadataSpec, build_metadata
+from stages import paths
 from stages.params import ParamsError, Section, load_section
 
-OUT_PATH = "data/metadata.parquet"
-SYNTHETIC_DIR = "data/synthetic"  # relative on purpose: it is part of every synthetic URL
+READS: tuple = ()
+WRITES = (paths.METADATA, paths.SYNTHETIC)
 
 
 class MetadataParams(Section):
@@ -33,6 +34,7 @@ class MetadataParams(Section):
     path: str | None = Field(None, validate_default=True)
     url_col: str = Field("URL", min_length=1)
     caption_col: str = Field("TEXT", min_length=1)
+    id_col: str | None = Field(None, min_length=1)  # an image id column (dedupe.identity: id)
 
     @field_validator("sha256")
     @classmethod
@@ -59,7 +61,8 @@ class MetadataParams(Section):
 def main() -> int:
     try:
         params = load_section("metadata", MetadataParams)
-        summary = build_metadata(MetadataSpec(**params.model_dump()), OUT_PATH, SYNTHETIC_DIR)
+        summary = build_metadata(MetadataSpec(**params.model_dump()), paths.METADATA,
+                                 paths.SYNTHETIC)
     except (ParamsError, MetadataError) as err:
         print(f"metadata: error: {err}", file=sys.stderr)
         return 1

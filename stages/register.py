@@ -8,14 +8,12 @@ when it is unreachable this stage fails with a message naming it; nothing upstre
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
+from stages import paths
 from stages.params import ParamsError
 
-EVAL_METRICS = Path("metrics/eval.json")
-BUNDLE_DIR = Path("models/export")
-INDEX_DIR = Path("models/index")  # the index stage's output, logged with the version's run
-OUT = Path("metrics/register.json")
+READS = (paths.BUNDLE, paths.INDEX, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST)
+WRITES = (paths.REGISTER_METRICS,)
 
 
 def main() -> int:
@@ -38,13 +36,14 @@ def main() -> int:
         run = PipelineRun.open("register", {}, run_file=None)
     run.log_params(flatten("register", params.model_dump()))
     try:
-        record = register_version(run, BUNDLE_DIR, params.model_name, params.primary_metric,
-                                  params.margin, read_json(EVAL_METRICS),
-                                  index_dir=INDEX_DIR if INDEX_DIR.is_dir() else None)
+        # The index is logged with the version's run (a test workspace may have none).
+        record = register_version(run, paths.BUNDLE, params.model_name, params.primary_metric,
+                                  params.margin, read_json(paths.EVAL_METRICS),
+                                  index_dir=paths.INDEX if paths.INDEX.is_dir() else None)
     except TrackingUnavailable as err:
         print(f"register: {err}", file=sys.stderr)
         return 1
-    write_json(OUT, record)
+    write_json(paths.REGISTER_METRICS, record)
     run.close()
     print(f"register: {params.model_name} v{record['version']} -> {record['alias']} "
           f"({record['reason']})")

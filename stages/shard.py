@@ -6,17 +6,16 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from pydantic import Field
 
 from clipms.jsonio import write_json
 from clipms.prep.shards import ShardError, ShardSettings, build_shards
+from stages import paths
 from stages.params import ParamsError, Section, load_section
 
-IN_DIR = Path("data/download")
-OUT_DIR = Path("data/shards")
-METRICS_PATH = Path("metrics/shard.json")
+READS = (paths.DOWNLOAD,)
+WRITES = (paths.SHARDS_TRAIN, paths.SHARDS_VAL, paths.MANIFEST, paths.SHARD_METRICS)
 
 
 class ShardParams(Section):
@@ -29,11 +28,11 @@ class ShardParams(Section):
 def main() -> int:
     try:
         params = load_section("shard", ShardParams)
-        metrics = build_shards(IN_DIR, OUT_DIR, ShardSettings(**params.model_dump()))
+        metrics = build_shards(paths.DOWNLOAD, paths.SHARDS, ShardSettings(**params.model_dump()))
     except (ParamsError, ShardError) as err:
         print(f"shard: error: {err}", file=sys.stderr)
         return 1
-    write_json(METRICS_PATH, metrics)
+    write_json(paths.SHARD_METRICS, metrics)
     return 0
 
 

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
 
 from clipms.data import DataError, iter_captions
 from clipms.tokenizer import MIN_TRAINED_VOCAB, Tokenizer, TokenizerError
+from stages import paths
 from stages.params import ParamsError, Section, load_section
 
-SHARDS_DIR = Path("data/shards")
-OUT_PATH = Path("models/tokenizer.json")
+READS = (paths.SHARDS_TRAIN, paths.MANIFEST)
+WRITES = (paths.TOKENIZER,)
 
 
 class TokenizerParams(Section):
@@ -33,9 +33,9 @@ class TokenizerParams(Section):
 def build(params: TokenizerParams) -> Tokenizer:
     if params.kind == "openai":
         return Tokenizer.openai(params.context_length, params.openai_vocab)
-    captions = list(iter_captions(SHARDS_DIR, "train"))
+    captions = list(iter_captions(paths.SHARDS, "train"))
     if not captions:
-        raise DataError(f"{SHARDS_DIR}: the train split has no captions to train on")
+        raise DataError(f"{paths.SHARDS}: the train split has no captions to train on")
     print(f"tokenizer: training a BPE on {len(captions)} train captions")
     return Tokenizer.train(captions, params.vocab_size, params.context_length,
                            min_frequency=params.min_frequency)
@@ -49,8 +49,8 @@ def main() -> int:
     except (ParamsError, DataError, TokenizerError) as err:
         print(f"tokenizer: error: {err}", file=sys.stderr)
         return 1
-    tokenizer.save(OUT_PATH)
-    print(f"tokenizer: wrote {OUT_PATH}: kind {tokenizer.kind}, {tokenizer.vocab_size} ids "
+    tokenizer.save(paths.TOKENIZER)
+    print(f"tokenizer: wrote {paths.TOKENIZER}: kind {tokenizer.kind}, {tokenizer.vocab_size} ids "
           f"(SOT {tokenizer.sot_id}, EOT {tokenizer.eot_id}, pad 0), context "
           f"{tokenizer.context_length}, in {time.perf_counter() - started:.1f} s")
     return 0

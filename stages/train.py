@@ -12,17 +12,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
 
+from stages import paths
 from stages.params import ParamsError, Section, load_section
 
-SHARDS_DIR = Path("data/shards")
-TOKENIZER = Path("models/tokenizer.json")
-CHECKPOINT_DIR = Path("models/checkpoints")
-MSRUN_LOG_DIR = Path("models/checkpoints/msrun")
+READS = (paths.TOKENIZER, paths.SHARDS_TRAIN, paths.MANIFEST)
+WRITES = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.MLFLOW_RUN, paths.CHECKPOINTS,
+          paths.TRAIN_METRICS, paths.TRAIN_CURVE)
 
 
 class DistributedParams(Section):
@@ -65,10 +64,10 @@ def callbacks() -> list[Any]:
 def build_job(params: TrainParams) -> Any:
     from clipms.config import CLIPConfig, get_preset
     from clipms.tokenizer import Tokenizer
-    from clipms.train_job import TrainJob, data_fingerprint
+    from clipms.train_job import Outputs, TrainJob, data_fingerprint
     from clipms.trainer import TrainConfig
 
-    tokenizer = Tokenizer.load(TOKENIZER)
+    tokenizer = Tokenizer.load(paths.TOKENIZER)
     base = get_preset(params.preset).to_dict()
     model = CLIPConfig.from_dict(_merge(base, params.model))
     model = dataclasses.replace(model, text=dataclasses.replace(
@@ -81,9 +80,13 @@ def build_job(params: TrainParams) -> Any:
         lock_image=params.lock_image, lock_text=params.lock_text, init_from=params.init_from,
         mode=params.mode, device_target=params.device_target, kernel_fusion=params.kernel_fusion,
         checkpoint_every=params.checkpoint_every, keep_checkpoints=params.keep_checkpoints,
-        log_every=params.log_every, data_fingerprint=data_fingerprint(SHARDS_DIR, TOKENIZER))
-    return TrainJob(config=config, shards_dir=str(SHARDS_DIR), tokenizer=str(TOKENIZER),
-                    checkpoint_dir=str(CHECKPOINT_DIR), resume=params.resume == "auto",
+        log_every=params.log_every,
+        data_fingerprint=data_fingerprint(paths.SHARDS, paths.TOKENIZER))
+    outputs = Outputs(checkpoint=str(paths.CHECKPOINT), run_config=str(paths.RUN_CONFIG),
+                      metrics=str(paths.TRAIN_METRICS), plot=str(paths.TRAIN_CURVE))
+    return TrainJob(config=config, shards_dir=str(paths.SHARDS), tokenizer=str(paths.TOKENIZER),
+                    checkpoint_dir=str(paths.CHECKPOINTS), outputs=outputs,
+                    resume=params.resume == "auto",
                     loader_workers=params.workers, augment=params.augment)
 
 
@@ -117,7 +120,7 @@ def main() -> int:
         if params.distributed.workers > 1:
             from clipms.distributed import launch
 
-            launch(job, params.distributed.workers, MSRUN_LOG_DIR)
+            launch(job, params.distributed.workers, paths.MSRUN_LOGS)
             summary = train_job.replay(job.outputs, sinks)
         else:
             summary = train_job.run(job, sinks).summary

@@ -12,8 +12,10 @@ import pytest
 from clipms.prep.captions import (
     MetadataError,
     assign_splits,
+    check_usable,
     comparison_keys,
     dedupe,
+    image_identities,
     normalise_captions,
     read_metadata,
     stable_keys,
@@ -135,13 +137,73 @@ def test_keys_and_splits_are_stable_and_by_image():
     val = splits.count("val") / len(splits)
     assert abs(val - 0.1) < 0.01  # binomial sd ~0.002
     assert assign_splits(urls, 0.1, "other salt") != splits
-    assert set(assign_splits(urls[:100], 0.0, "s")) == {"train"}
+    assert set(assign_splits(urls[:100], 0.0, "s")) == {"train"}  # the library allows 0; params not
+
+
+def test_identity_is_the_url_path_by_default():
+    urls = pa.array(["http://a.example:8000/x/1.jpg?sig=abc#frag", "HTTPS://user:pw@b.example/x/1.jpg",
+                     "file:data/synthetic/000001.png", "http://c.example", "http://[::1]:81/y.png"])
+    assert image_identities(urls, "path").to_pylist() == [
+        "/x/1.jpg", "/x/1.jpg", "data/synthetic/000001.png", "", "/y.png"]
+    assert image_identities(urls, "url").to_pylist() == urls.to_pylist()
+    with pytest.raises(MetadataError, match="metadata.id_col"):
+        image_identities(urls, "id", None)
+
+
+def test_same_images_from_two_ports_or_hosts_get_the_same_keys_and_split():
+    """The measured bug: one dataset served on two loopback ports got 210 vs 201 val images."""
+    def served_at(base: str) -> pd.DataFrame:
+        return frame([(f"{base}/images/{i:06d}.jpg", f"caption of image {i}") for i in range(2000)])
+
+    first = dedupe(served_at("http://127.0.0.1:8001"), HTTP, log=quiet).images
+    second = dedupe(served_at("http://localhost:8002"), HTTP, log=quiet).images
+    assert first["key"].tolist() == second["key"].tolist()
+    assert first["split"].tolist() == second["split"].tolist()
+    assert 150 < (first["split"] == "val").sum() < 250
+    # The whole URL (the old rule, now `identity: url`) tells the two apart: the check can fail.
+    by_url = [dedupe(served_at(base), HTTP, identity="url", log=quiet).images
+              for base in ("http://127.0.0.1:8001", "http://localhost:8002")]
+    assert by_url[0]["split"].tolist() != by_url[1]["split"].tolist()
+    assert not set(by_url[0]["key"]) & set(by_url[1]["key"])
+
+
+def test_copies_of_an_image_on_another_host_are_dropped_and_counted():
+    rows = [("http://a/x/1.jpg", "a red circle"), ("http://b/x/1.jpg", "the red circle"),
+            ("http://a/x/2.jpg", "a blue square"), ("http://a/x/2.jpg?size=big", "blue square")]
+    lines: list[str] = []
+    result = dedupe(frame(rows), HTTP, log=lines.append)
+    assert result.images["url"].tolist() == ["http://a/x/1.jpg", "http://a/x/2.jpg"]
+    assert result.stats["same_identity"] == 2 and result.stats["images_removed"] == 2
+    assert any("2 images share their identity" in line and "identity: url" in line
+               for line in lines)
+    assert dedupe(frame(rows), HTTP, identity="url", log=quiet).stats["same_identity"] == 0
+
+
+def test_identity_from_an_id_column():
+    rows = pd.DataFrame({"URL": ["http://a/1.jpg", "http://a/1.jpg", "http://b/z.jpg"],
+                         "TEXT": ["a red circle", "the red circle", "a blue square"],
+                         "ID": ["coco-1", None, "coco-2"]})
+    images = dedupe(rows, HTTP, identity="id", log=quiet).images
+    assert images["key"].tolist() == stable_keys(["coco-1", "coco-2"])
+    with pytest.raises(MetadataError, match="ID"):
+        dedupe(rows.drop(columns="ID"), HTTP, identity="id", log=quiet)
+
+
+def test_nothing_useful_left_is_an_error():
+    with pytest.raises(MetadataError, match="no image left"):
+        check_usable(dedupe(frame([("ftp://x/1", "a caption")]), HTTP, log=quiet).stats)
+    one = dedupe(frame([("http://x/1.jpg", "a single caption")]), HTTP, log=quiet).stats
+    with pytest.raises(MetadataError, match=r"the (val|train) split is empty"):
+        check_usable(one)
+    many = dedupe(frame([(f"http://x/{i}.jpg", "a caption here") for i in range(100)]), HTTP,
+                  log=quiet).stats
+    check_usable(many)
 
 
 def test_split_is_by_image_and_survives_more_data():
     rows = [(f"http://x/{i % 50}.jpg", f"caption number {i}") for i in range(250)]
     small = dedupe(frame(rows), HTTP, val_fraction=0.3, log=quiet).images
-    bigger_rows = rows + [(f"http://y/{i}.jpg", f"new caption {i}") for i in range(100)]
+    bigger_rows = rows + [(f"http://y/new/{i}.jpg", f"new caption {i}") for i in range(100)]
     bigger = dedupe(frame(bigger_rows), HTTP, val_fraction=0.3, log=quiet).images
     assert len(small) == 50 and all(len(c) == 5 for c in small["captions"])
     merged = small.merge(bigger, on="url", suffixes=("", "_b"))
@@ -202,6 +264,12 @@ def test_dedupe_params_validation(tmp_path):
         load_section("dedupe", DedupeParams, write(tmp_path, "dedupe:\n  keep: last\n"))
     with pytest.raises(ParamsError, match=r"dedupe.val_fraction = 1.5"):
         load_section("dedupe", DedupeParams, write(tmp_path, "dedupe:\n  val_fraction: 1.5\n"))
+    for value in ("0", "0.0", "1"):  # a split would be empty
+        with pytest.raises(ParamsError, match=r"dedupe.val_fraction"):
+            load_section("dedupe", DedupeParams,
+                         write(tmp_path, f"dedupe:\n  val_fraction: {value}\n"))
+    with pytest.raises(ParamsError, match=r"dedupe.identity = 'host'"):
+        load_section("dedupe", DedupeParams, write(tmp_path, "dedupe:\n  identity: host\n"))
     with pytest.raises(ParamsError, match="dedupe.min_chars: unknown key"):
         load_section("dedupe", DedupeParams, write(tmp_path, "dedupe:\n  min_chars: 3\n"))
 

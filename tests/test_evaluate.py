@@ -55,7 +55,7 @@ def test_retrieval_and_zeroshot_match_an_unbatched_recomputation(workspace):
     ws = workspace
     spec = ZeroShotSpec(templates=("a {}.", "a picture of a {}."))
     report = evaluate(ws["net"], ws["tokenizer"], ws["run"].preprocess,
-                      ws["root"] / "data" / "shards", batch_size=3, zeroshot=spec)
+                      ws["root"] / "data" / "shards", batch_size=3, zeroshot=spec, split="val")
     images, texts, owners = one_by_one(ws)
     want = metrics.retrieval_metrics(images, texts, owners)
     for key, value in want.items():
@@ -85,11 +85,12 @@ def test_label_fields_that_no_image_has_are_a_clear_error(workspace):
     ws = workspace
     with pytest.raises(EvaluationError, match=r"no val image has label fields \['species'\]"):
         evaluate(ws["net"], ws["tokenizer"], ws["run"].preprocess,
-                 ws["root"] / "data" / "shards", 8, ZeroShotSpec(label_fields=("species",)))
+                 ws["root"] / "data" / "shards", 8, ZeroShotSpec(label_fields=("species",)),
+                 split="val")
 
 
 def test_folder_per_class_zeroshot_counts_broken_images(workspace, tmp_path):
-    from clipms.evaluation import zeroshot_from_folder
+    from clipms.zeroshot_sets import zeroshot_from_folder
 
     for c, name in enumerate(["red_circle", "blue_square", "green_star"]):
         (tmp_path / name).mkdir()
@@ -105,7 +106,7 @@ def test_folder_per_class_zeroshot_counts_broken_images(workspace, tmp_path):
 
 
 def test_webdataset_cls_zeroshot(workspace, tmp_path):
-    from clipms.evaluation import EvaluationError, zeroshot_from_webdataset
+    from clipms.zeroshot_sets import EvaluationError, zeroshot_from_webdataset
 
     images = random_images(4, seed=9)
     jpgs = [jpeg_bytes(image) for image in images]
@@ -122,26 +123,94 @@ def test_webdataset_cls_zeroshot(workspace, tmp_path):
         zeroshot_from_webdataset(workspace["net"], workspace["run"].preprocess, tmp_path, 8, None)
 
 
+def frame_components(png, rgb, min_pixels=200):
+    """Connected regions (4-neighbour) of pixels exactly `rgb` with at least `min_pixels`: the
+    solid frames the gallery bakes around its tiles."""
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(png).convert("RGB"))
+    mask = (pixels == np.array(rgb, np.uint8)).all(axis=2)
+    seen = np.zeros_like(mask)
+    sizes = []
+    for y, x in zip(*np.nonzero(mask), strict=True):
+        if seen[y, x]:
+            continue
+        seen[y, x], stack, size = True, [(y, x)], 0
+        while stack:
+            cy, cx = stack.pop()
+            size += 1
+            for ny, nx in ((cy + 1, cx), (cy - 1, cx), (cy, cx + 1), (cy, cx - 1)):
+                if 0 <= ny < mask.shape[0] and 0 <= nx < mask.shape[1] and mask[ny, nx] \
+                        and not seen[ny, nx]:
+                    seen[ny, nx] = True
+                    stack.append((ny, nx))
+        sizes.append(size)
+    return [size for size in sizes if size >= min_pixels]
+
+
+def test_gallery_renders_every_tile_with_its_hits(workspace, tmp_path):
+    from clipms.eval_outputs import GallerySpec, write_gallery
+    from clipms.evaluation import ZeroShotSpec, evaluate
+    from clipms.gallery import HIT_RGB, MISS_RGB, QUERY_RGB
+
+    ws = workspace
+    shards = ws["root"] / "data" / "shards"
+    report = evaluate(ws["net"], ws["tokenizer"], ws["run"].preprocess, shards, 4,
+                      ZeroShotSpec(source="none"), split="val")
+    png = tmp_path / "gallery.png"
+    gallery = write_gallery(report, png, shards, "val", GallerySpec(4, 2, 3), ("colour",))
+    assert gallery.tiles == 4 * 3 + 2
+    # the results against a brute-force ranking of the unbatched features
+    images, texts, owners = one_by_one(ws)
+    images /= np.linalg.norm(images, axis=1, keepdims=True)
+    texts /= np.linalg.norm(texts, axis=1, keepdims=True)
+    colour = [s[3]["colour"] if s[3] else None for s in ws["samples"]]
+    for query in gallery.text_queries:
+        row = owners[query.index]
+        assert query.index == int(np.flatnonzero(owners == row)[0])  # its first caption
+        assert [r.index for r in query.results] == list(np.argsort(-(images @ texts[query.index]),
+                                                                   kind="stable")[:3])
+        for r in query.results:
+            assert r.hit == (r.index == row or (colour[row] is not None
+                                                and colour[r.index] == colour[row]))
+    for query in gallery.image_queries:
+        assert [r.index for r in query.results] == list(np.argsort(-(texts @ images[query.index]),
+                                                                   kind="stable")[:3])
+    assert len({q.index for q in gallery.image_queries}
+               | {int(owners[q.index]) for q in gallery.text_queries}) == 6  # all different
+    hits = sum(r.hit for q in gallery.text_queries for r in q.results)
+    assert len(frame_components(png, HIT_RGB)) == hits
+    assert len(frame_components(png, MISS_RGB)) == 4 * 3 - hits
+    assert len(frame_components(png, QUERY_RGB)) == 2
+
+
 def test_stage_writes_its_declared_outputs(workspace):
     root = workspace["root"]
     (root / "params.yaml").write_text(
         "evaluate:\n  batch_size: 4\n  zeroshot:\n    label_fields: [colour]\n"
-        "    templates: ['a {} thing.']\n")
+        "    templates: ['a {} thing.']\n    attributes: {shape: ['a {}.']}\n"
+        "  gallery: {text_queries: 2, image_queries: 1, top_k: 3}\n")
     env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT)}  # the stage runs in this folder
     proc = run(["python", "-m", "stages.evaluate"], cwd=root, timeout=600, env=env)
-    assert "i2t_R@1" in proc.stdout
+    assert "i2t_R@1" in proc.stdout and "zeroshot_shape_top1" in proc.stdout
     found = json.loads((root / "metrics" / "eval.json").read_text())
     for key in ("i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mAP@10",
                 "zeroshot_top1", "zeroshot_mean_per_class_recall", "num_images", "num_captions",
-                "chance_i2t_R@1", "chance_zeroshot_top1"):
+                "chance_i2t_R@1", "chance_zeroshot_top1", "zeroshot_shape_top1",
+                "chance_zeroshot_shape_top1", "zeroshot_shape_mean_per_class_recall"):
         assert key in found, key
     assert "zeroshot_top5" not in found  # 3 colours < 5 classes
-    assert found["zeroshot_classes"] == 3
+    assert found["zeroshot_classes"] == 3 and found["zeroshot_shape_classes"] == 2
     curve = (root / "plots" / "recall_at_k.csv").read_text().splitlines()
     assert curve[0] == "k,i2t,t2i" and len(curve) == 12
     rows = (root / "plots" / "confusion_matrix.csv").read_text().splitlines()
     assert rows[0] == "actual,predicted" and len(rows) == 11
-    assert (root / "plots" / "confusion_matrix.png").read_bytes()[:4] == b"\x89PNG"
+    for png in ("confusion_matrix.png", "recall_at_k.png", "retrieval_gallery.png"):
+        assert (root / "plots" / png).read_bytes()[:4] == b"\x89PNG", png
+    benchmark = sorted(p.name for p in (root / "metrics" / "clip_benchmark").iterdir())
+    assert benchmark == [f"synthetic_val{part}_clip.ckpt_clipms-tiny_en_zeroshot_{task}.json"
+                         for part, task in (("", "retrieval"), ("_colour", "classification"),
+                                            ("_shape", "classification"))]
 
     (root / "params.yaml").write_text("evaluate:\n  zeroshot:\n    source: imagenet\n")
     bad = run(["python", "-m", "stages.evaluate"], cwd=root, timeout=600, check=False, env=env)

@@ -96,7 +96,7 @@ def test_synthetic_rows_urls_labels_and_bytes_are_deterministic(tmp_path, monkey
     assert Path("data/metadata.parquet").read_bytes() == first
 
     table = pq.read_table("data/metadata.parquet")
-    assert table.schema.names == ["URL", "TEXT", "LABELS"]
+    assert table.schema.names == ["URL", "TEXT", "LABELS", "ID"]
     assert table.num_rows == 12 * synthetic.CAPTIONS_PER_IMAGE == summary.rows
     rows = table.to_pylist()
     assert rows[0]["URL"] == "file:data/synthetic/000001.png"  # no checkout path inside
@@ -152,7 +152,8 @@ def test_mscoco_downloads_and_verifies_the_checksum(tmp_path, server):
     table, summary = _build(tmp_path, source="mscoco", url=server.url("/mscoco.parquet"),
                             sha256=hashlib.sha256(body).hexdigest(), **FAST)
     assert table.to_pydict() == {"URL": ["http://img/1.jpg"] * 2,
-                                 "TEXT": ["A cat.", "A cat on a mat."], "LABELS": [None, None]}
+                                 "TEXT": ["A cat.", "A cat on a mat."], "LABELS": [None, None],
+                                 "ID": [None, None]}
     assert (summary.rows, summary.images, summary.labelled_rows) == (2, 1, 0)
     leftovers = [p.name for p in (tmp_path / "data").iterdir()]
     assert sorted(leftovers) == ["metadata.parquet", "synthetic"]  # no temp/partial files
@@ -223,7 +224,11 @@ def test_local_path_with_custom_columns(tmp_path):
     table, _ = _build(tmp_path, source="local", path=str(_local_file(tmp_path)),
                       url_col="image_url", caption_col="caption")
     assert table.to_pydict() == {"URL": ["http://a/1.jpg", "http://a/2.jpg"],
-                                 "TEXT": ["one", "two"], "LABELS": [None, None]}
+                                 "TEXT": ["one", "two"], "LABELS": [None, None],
+                                 "ID": [None, None]}
+    with_ids, _ = _build(tmp_path, source="local", path=str(_local_file(tmp_path)),
+                         url_col="image_url", caption_col="caption", id_col="extra")
+    assert with_ids["ID"].to_pylist() == ["1", "2"]  # any type, as text (dedupe.identity: id)
 
 
 def test_local_url_is_downloaded(tmp_path, server):

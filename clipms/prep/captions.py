@@ -30,6 +30,7 @@ from clipms.prep.download import scheme_array
 URL_COL = "URL"
 TEXT_COL = "TEXT"
 LABELS_COL = "LABELS"
+ID_COL = "ID"  # optional: an image id from the source (metadata.id_col), for identity "id"
 REASONS = (
     "missing_url", "disallowed_scheme", "empty_caption", "short_caption",
     "exact_duplicate", "duplicate_caption", "not_first_caption",
@@ -41,6 +42,12 @@ IMAGES_SCHEMA = pa.schema([  # the data/images.parquet contract, also when it is
 ])
 
 KeepMode = Literal["all", "first"]
+# What names an image, for its key and its split: "path" (default) the URL without scheme,
+# user-info, host, port, query and fragment, so a mirror or another port gives the same image the
+# same key and split; "url" the whole URL (images told apart by host or query only); "id" the
+# metadata's ID column.
+Identity = Literal["path", "url", "id"]
+_URL_PATH = r"^[A-Za-z][A-Za-z0-9+.\-]*:(?://[^/?#]*)?(?P<path>[^?#]*)"
 
 
 class MetadataError(ValueError):
@@ -106,16 +113,34 @@ def _to_series(values: pa.Array, index: pd.Index) -> pd.Series:
     return pd.Series(values.to_numpy(zero_copy_only=False), index=index, dtype=object)
 
 
-def stable_keys(urls: Iterable[str]) -> list[str]:
-    """16 hex chars of blake2b(url): the same URL gets the same key on every run and machine."""
-    return [hashlib.blake2b(u.encode(), digest_size=8).hexdigest() for u in urls]
+def image_identities(urls: pa.Array, identity: Identity, ids: pa.Array | None = None) -> pa.Array:
+    """Each image's identity (see `Identity`): `http://a:81/x/1.jpg?s=2#f` -> `/x/1.jpg` and
+    `file:data/synthetic/1.png` -> `data/synthetic/1.png` by path; `ids` is needed for "id"."""
+    if identity == "url":
+        return urls
+    if identity == "id":
+        if ids is None or ids.null_count:
+            raise MetadataError(f"dedupe.identity: id needs an {ID_COL!r} column with a value for "
+                                f"every image (set metadata.id_col to the source's image id "
+                                f"column), or use identity path or url")
+        return ids
+    if identity != "path":
+        raise ValueError(f"identity {identity!r} is not one of path, url, id")
+    return pc.fill_null(pc.struct_field(pc.extract_regex(urls, _URL_PATH), [0]), "")
 
 
-def assign_splits(urls: Iterable[str], val_fraction: float, salt: str) -> list[str]:
-    """'val' when a salted hash of the URL falls in the lowest `val_fraction` of its range.
+def stable_keys(identities: Iterable[str]) -> list[str]:
+    """16 hex chars of blake2b(identity): the same image gets the same key on every run, machine
+    and mirror."""
+    return [hashlib.blake2b(u.encode(), digest_size=8).hexdigest() for u in identities]
 
-    Splitting by a hash of the URL (not by row order or an RNG) keeps every image in the same split
-    whatever else is added to or removed from the metadata.
+
+def assign_splits(identities: Iterable[str], val_fraction: float, salt: str) -> list[str]:
+    """'val' when a salted hash of the identity falls in the lowest `val_fraction` of its range.
+
+    Splitting by a hash of the image's identity (not by row order or an RNG) keeps every image in
+    the same split whatever else is added to or removed from the metadata, and wherever it is
+    served from.
     """
     threshold = int(val_fraction * 2**64)
     salt_bytes = salt.encode() + b"\0"
@@ -123,7 +148,7 @@ def assign_splits(urls: Iterable[str], val_fraction: float, salt: str) -> list[s
         "val" if int.from_bytes(
             hashlib.blake2b(salt_bytes + u.encode(), digest_size=8).digest(), "big") < threshold
         else "train"
-        for u in urls
+        for u in identities
     ]
 
 
@@ -153,6 +178,7 @@ def dedupe(
     keep: KeepMode = "all",
     val_fraction: float = 0.1,
     split_salt: str = "clipms",
+    identity: Identity = "path",
     log: Callable[[str], None] = print,
 ) -> DedupeResult:
     """Clean, dedupe and group captions by image; stable keys and a train/val split by image."""
@@ -178,14 +204,31 @@ def dedupe(
     tick(f"applied the dedupe rules, {int(rules.keep.sum()):,} captions kept")
 
     rows = np.flatnonzero(rules.keep)
-    labels = _labels(metadata)
     images = _group_by_image(urls.take(rows), captions.take(rows))
-    images["labels"] = _labels_by_url(images["url"], urls, labels)
-    images["key"] = stable_keys(images["url"])
-    images["split"] = assign_splits(images["url"], val_fraction, split_salt)
-    images = images[IMAGE_COLUMNS]
+    images["labels"] = _first_by_url(images["url"], urls, _labels(metadata))
+    images, same = _by_identity(images, identity, _first_by_url(images["url"], urls, _ids(
+        metadata)) if identity == "id" else None, val_fraction, split_salt)
+    if same:
+        log(f"dedupe: warning: {same:,} images share their identity (dedupe.identity: "
+            f"{identity}) with an earlier image and were dropped as copies; if distinct images "
+            f"differ only in host or query string, set dedupe.identity: url")
     tick(f"grouped into {len(images):,} images")
-    return DedupeResult(images=images, stats=_stats(len(metadata), urls, images, rules.removed))
+    stats = _stats(len(metadata), urls, images, rules.removed)
+    return DedupeResult(images=images, stats={**stats, "same_identity": same})
+
+
+def _by_identity(images: pd.DataFrame, identity: Identity, ids: np.ndarray | None,
+                 val_fraction: float, salt: str) -> tuple[pd.DataFrame, int]:
+    """Keys and splits from each image's identity; a later image whose identity was already seen
+    (the same image from another host, with identity path) is dropped. -> (images, dropped)."""
+    id_array = None if ids is None else pa.array(ids, type=pa.string(), from_pandas=True)
+    names = image_identities(pa.array(images["url"], type=pa.string()), identity, id_array)
+    names = pd.Series(names.to_numpy(zero_copy_only=False), dtype=object)
+    first = ~names.duplicated().to_numpy()
+    images, names = images[first].reset_index(drop=True), names[first]
+    images["key"] = stable_keys(names)
+    images["split"] = assign_splits(names, val_fraction, salt)
+    return images[IMAGE_COLUMNS], int((~first).sum())
 
 
 class _Rules:
@@ -237,14 +280,20 @@ def _group_by_image(urls: pa.Array, captions: pa.Array) -> pd.DataFrame:
     return images
 
 
-def _labels_by_url(image_urls: pd.Series, urls: pa.Array, labels: pa.Array | None) -> np.ndarray:
-    """Each image's first non-null LABELS value over all its metadata rows (dropped ones too)."""
-    if labels is None:
+def _first_by_url(image_urls: pd.Series, urls: pa.Array, values: pa.Array | None) -> np.ndarray:
+    """Each image's first non-null value (LABELS, ID) over all its metadata rows (dropped ones
+    too)."""
+    if values is None:
         return np.full(len(image_urls), None, dtype=object)
-    firsts = pa.table({"url": urls, "labels": labels}).group_by("url", use_threads=False).aggregate(
-        [("labels", "first")])
+    firsts = pa.table({"url": urls, "value": values}).group_by("url", use_threads=False).aggregate(
+        [("value", "first")])
     where = pc.index_in(pa.array(image_urls, type=pa.string()), value_set=firsts["url"])
-    return _np(firsts["labels_first"].take(where)).astype(object)
+    return _np(firsts["value_first"].take(where)).astype(object)
+
+
+def _ids(metadata: pd.DataFrame | pa.Table) -> pa.Array | None:
+    names = metadata.column_names if isinstance(metadata, pa.Table) else metadata.columns
+    return _column(metadata, ID_COL) if ID_COL in names else None
 
 
 def _column(metadata: pd.DataFrame | pa.Table, name: str) -> pa.Array:
@@ -295,6 +344,21 @@ def _stats(rows_in: int, urls: pa.Array, images: pd.DataFrame,
     }
 
 
+def check_usable(stats: dict[str, Any]) -> None:
+    """MetadataError when nothing useful is left: no image at all, or an empty split (a run would
+    only fail stages later, after the download)."""
+    if not stats["images_out"]:
+        removed = ", ".join(f"{k} {v:,}" for k, v in stats["removed"].items() if v) or "none"
+        raise MetadataError(f"no image left after dedupe ({stats['rows_in']:,} caption rows in; "
+                            f"rows removed: {removed}); check the metadata and "
+                            f"download.allowed_schemes")
+    for split in ("train", "val"):
+        if not stats[f"{split}_images"]:
+            raise MetadataError(f"the {split} split is empty ({stats['images_out']:,} images, "
+                                f"dedupe.val_fraction decides the split); use more images or "
+                                f"another val_fraction")
+
+
 def summary(stats: dict[str, Any], seconds: float) -> str:
     """The one-paragraph end-of-stage summary."""
     reasons = ", ".join(f"{k} {v:,}" for k, v in stats["removed"].items() if v) or "nothing"
@@ -302,7 +366,8 @@ def summary(stats: dict[str, Any], seconds: float) -> str:
         f"dedupe: {stats['rows_in']:,} caption rows for {stats['images_in']:,} images in "
         f"{seconds:.1f} s -> {stats['images_out']:,} images ({stats['train_images']:,} train, "
         f"{stats['val_images']:,} val) with {stats['captions_kept']:,} captions. Removed rows: "
-        f"{reasons}; {stats['images_removed']:,} images lost every caption."
+        f"{reasons}; {stats['images_removed']:,} images removed ({stats['same_identity']:,} of "
+        f"them copies of an image already kept, by identity)."
     )
 
 

@@ -1,11 +1,12 @@
-"""Caption metadata from one of three sources -> `data/metadata.parquet` (URL, TEXT, LABELS).
+"""Caption metadata from one of three sources -> `data/metadata.parquet` (URL, TEXT, LABELS, ID).
 
 - `synthetic`: the generated MSCOCO look-alike (`clipms.prep.synthetic`), images written next to it.
 - `mscoco`: the public MSCOCO 2017 URL/TEXT parquet, downloaded with retries and a checksum.
 - `local`: any parquet (a path or an http(s) URL) whose URL/caption columns are named in params.
 
-One row per caption, as MSCOCO's file: URL, TEXT, and LABELS (a JSON string of the generator's
-attributes for synthetic rows, null otherwise). The file is written atomically and
+One row per caption, as MSCOCO's file: URL, TEXT, LABELS (a JSON string of the generator's
+attributes for synthetic rows, null otherwise) and ID (the source's `metadata.id_col` column, for
+`dedupe.identity: id`; null when none is named). The file is written atomically and
 deterministically: the same inputs give the same bytes.
 """
 
@@ -31,7 +32,8 @@ from clipms.prep import synthetic
 MSCOCO_URL = ("https://huggingface.co/datasets/ChristophSchuhmann/MS_COCO_2017_URL_TEXT/resolve/"
               "main/mscoco.parquet")
 SOURCES = ("synthetic", "mscoco", "local")
-SCHEMA = pa.schema([("URL", pa.string()), ("TEXT", pa.string()), ("LABELS", pa.string())])
+SCHEMA = pa.schema([("URL", pa.string()), ("TEXT", pa.string()), ("LABELS", pa.string()),
+                    ("ID", pa.string())])
 _CHUNK = 1 << 20
 
 
@@ -54,6 +56,7 @@ class MetadataSpec:
     path: str | None = None
     url_col: str = "URL"
     caption_col: str = "TEXT"
+    id_col: str | None = None  # a source column naming each image (for dedupe.identity: id)
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,7 @@ class MetadataSummary:
                 f"left for the dedupe stage; {self.labelled_rows} rows carry LABELS.")
 
 
-def build_metadata(spec: MetadataSpec, out_path: Path | str = "data/metadata.parquet",
-                   synthetic_dir: Path | str = "data/synthetic",
+def build_metadata(spec: MetadataSpec, out_path: Path | str, synthetic_dir: Path | str,
                    backoff_seconds: float = 1.0) -> MetadataSummary:
     """Fetch or generate the metadata of `spec.source` and write it to `out_path`.
 
@@ -124,7 +126,8 @@ def synthetic_table(spec: MetadataSpec, image_dir: Path) -> pa.Table:
             urls.append(url)
             texts.append(caption)
             labels.append(record.labels_json)
-    return pa.table({"URL": urls, "TEXT": texts, "LABELS": labels}, schema=SCHEMA)
+    return pa.table({"URL": urls, "TEXT": texts, "LABELS": labels,
+                     "ID": pa.nulls(len(urls), pa.string())}, schema=SCHEMA)
 
 
 def file_url(path: Path) -> str:
@@ -147,7 +150,7 @@ def local_table(spec: MetadataSpec, work_dir: Path, backoff_seconds: float) -> p
         raise MetadataError(f"metadata.path = {spec.path!r}: no such file")
     if spec.sha256:
         verify_sha256(path, spec.sha256)
-    return read_captions(path, spec.url_col, spec.caption_col)
+    return read_captions(path, spec.url_col, spec.caption_col, spec.id_col)
 
 
 def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, caption_col: str,
@@ -157,7 +160,7 @@ def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, c
         tmp = Path(scratch) / "download.parquet"
         download(url, tmp, timeout=spec.timeout, retries=spec.retries, sha256=spec.sha256,
                  backoff_seconds=backoff_seconds)
-        return read_captions(tmp, url_col, caption_col, shown_name=url)
+        return read_captions(tmp, url_col, caption_col, spec.id_col, shown_name=url)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,28 +240,29 @@ def verify_sha256(path: Path, expected: str) -> None:
 # Reading and writing
 
 
-def read_captions(path: Path, url_col: str, caption_col: str,
+def read_captions(path: Path, url_col: str, caption_col: str, id_col: str | None = None,
                   shown_name: str | None = None) -> pa.Table:
-    """The URL/caption columns of a parquet as URL, TEXT (strings) and LABELS (kept if present)."""
+    """The URL/caption columns of a parquet as URL, TEXT (strings), LABELS (kept if present) and
+    ID (the `id_col` column, if one is named)."""
     name = shown_name or str(path)
     try:
         schema = pq.read_schema(path)
     except (pa.ArrowException, OSError) as err:
         raise MetadataError(f"{name}: not a readable parquet file ({err})") from err
-    missing = [c for c in (url_col, caption_col) if c not in schema.names]
+    named = {"URL": url_col, "TEXT": caption_col, "ID": id_col,
+             "LABELS": "LABELS" if "LABELS" in schema.names else None}
+    missing = [c for c in named.values() if c is not None and c not in schema.names]
     if missing:
         raise MetadataError(
-            f"{name}: missing column(s) {missing} (set metadata.url_col / metadata.caption_col); "
-            f"columns found: {schema.names}")
-    wanted = [url_col, caption_col]
-    if "LABELS" in schema.names and "LABELS" not in wanted:
-        wanted.append("LABELS")
+            f"{name}: missing column(s) {missing} (set metadata.url_col / metadata.caption_col / "
+            f"metadata.id_col); columns found: {schema.names}")
+    wanted = list(dict.fromkeys(c for c in named.values() if c is not None))
     try:
         table = pq.read_table(path, columns=wanted)
     except (pa.ArrowException, OSError) as err:
         raise MetadataError(f"{name}: could not read columns {wanted} ({err})") from err
-    labels = table["LABELS"] if "LABELS" in wanted[2:] else pa.nulls(table.num_rows, pa.string())
-    columns = {"URL": table[url_col], "TEXT": table[caption_col], "LABELS": labels}
+    columns = {out: table[named[out]] if named.get(out) else pa.nulls(table.num_rows, pa.string())
+               for out in SCHEMA.names}
     try:
         return pa.table({k: pc.cast(v, pa.string()) for k, v in columns.items()}, schema=SCHEMA)
     except pa.ArrowException as err:
