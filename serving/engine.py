@@ -1,9 +1,9 @@
 """One served model: its encoder, its index, one batcher per tower, and the requests using it.
 
 Batches are padded up to the next power of two (at most `max_batch`), so the MindIR graphs see a
-handful of shapes, all compiled by `warm_up()` before the engine serves a request (a fused graph
-compiles once per input shape; a first request must not pay for that). Padding rows are zeros and
-are dropped from the output.
+handful of shapes, all compiled (`warm_up_steps()`) before the engine serves a request (a graph
+compiles once per input shape, for seconds when fused; a first request must not pay for that).
+Padding rows are zeros and are dropped from the output.
 
 `acquire()` / `release()` count the requests in flight, so a retired engine (the model was swapped
 out) is closed only when the last request it accepted has been answered.
@@ -12,6 +12,8 @@ out) is closed only when the last request it accepted has been answered.
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,12 +74,15 @@ class Engine:
         self.image: Batcher | None = None
 
     # -- model calls, always in the model thread
-    def warm_up(self, max_batch: int) -> None:
-        """Compile every padded shape of both towers (blocking; run in the model thread)."""
+    def warm_up_steps(self, max_batch: int) -> list[Callable[[], Any]]:
+        """One compile per tower and padded batch shape, each to run in the model thread."""
         size = self.encoder.preprocess.image_size
+        steps: list[Callable[[], Any]] = []
         for n in bucket_sizes(max_batch):
-            self.encoder.encode_texts([""] * n)
-            self.encoder.encode_preprocessed(np.zeros((n, 3, size, size), np.float32))
+            steps.append(functools.partial(self.encoder.encode_texts, [""] * n))
+            steps.append(functools.partial(self.encoder.encode_preprocessed,
+                                           np.zeros((n, 3, size, size), np.float32)))
+        return steps
 
     def _encode_texts(self, texts: list[str], max_batch: int) -> np.ndarray:
         padded = texts + [""] * (bucket(len(texts), max_batch) - len(texts))

@@ -29,19 +29,23 @@ class NotReady(RuntimeError):
     """No model is loaded yet (HTTP 503)."""
 
 
-def build_engine(fetched: Fetched, max_batch: int) -> Engine:
-    """Encoder + checked index + compiled shapes; blocking, run in the model thread."""
-    from clipms.index import ImageIndex, ImageIndexError, bundle_digest
-    from clipms.infer import Encoder
+def open_index(fetched: Fetched) -> tuple[str, Any]:
+    """(bundle digest, the checked index); numpy and files only, safe beside the model thread."""
+    from clipms.index import ImageIndex, bundle_digest
 
     digest = bundle_digest(fetched.bundle_dir)
-    index = ImageIndex.load(fetched.index_dir, bundle_digest=digest)
+    return digest, ImageIndex.load(fetched.index_dir, bundle_digest=digest)
+
+
+def open_encoder(fetched: Fetched, index: Any, max_batch: int) -> Any:
+    """The bundle's Encoder; MindSpore, so run in the model thread."""
+    from clipms.index import ImageIndexError
+    from clipms.infer import Encoder
+
     encoder = Encoder(fetched.bundle_dir, batch_size=max_batch)
     if index.meta["dim"] != encoder.embed_dim:
         raise ImageIndexError(f"index dim {index.meta['dim']} != model's {encoder.embed_dim}")
-    engine = Engine(fetched.info, encoder, index, fetched.bundle_dir, digest)
-    engine.warm_up(max_batch)
-    return engine
+    return encoder
 
 
 class ServiceState:
@@ -63,12 +67,20 @@ class ServiceState:
         return self.engine.acquire()
 
     async def load(self, fetch: Any) -> Engine:
-        """Fetch (`fetch()` -> Fetched, in a thread), build in the model thread, then swap in."""
+        """Fetch and check (`fetch()` -> Fetched, in a thread), build in the model thread, then
+        swap in. MindSpore is only touched from the model thread (a graph compiled in another
+        thread while one runs there was seen to hang), so building is split into steps - open
+        the encoder, then one compile per batch shape - and the current model's batches run
+        between them: a swap stalls serving by one compile at most, never by the whole load."""
         loop = asyncio.get_running_loop()
         fetched = await asyncio.to_thread(fetch)
         try:
-            engine = await loop.run_in_executor(self.model_thread, build_engine, fetched,
-                                                self.batching.max_batch)
+            digest, index = await asyncio.to_thread(open_index, fetched)
+            encoder = await loop.run_in_executor(self.model_thread, open_encoder, fetched, index,
+                                                 self.batching.max_batch)
+            engine = Engine(fetched.info, encoder, index, fetched.bundle_dir, digest)
+            for step in engine.warm_up_steps(self.batching.max_batch):
+                await loop.run_in_executor(self.model_thread, step)
         except BaseException:
             fetched.cleanup()
             raise

@@ -242,3 +242,37 @@ def test_token_protects_the_api_and_a_public_bind_needs_one(world, tmp_path) -> 
                           headers={"Authorization": "Bearer s3cret-tokeN"})
         assert wrong[0] == 401
         assert request(f"{server.url}/healthz")[0] == 200  # probes stay open
+
+
+SHOWN = """return [...document.querySelectorAll('.result')].filter(card => {
+  const img = card.querySelector('img');
+  return img.complete && img.naturalWidth > 0 && card.querySelector('.caption').textContent;
+}).map(card => card.dataset.key)"""
+
+
+def test_search_page_in_headless_chromium(world, tmp_path) -> None:
+    """Type a query, see result images with captions, click one, see the images like it."""
+    from tests.webdriver import Browser
+
+    url = world["url"]
+    by_text = [r["key"] for r in post_json(f"{url}/v1/search", {"text": "caption", "k": 24})[1][
+        "results"]]
+    with Browser() as browser:
+        browser.get(f"{url}/")
+        line = browser.wait(lambda: "indexed" in browser.text(browser.find("#model"))
+                            and browser.text(browser.find("#model")), what="the model line")
+        assert f"local:bundle v{world['digest'][:12]}" in line and "30 images indexed" in line
+        browser.type(browser.find("#query"), "caption\n")  # Enter submits the form
+        # 24 cards, each image loaded and captioned, in the service's order
+        assert browser.wait(lambda: browser.script(SHOWN) == by_text, what="result images")
+        captions = [browser.text(c) for c in browser.find_all(".result .caption")]
+        assert captions[0] == f"caption of image {int(by_text[0][3:])}"
+        assert all(browser.text(s).startswith("score ") for s in browser.find_all(".score"))
+
+        browser.click(browser.find_all(".result")[0])
+        similar = [r["key"] for r in post_json(f"{url}/v1/search", {"key": by_text[0],
+                                                                   "k": 24})[1]["results"]]
+        assert browser.wait(lambda: browser.script(SHOWN) == similar, what="similar images")
+        assert "images like" in browser.text(browser.find("#status"))
+        browser.screenshot(tmp_path / "page.png")
+        assert (tmp_path / "page.png").read_bytes()[:4] == b"\x89PNG"
