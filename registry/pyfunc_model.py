@@ -62,7 +62,7 @@ class ClipEmbeddingModel(PythonModel):
     def load_context(self, context: Any) -> None:
         from clipms.infer import Encoder
 
-        self.encoder = Encoder(context.artifacts["bundle"])
+        self.encoder = Encoder(context.artifacts["bundle"])  # registry.pyfunc.BUNDLE_ARTIFACT
         self.limits = request_limits()
 
     # No type hints on purpose: MLflow 3 would derive a (conflicting) schema from them; the logged

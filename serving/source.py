@@ -21,7 +21,7 @@ MODEL_URI = re.compile(r"^models:/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)"
 
 
 class SourceError(RuntimeError):
-    """The model or its index cannot be found or fetched."""
+    """The version has no bundle or no index: it can never be served (not a transient error)."""
 
 
 @dataclass
@@ -46,6 +46,22 @@ def local_model(bundle_dir: Path | str, index_dir: Path | str | None = None) -> 
     index = Path(index_dir) if index_dir is not None else bundle.parent / "index"
     info = ModelInfo(name=f"local:{bundle.name}", version=bundle_digest(bundle)[:12])
     return Fetched(info, bundle, index)
+
+
+def bundle_folder(model_dir: Path) -> Path | None:
+    """The bundle's folder in a downloaded pyfunc model, as its MLmodel file names it (MLflow
+    keeps the source folder's name: artifacts/export for the pipeline's models/export)."""
+    import yaml
+
+    from registry.pyfunc import BUNDLE_ARTIFACT
+
+    try:
+        mlmodel = yaml.safe_load((model_dir / "MLmodel").read_text())
+        relative = mlmodel["flavors"]["python_function"]["artifacts"][BUNDLE_ARTIFACT]["path"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return None
+    folder = (model_dir / relative).resolve()
+    return folder if folder.is_relative_to(model_dir.resolve()) else None
 
 
 class RegistrySource:
@@ -95,19 +111,16 @@ class RegistrySource:
             model = Path(mlflow.artifacts.download_artifacts(
                 f"models:/{self.name}/{version}", dst_path=str(folder / "model"),
                 tracking_uri=uri))
-            bundle = model / "artifacts" / "bundle"
-            if not (bundle / "bundle.json").is_file():
+            bundle = bundle_folder(model)
+            if bundle is None or not (bundle / "bundle.json").is_file():
                 raise SourceError(f"{self.name} v{version}: no export bundle in the model's "
                                   "artifacts (not logged by registry.pyfunc?)")
-            if not run_id:
-                raise SourceError(f"{self.name} v{version}: no run, so no index")
-            try:
-                index = Path(mlflow.artifacts.download_artifacts(
-                    run_id=run_id, artifact_path=INDEX_ARTIFACT, dst_path=str(folder / "run"),
-                    tracking_uri=uri))
-            except Exception as err:  # MlflowException, OSError: the run has no index
-                raise SourceError(f"{self.name} v{version}: run {run_id} has no "
-                                  f"'{INDEX_ARTIFACT}' artifact ({type(err).__name__})") from err
+            if not run_id or not self._client().list_artifacts(run_id, INDEX_ARTIFACT):
+                raise SourceError(f"{self.name} v{version}: its run {run_id} has no "
+                                  f"'{INDEX_ARTIFACT}' artifact (registered without an index?)")
+            index = Path(mlflow.artifacts.download_artifacts(
+                run_id=run_id, artifact_path=INDEX_ARTIFACT, dst_path=str(folder / "run"),
+                tracking_uri=uri))
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise

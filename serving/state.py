@@ -6,8 +6,10 @@ ever touched from that one thread). A version is swapped in only when all of tha
 swap itself is one assignment on the event loop, so a request sees the old engine or the new one,
 never a mix. The old engine keeps answering the requests it accepted and is closed after the last.
 
-`follow()` polls the registry every `poll_s` seconds; a version that failed to load is not tried
-again (its reason stays in `/metrics` and the log), the current one keeps serving.
+`follow()` polls the registry every `poll_s` seconds. A version that cannot be served (another
+bundle's index, no index, a broken bundle) is not tried again; a transient failure (the registry
+unreachable mid-download) is retried at the next poll. Either way the reason is logged and shown
+in `/metrics`, and the current version keeps serving.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from serving.engine import BatchSettings, Engine
 from serving.metrics import ServiceMetrics
-from serving.source import Fetched, RegistrySource
+from serving.source import Fetched, RegistrySource, SourceError
 
 log = logging.getLogger("clipms.serving")
 
@@ -46,6 +48,16 @@ def open_encoder(fetched: Fetched, index: Any, max_batch: int) -> Any:
     if index.meta["dim"] != encoder.embed_dim:
         raise ImageIndexError(f"index dim {index.meta['dim']} != model's {encoder.embed_dim}")
     return encoder
+
+
+def broken_version(err: Exception) -> bool:
+    """True for what is wrong with the version itself (its index, bundle or artifacts); other
+    errors (the registry unreachable mid-download, a full disk) are retried at the next poll."""
+    from clipms.index import ImageIndexError
+    from clipms.infer import BundleError
+    from clipms.preprocess import PreprocessError
+
+    return isinstance(err, ImageIndexError | BundleError | PreprocessError | SourceError)
 
 
 class ServiceState:
@@ -124,7 +136,8 @@ class ServiceState:
                 await self.load(lambda v=version, r=run_id: source.fetch(v, r))
             except Exception as err:
                 reason = f"{type(err).__name__}: {err}"
-                self.failed[version] = reason
+                if broken_version(err):  # never servable: do not try it again
+                    self.failed[version] = reason
                 self.metrics.swap_failed(version, reason, time.time())
                 log.error("follow %s: v%s not swapped in, still serving v%s: %s", source.uri,
                           version, current, reason)

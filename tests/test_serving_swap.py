@@ -4,7 +4,8 @@ Versions are registered the way the `register` stage leaves them (the pyfunc of 
 logged to the version's run as `index`). A bounded client loop runs while a second version becomes
 champion: no request fails, the served version changes, and once a client saw the new version it
 never sees the old one again. Then a version whose index another bundle made becomes champion: it
-is refused, the old one keeps serving, and /metrics says why.
+is refused, and so is a version registered without an index: the old one keeps serving, and
+/metrics says why.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def make_index(bundle: Path, out: Path) -> Path:
     return out
 
 
-def register(bundle: Path, index: Path) -> str:
+def register(bundle: Path, index: Path | None) -> str:
     """A new version of MODEL from `bundle`, `index` logged to its run; returns its number."""
     import mlflow
 
@@ -46,7 +47,8 @@ def register(bundle: Path, index: Path) -> str:
 
     with mlflow.start_run():
         info = pyfunc.log_model(bundle, name="clip")
-        mlflow.log_artifacts(str(index), INDEX_ARTIFACT)
+        if index is not None:
+            mlflow.log_artifacts(str(index), INDEX_ARTIFACT)
     return str(mlflow.register_model(info.model_uri, MODEL).version)
 
 
@@ -99,8 +101,9 @@ def test_follow_champion_swaps_live_and_refuses_a_mismatching_index(tmp_path: Pa
                                                                    monkeypatch) -> None:
     from tests.tiny_model import export_tiny_bundle
 
-    first = export_tiny_bundle(tmp_path / "a", seed=0)
-    second = export_tiny_bundle(tmp_path / "b", seed=1)
+    # Named like the pipeline's models/export: MLflow keeps the folder's name in the artifacts.
+    first = export_tiny_bundle(tmp_path / "a", seed=0).rename(tmp_path / "a" / "export")
+    second = export_tiny_bundle(tmp_path / "b", seed=1).rename(tmp_path / "b" / "export")
     index_a, index_b = make_index(first, tmp_path / "index-a"), make_index(second, tmp_path / "ib")
     with MlflowServer(tmp_path / "mlflow") as mlflow_server:
         monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.uri)
@@ -135,6 +138,16 @@ def test_follow_champion_swaps_live_and_refuses_a_mismatching_index(tmp_path: Pa
             status, body = post_json(f"{service.url}/v1/search", {"text": "still v2"})
             assert status == 200 and body["model"]["version"] == "2"
             assert "v3 not swapped in, still serving v2" in service.tail(20000)
+
+            # v4: registered without an index -> refused too, for its own reason.
+            make_champion(register(second, None))
+            wait_for(lambda: "clipms_model_swap_failures_total 2.0" in metrics(service.url),
+                     120, "the second refusal")
+            text = metrics(service.url)
+            assert 'version="4"' in text and "has no 'index' artifact" in text
+            assert post_json(f"{service.url}/v1/search", {"text": "x"})[1]["model"] == {
+                "name": MODEL, "version": "2"}
+            print(f"swap test: {[len(seen) for seen in loop.seen]} requests per client, all 200")
 
 
 def metrics(url: str) -> str:
