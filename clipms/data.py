@@ -47,6 +47,7 @@ image/json/captions.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -61,10 +62,12 @@ import numpy as np
 from PIL import Image
 
 from clipms import webds
+from clipms.loader import DECODERS, DEVICE_DECODE_FORMATS, device_transforms
 from clipms.preprocess import (
     INTERPOLATIONS,
     PreprocessConfig,
     PreprocessError,
+    check_pixels,
     decode_image,
     preprocess_image,
     to_normalized_array,
@@ -302,24 +305,61 @@ class TrainSamples:
         return image, self.tokenizer.encode([text])[0]
 
 
+class EncodedTrainSamples(TrainSamples):
+    """TrainSamples that hand over the encoded image (1-D uint8) for MindSpore's own decoder.
+    The header is still read here: only allowed formats within the pixel limit go through."""
+
+    def load(self, sample: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        if os.getpid() != self._pid:
+            self._handles, self._pid = {}, os.getpid()
+        key = self.index.keys[sample]
+        image_bytes, meta = self.index.read(sample, self._handles)
+        text = self.caption(sample, epoch, captions_of(meta, key))
+        shard = self.index.shards[self.index.shard_of[sample]]
+        try:
+            with Image.open(io.BytesIO(image_bytes), formats=DEVICE_DECODE_FORMATS) as header:
+                check_pixels(header.size, self.preprocess.max_pixels, key)
+        except PreprocessError as err:
+            raise DataError(f"{shard}: {err}") from err
+        except Image.DecompressionBombError as err:  # PIL's own limit, checked inside open()
+            raise DataError(f"{shard}: {key}: over the pixel limit ({err})") from err
+        except Exception as err:  # noqa: BLE001 - PIL raises many types for a bad header
+            raise DataError(f"{shard}: sample {key!r} is not a "
+                            f"{' or '.join(DEVICE_DECODE_FORMATS)} image ({err})") from err
+        return np.frombuffer(image_bytes, dtype=np.uint8), self.tokenizer.encode([text])[0]
+
+
 def build_train_dataset(shards_dir: Path | str, tokenizer: Tokenizer, preprocess: PreprocessConfig,
                         batch_size: int, *, epochs: int = 1, start_step: int = 0, seed: int = 0,
                         rank: int = 0, world_size: int = 1, workers: int = 2,
                         augment: bool = False, split: str = "train",
-                        shuffle_window_shards: int = 0) -> Any:
-    """The mindspore.dataset pipeline of (image, text) batches; see the module docstring."""
+                        shuffle_window_shards: int = 0, decode: str = "pil") -> Any:
+    """The mindspore.dataset pipeline of (image, text) batches; see the module docstring.
+    `decode` is one of DECODERS; "cpu"/"ascend" decode in `workers` C++ threads of the dataset
+    (no Python worker processes, no shared memory) and do not augment."""
     import mindspore.dataset as ds  # heavy: only the training path needs it
 
+    if decode not in DECODERS:
+        raise DataError(f"decode = {decode!r}: expected one of {DECODERS}")
+    if decode != "pil" and augment:
+        raise DataError(f"decode = {decode!r} does not augment: use decode 'pil' with augment")
     # Decode workers are forked after the tokenizer may have used its Rust thread pool, which does
     # not survive a fork; one caption per call needs no parallelism anyway.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    source = TrainSamples(index_shards(shards_dir, split), tokenizer, preprocess, batch_size,
-                          epochs=epochs, start_step=start_step, seed=seed, rank=rank,
-                          world_size=world_size, augment=augment,
-                          shuffle_window_shards=shuffle_window_shards)
-    dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
-                                  num_parallel_workers=max(1, workers),
-                                  python_multiprocessing=workers > 1)
+    kind = TrainSamples if decode == "pil" else EncodedTrainSamples
+    source = kind(index_shards(shards_dir, split), tokenizer, preprocess, batch_size,
+                  epochs=epochs, start_step=start_step, seed=seed, rank=rank,
+                  world_size=world_size, augment=augment,
+                  shuffle_window_shards=shuffle_window_shards)
+    if decode == "pil":
+        dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
+                                      num_parallel_workers=max(1, workers),
+                                      python_multiprocessing=workers > 1)
+    else:  # reading encoded bytes is cheap: one reader, the decode fans out in C++
+        dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
+                                      num_parallel_workers=1, python_multiprocessing=False)
+        dataset = dataset.map(device_transforms(preprocess, decode), input_columns=["image"],
+                              num_parallel_workers=max(1, workers))
     return dataset.batch(batch_size, drop_remainder=True)
 
 

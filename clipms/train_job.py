@@ -92,7 +92,8 @@ def run(job: TrainJob, callbacks: Sequence[Callback] = (),
         rank, group_size = 0, 1
     source = ShardBatches(job.shards_dir, tokenizer, preprocess, job.config.batch_size,
                           seed=job.config.seed, rank=rank, group_size=group_size,
-                          workers=job.loader_workers, augment=job.augment)
+                          workers=job.loader_workers, augment=job.augment,
+                          decode=job.config.decode)
     result = train(job.config, source, job.checkpoint_dir, callbacks=callbacks,
                    resume=job.resume, distributed=distributed)
     if rank == 0:

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from clipms.jsonio import read_json
-from registry.settings import DVC_LOCK, SHARD_MANIFEST, redact_uri
+from registry.settings import redact_uri
 
 # Stages that never talk to MLflow: their resolved params are taken from dvc.lock by `open`.
 DATA_STAGES = ("metadata", "dedupe", "download", "shard", "tokenizer")
@@ -62,7 +62,7 @@ def _git(*args: str) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def read_lock(path: Path = DVC_LOCK) -> dict[str, Any]:
+def read_lock(path: Path) -> dict[str, Any]:
     """dvc.lock's stages, or {} when the pipeline has not been locked yet."""
     if not path.exists():
         return {}
@@ -96,7 +96,7 @@ def lock_params(lock: Mapping[str, Any], stages: Iterable[str]) -> dict[str, str
     return out
 
 
-def val_digest(manifest: Path = SHARD_MANIFEST) -> str | None:
+def val_digest(manifest: Path) -> str | None:
     """A digest of the evaluation set: sha256 over the val shards' names and sha256s."""
     if not manifest.exists():
         return None
@@ -107,9 +107,9 @@ def val_digest(manifest: Path = SHARD_MANIFEST) -> str | None:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
 
 
-def lineage(lock: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """Tags that say exactly what a run was made from: code, data and tokenizer versions."""
-    lock = read_lock() if lock is None else lock
+def lineage(lock: Mapping[str, Any], manifest: Path) -> dict[str, str]:
+    """Tags that say exactly what a run was made from: code, data and tokenizer versions
+    (`lock`: dvc.lock's stages, `manifest`: the shard manifest)."""
     meta = lock.get("metadata", {}).get("params", {}).get("params.yaml", {}).get("metadata", {})
     source = str(meta.get("source", "unknown"))
     where = {"mscoco": meta.get("url"), "local": meta.get("path")}.get(source)
@@ -122,7 +122,7 @@ def lineage(lock: Mapping[str, Any] | None = None) -> dict[str, str]:
         "lineage.metadata_location": where,
         "lineage.metadata_md5": lock_hash(lock, "data/metadata.parquet"),
         "lineage.metadata_sha256": meta.get("sha256"),
-        "lineage.val_digest": val_digest(),
+        "lineage.val_digest": val_digest(manifest),
     }
     if tags["lineage.git_commit"]:
         tags["mlflow.source.git.commit"] = tags["lineage.git_commit"]
@@ -140,8 +140,7 @@ def _dirty() -> str | None:
     return None if status is None else str(bool(status)).lower()
 
 
-def dataset_record(tags: Mapping[str, str],
-                   manifest: Path = SHARD_MANIFEST) -> dict[str, str] | None:
+def dataset_record(tags: Mapping[str, str], manifest: Path) -> dict[str, str] | None:
     """The shards as an MLflow dataset input: name, digest = DVC hash, source = their origin."""
     digest = tags.get("lineage.data_shards_md5")
     if not digest:

@@ -135,10 +135,11 @@ def main() -> int:
         print(f"evaluate: error: {err}", file=sys.stderr)
         return 1
     from registry.run import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
+    from stages.tracking import FILES
 
     artifacts = [(p, "plots") for p in (out.recall_curve, out.predictions, *out.pictures)]
     artifacts += [(out.clip_benchmark_dir / name, "clip_benchmark") for name in files]
-    log_stage("evaluate", params.model_dump(), report.metrics, artifacts)
+    log_stage("evaluate", params.model_dump(), FILES, report.metrics, artifacts)
     print_summary(report.metrics, time.perf_counter() - started, list(zs.attributes))
     return 0
 

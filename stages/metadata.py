@@ -1,6 +1,8 @@
 """Stage `metadata`: caption metadata -> data/metadata.parquet (and data/synthetic/ images).
 
-`python -m stages.metadata`; the `metadata` section of params.yaml chooses the source.
+`python -m stages.metadata`; the `metadata` section of params.yaml chooses the source; an http(s)
+`url`/`path` is fetched under the download stage's URL policy (`download.allowed_schemes`,
+`download.allow_private_addresses`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from clipms.prep.metadata import MSCOCO_URL, MetadataError, MetadataSpec, build_metadata
 from stages import paths
 from stages.params import ParamsError, Section, load_section
+from stages.urlpolicy import fetch_policy
 
 READS: tuple = ()
 WRITES = (paths.METADATA, paths.SYNTHETIC)
@@ -35,6 +38,9 @@ class MetadataParams(Section):
     url_col: str = Field("URL", min_length=1)
     caption_col: str = Field("TEXT", min_length=1)
     id_col: str | None = Field(None, min_length=1)  # an image id column (dedupe.identity: id)
+    # mscoco/local: Karpathy's dataset_coco.json (a path or an http(s) URL); its 5k test images
+    # become the val split (clipms/prep/karpathy.py)
+    karpathy_split: str | None = Field(None, min_length=1)
 
     @field_validator("sha256")
     @classmethod
@@ -50,6 +56,13 @@ class MetadataParams(Section):
             raise ValueError("must be an http(s) URL")
         return value
 
+    @field_validator("karpathy_split")
+    @classmethod
+    def _coco_sources(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("source") == "synthetic":
+            raise ValueError("applies to COCO image URLs: set source to mscoco or local")
+        return value
+
     @field_validator("path")
     @classmethod
     def _path_for_local(cls, value: str | None, info: ValidationInfo) -> str | None:
@@ -61,8 +74,9 @@ class MetadataParams(Section):
 def main() -> int:
     try:
         params = load_section("metadata", MetadataParams)
+        policy = fetch_policy()  # an http(s) url/path follows the download stage's URL rule
         summary = build_metadata(MetadataSpec(**params.model_dump()), paths.METADATA,
-                                 paths.SYNTHETIC)
+                                 paths.SYNTHETIC, policy)
     except (ParamsError, MetadataError) as err:
         print(f"metadata: error: {err}", file=sys.stderr)
         return 1

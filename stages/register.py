@@ -20,28 +20,34 @@ def main() -> int:
     from registry.settings import register_params
 
     try:
-        params = register_params()
+        params = register_params(paths.PARAMS)
     except ParamsError as err:
         print(f"register: error: {err}", file=sys.stderr)
         return 1
     from clipms.jsonio import read_json, write_json
+    from registry.gate import GateError
+    from registry.gatelock import GateLockTimeout
     from registry.lineage import flatten
-    from registry.registration import register_version
+    from registry.registration import RegistryError, register_version
     from registry.run import PipelineRun, TrackingUnavailable
+    from stages.tracking import FILES
 
     try:
-        run = PipelineRun.resume()
+        run = PipelineRun.resume(FILES)
     except FileNotFoundError as err:  # train ran without tracking: the model still gets a run
         print(f"register: {err}; opening a run here", file=sys.stderr)
-        run = PipelineRun.open("register", {}, run_file=None)
+        run = PipelineRun.open("register", {}, FILES, owns_run_file=False)
     run.log_params(flatten("register", params.model_dump()))
     try:
         # The index is logged with the version's run (a test workspace may have none).
-        record = register_version(run, paths.BUNDLE, params.model_name, params.primary_metric,
-                                  params.margin, read_json(paths.EVAL_METRICS),
+        record = register_version(run, paths.BUNDLE, params, read_json(paths.EVAL_METRICS),
                                   index_dir=paths.INDEX if paths.INDEX.is_dir() else None)
-    except TrackingUnavailable as err:
-        print(f"register: {err}", file=sys.stderr)
+    except TrackingUnavailable as err:  # the journal keeps everything for the next attempt
+        print(f"register: error: {err}", file=sys.stderr)
+        return 1
+    except (GateError, GateLockTimeout, RegistryError) as err:  # failed closed: no alias moved
+        print(f"register: error: {err}", file=sys.stderr)
+        run.fail(err)
         return 1
     write_json(paths.REGISTER_METRICS, record)
     run.close()

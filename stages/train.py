@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -25,7 +25,19 @@ WRITES = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.MLFLOW_RUN, paths.CHECKPOINT
 
 
 class DistributedParams(Section):
-    workers: int = Field(1, ge=1, le=1024)  # data-parallel processes (devices); 1 = no msrun
+    """msrun's cluster (clipms.distributed.Cluster); docs/ascend.md has the multi-host recipe."""
+
+    workers: int = Field(1, ge=1, le=1024)  # data-parallel processes in all hosts; 1 = no msrun
+    nodes: int = Field(1, ge=1, le=128)  # hosts; each runs workers / nodes of them
+    node_rank: int = Field(0, ge=0)  # this host's index (0 writes the outputs)
+    master_addr: str = "127.0.0.1"  # the host running msrun's scheduler (node 0's address)
+    master_port: int | None = Field(None, ge=1024, le=65535)  # null: a free port (one node)
+
+    def cluster(self) -> Any:
+        from clipms.distributed import Cluster
+
+        return Cluster(workers=self.workers, nodes=self.nodes, node_rank=self.node_rank,
+                       master_addr=self.master_addr, master_port=self.master_port)
 
 
 class TrainParams(Section):
@@ -45,7 +57,8 @@ class TrainParams(Section):
     grad_clip_norm: float | None = Field(1.0, ge=0)  # null/0: no clipping
     seed: int = 0
     augment: bool = False  # open_clip's RandomResizedCrop(0.9-1.0) on training images
-    workers: int = Field(2, ge=0)  # image-decoding processes of the loader
+    decode: Literal["pil", "cpu", "ascend"] = "pil"  # where images decode (clipms.loader)
+    workers: Literal["auto"] | Annotated[int, Field(ge=0)] = "auto"  # decode processes per rank
     checkpoint_every: int = Field(100, ge=1)  # optimizer steps
     keep_checkpoints: int = Field(2, ge=1)
     log_every: int = Field(10, ge=1)
@@ -63,6 +76,7 @@ def callbacks() -> list[Any]:
 
 def build_job(params: TrainParams) -> Any:
     from clipms.config import CLIPConfig, get_preset
+    from clipms.loader import loader_workers
     from clipms.tokenizer import Tokenizer
     from clipms.train_job import Outputs, TrainJob, data_fingerprint
     from clipms.trainer import TrainConfig
@@ -80,14 +94,16 @@ def build_job(params: TrainParams) -> Any:
         lock_image=params.lock_image, lock_text=params.lock_text, init_from=params.init_from,
         mode=params.mode, device_target=params.device_target, kernel_fusion=params.kernel_fusion,
         checkpoint_every=params.checkpoint_every, keep_checkpoints=params.keep_checkpoints,
-        log_every=params.log_every,
+        log_every=params.log_every, decode=params.decode,
         data_fingerprint=data_fingerprint(paths.SHARDS, paths.TOKENIZER))
     outputs = Outputs(checkpoint=str(paths.CHECKPOINT), run_config=str(paths.RUN_CONFIG),
                       metrics=str(paths.TRAIN_METRICS), plot=str(paths.TRAIN_CURVE))
     return TrainJob(config=config, shards_dir=str(paths.SHARDS), tokenizer=str(paths.TOKENIZER),
                     checkpoint_dir=str(paths.CHECKPOINTS), outputs=outputs,
                     resume=params.resume == "auto",
-                    loader_workers=params.workers, augment=params.augment)
+                    loader_workers=loader_workers(params.workers,
+                                                  params.distributed.cluster().local_workers),
+                    augment=params.augment)
 
 
 def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -105,27 +121,34 @@ def main() -> int:
                         stream=sys.stdout)
     try:
         params = load_section("train", TrainParams)
+        cluster = params.distributed.cluster()  # bad combinations fail here, before any work
         job = build_job(params)
     except (ParamsError, ValueError, FileNotFoundError) as err:
         print(f"train: error: {err}", file=sys.stderr)
         return 1
+    if not cluster.writes_outputs:
+        return _join_as_worker_node(job, cluster)
     from clipms import train_job
     from clipms.trainer import NonFiniteLossError
     from registry.run import PipelineRun  # MLflow: one run per pipeline run (docs/mlflow.md)
+    from stages.tracking import FILES
 
-    run = PipelineRun.open("train", params.model_dump())  # never blocks training (journal)
+    # Never blocks training (a background sender, a journal); a training that resumes from a
+    # checkpoint continues the MLflow run that wrote it (paths.CHECKPOINTS_RUN).
+    run = PipelineRun.open("train", params.model_dump(), FILES,
+                           resume_record=paths.CHECKPOINTS_RUN)
     run.start_system_metrics()
     sinks = [*callbacks(), run.callback()]
     try:
-        if params.distributed.workers > 1:
-            from clipms.distributed import launch
+        with run.failure_recorded():  # any error, SIGTERM too: the run ends FAILED with it
+            if cluster.workers > 1:
+                from clipms.distributed import launch
 
-            launch(job, params.distributed.workers, paths.MSRUN_LOGS)
-            summary = train_job.replay(job.outputs, sinks)
-        else:
-            summary = train_job.run(job, sinks).summary
+                launch(job, cluster, paths.MSRUN_LOGS)
+                summary = train_job.replay(job.outputs, sinks)
+            else:
+                summary = train_job.run(job, sinks).summary
     except NonFiniteLossError as err:
-        run.close("FAILED")
         print(f"train: error: {err}", file=sys.stderr)
         return 1
     run.log_artifact(job.outputs.plot, "plots")
@@ -134,6 +157,21 @@ def main() -> int:
           f"{summary['samples_per_s']:.1f} samples/s, {summary['wall_time_s']:.0f} s; wrote "
           f"{job.outputs.checkpoint}, {job.outputs.run_config}, {job.outputs.metrics}, "
           f"{job.outputs.plot}")
+    return 0
+
+
+def _join_as_worker_node(job: Any, cluster: Any) -> int:
+    """Node 1.. of a multi-host run: start this host's workers; global rank 0 (on node 0) writes
+    the model, the metrics and the MLflow run, so nothing is written or tracked here."""
+    from clipms.distributed import LaunchError, launch
+
+    try:
+        launch(job, cluster, paths.MSRUN_LOGS)
+    except LaunchError as err:
+        print(f"train: error: {err}", file=sys.stderr)
+        return 1
+    print(f"train: node {cluster.node_rank} of {cluster.nodes} finished; the outputs are on "
+          f"node 0 ({cluster.master_addr})")
     return 0
 
 

@@ -11,19 +11,19 @@ import pytest
 
 from clipms.prep.captions import (
     MetadataError,
-    assign_splits,
     check_usable,
     comparison_keys,
     dedupe,
-    image_identities,
     normalise_captions,
     read_metadata,
-    stable_keys,
+    scheme_array,
     write_images,
 )
-from clipms.prep.download import allowed_schemes, read_parquet, url_schemes
+from clipms.prep.download import read_parquet
+from clipms.prep.identity import IdentityError, assign_splits, image_identities, stable_keys
+from clipms.prep.urlguard import allowed_schemes, url_scheme
 from stages.dedupe import DedupeParams
-from stages.download import fetch_schemes
+from stages.download import load_download
 from stages.params import ParamsError, load_section
 
 HTTP = frozenset({"http", "https"})
@@ -113,8 +113,9 @@ def test_file_scheme_only_for_synthetic():
 
 
 def test_url_schemes_do_not_strip_or_guess():
-    schemes = url_schemes(pd.Series(["HTTP://x", " file:///a", "<URL:file:///a>", "x", "file:a"]))
-    assert schemes.tolist() == ["http", "", "", "", "file"]
+    urls = ["HTTP://x", " file:///a", "<URL:file:///a>", "x", "file:a"]
+    assert scheme_array(pa.array(urls)).to_pylist() == ["http", "", "", "", "file"]
+    assert [url_scheme(u) for u in urls] == ["http", "", "", "", "file"]  # the same rule
 
 
 def test_labels_travel_per_image():
@@ -146,7 +147,7 @@ def test_identity_is_the_url_path_by_default():
     assert image_identities(urls, "path").to_pylist() == [
         "/x/1.jpg", "/x/1.jpg", "data/synthetic/000001.png", "", "/y.png"]
     assert image_identities(urls, "url").to_pylist() == urls.to_pylist()
-    with pytest.raises(MetadataError, match="metadata.id_col"):
+    with pytest.raises(IdentityError, match="metadata.id_col"):
         image_identities(urls, "id", None)
 
 
@@ -275,13 +276,31 @@ def test_dedupe_params_validation(tmp_path):
 
 
 def test_download_params_and_scheme_policy(tmp_path):
-    params, schemes = fetch_schemes(write(tmp_path, "metadata:\n  source: synthetic\n"))
-    assert params.image_size == 256 and schemes == {"http", "https", "file"}
-    _, schemes = fetch_schemes(write(tmp_path, "metadata:\n  source: mscoco\n"))
-    assert schemes == {"http", "https"}
+    params, policy = load_download(write(tmp_path, "metadata:\n  source: synthetic\n"))
+    assert params.image_size == 256 and policy.allowed_schemes == {"http", "https", "file"}
+    assert not policy.allow_private_addresses  # the default: internal addresses are refused
+    _, policy = load_download(write(tmp_path, "metadata:\n  source: mscoco\n"))
+    assert policy.allowed_schemes == {"http", "https"}
     with pytest.raises(ParamsError, match=r"download.allowed_schemes = \['http', 'file'\]"):
-        fetch_schemes(write(tmp_path, "download:\n  allowed_schemes: [http, file]\n"))
+        load_download(write(tmp_path, "download:\n  allowed_schemes: [http, file]\n"))
     with pytest.raises(ParamsError, match=r"metadata.source = 'web'"):
-        fetch_schemes(write(tmp_path, "metadata:\n  source: web\n"))
+        load_download(write(tmp_path, "metadata:\n  source: web\n"))
     with pytest.raises(ParamsError, match=r"download.resize_mode = 'stretch'"):
-        fetch_schemes(write(tmp_path, "download:\n  resize_mode: stretch\n"))
+        load_download(write(tmp_path, "download:\n  resize_mode: stretch\n"))
+
+
+def test_dedupe_stage_stops_when_nothing_useful_is_left(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.image_site import stage_env
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "params.yaml").write_text("metadata:\n  source: local\n  path: x.parquet\n")
+    for rows, message in (([("ftp://x/1.jpg", "a caption")], "no image left"),
+                          ([("http://x/1.jpg", "a single caption")], "split is empty")):
+        frame(rows).to_parquet(tmp_path / "data/metadata.parquet", index=False)
+        proc = subprocess.run([sys.executable, "-m", "stages.dedupe"], cwd=tmp_path,
+                              env=stage_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and message in proc.stderr, proc.stderr
+        assert not (tmp_path / "data/images.parquet").exists()  # nothing written

@@ -21,11 +21,15 @@ import yaml
 
 from clipms.prep import synthetic
 from clipms.prep.metadata import MetadataError, MetadataSpec, build_metadata, download
+from clipms.prep.urlguard import FetchPolicy
 from stages.metadata import MetadataParams
 from stages.params import ParamsError, validate_section
 from tests.workspace import PROJECT_ROOT, make_workspace, run, tool_env
 
 FAST = {"retries": 2, "timeout": 5.0}  # with backoff_seconds=0.01 below: no real waiting
+# The test server is on 127.0.0.1: these tests allow private addresses explicitly (the default
+# policy refuses them; test_loopback_metadata_url_is_refused_by_default checks that).
+LOOPBACK = FetchPolicy(allow_private_addresses=True)
 
 
 def _parquet_bytes(tmp_path: Path, columns: dict[str, list]) -> bytes:
@@ -77,9 +81,10 @@ def server() -> Iterator[_Server]:
         srv.thread.join(timeout=5)
 
 
-def _build(tmp_path: Path, **spec: object) -> tuple[pa.Table, object]:
+def _build(tmp_path: Path, policy: FetchPolicy = LOOPBACK,
+           **spec: object) -> tuple[pa.Table, object]:
     out = tmp_path / "data" / "metadata.parquet"
-    summary = build_metadata(MetadataSpec(**spec), out, tmp_path / "data" / "synthetic",
+    summary = build_metadata(MetadataSpec(**spec), out, tmp_path / "data" / "synthetic", policy,
                              backoff_seconds=0.01)
     return pq.read_table(out), summary
 
@@ -90,13 +95,13 @@ def _build(tmp_path: Path, **spec: object) -> tuple[pa.Table, object]:
 def test_synthetic_rows_urls_labels_and_bytes_are_deterministic(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative paths, as the stage runs them from the project root
     spec = MetadataSpec(num_images=12, synthetic_image_size=32, seed=3)
-    summary = build_metadata(spec, "data/metadata.parquet", "data/synthetic")
+    summary = build_metadata(spec, "data/metadata.parquet", "data/synthetic", LOOPBACK)
     first = Path("data/metadata.parquet").read_bytes()
-    build_metadata(spec, "data/metadata.parquet", "data/synthetic")
+    build_metadata(spec, "data/metadata.parquet", "data/synthetic", LOOPBACK)
     assert Path("data/metadata.parquet").read_bytes() == first
 
     table = pq.read_table("data/metadata.parquet")
-    assert table.schema.names == ["URL", "TEXT", "LABELS", "ID"]
+    assert table.schema.names == ["URL", "TEXT", "LABELS", "ID", "SPLIT"]
     assert table.num_rows == 12 * synthetic.CAPTIONS_PER_IMAGE == summary.rows
     rows = table.to_pylist()
     assert rows[0]["URL"] == "file:data/synthetic/000001.png"  # no checkout path inside
@@ -113,7 +118,7 @@ def test_synthetic_urls_open_with_urllib_from_the_project_root(tmp_path, monkeyp
 
     monkeypatch.chdir(tmp_path)
     build_metadata(MetadataSpec(num_images=2, synthetic_image_size=32),
-                   "data/metadata.parquet", "data/synthetic")
+                   "data/metadata.parquet", "data/synthetic", LOOPBACK)
     url = pq.read_table("data/metadata.parquet")["URL"][0].as_py()
     with urllib.request.urlopen(url, timeout=5) as response:
         assert response.read() == Path("data/synthetic/000001.png").read_bytes()
@@ -153,7 +158,7 @@ def test_mscoco_downloads_and_verifies_the_checksum(tmp_path, server):
                             sha256=hashlib.sha256(body).hexdigest(), **FAST)
     assert table.to_pydict() == {"URL": ["http://img/1.jpg"] * 2,
                                  "TEXT": ["A cat.", "A cat on a mat."], "LABELS": [None, None],
-                                 "ID": [None, None]}
+                                 "ID": [None, None], "SPLIT": [None, None]}
     assert (summary.rows, summary.images, summary.labelled_rows) == (2, 1, 0)
     leftovers = [p.name for p in (tmp_path / "data").iterdir()]
     assert sorted(leftovers) == ["metadata.parquet", "synthetic"]  # no temp/partial files
@@ -185,14 +190,15 @@ def test_a_download_cut_short_is_retried(tmp_path, server):
 def test_retries_are_bounded(tmp_path, server):
     server.routes["/down"] = [(500, b"busy")]
     with pytest.raises(MetadataError, match=r"after 3 attempts \(last error: HTTP 500"):
-        download(server.url("/down"), tmp_path / "x", timeout=5, retries=2, backoff_seconds=0.01)
+        download(server.url("/down"), tmp_path / "x", policy=LOOPBACK, timeout=5, retries=2,
+                 backoff_seconds=0.01)
     assert server.hits["/down"] == 3
     assert list(tmp_path.iterdir()) == []
 
 
 def test_http_404_fails_at_once(tmp_path, server):
     with pytest.raises(MetadataError, match="HTTP 404"):
-        download(server.url("/missing"), tmp_path / "x", timeout=5, retries=3)
+        download(server.url("/missing"), tmp_path / "x", policy=LOOPBACK, timeout=5, retries=3)
     assert server.hits["/missing"] == 1
 
 
@@ -202,6 +208,15 @@ def test_unreachable_server_gives_a_clear_offline_error(tmp_path):
         port = sock.getsockname()[1]
     with pytest.raises(MetadataError, match="Offline or unreachable.*metadata.source: local"):
         _build(tmp_path, source="mscoco", url=f"http://127.0.0.1:{port}/mscoco.parquet", **FAST)
+
+
+def test_loopback_metadata_url_is_refused_by_default(tmp_path, server):
+    server.routes["/mscoco.parquet"] = [(200, _coco_like(tmp_path))]
+    for source, key in (("mscoco", "url"), ("local", "path")):
+        with pytest.raises(MetadataError, match=r"refused \(loopback_address\).*127\.0\.0\.1"):
+            _build(tmp_path, FetchPolicy(), source=source, **{key: server.url("/mscoco.parquet")},
+                   **FAST)
+    assert server.hits == {}  # refused before any connection, and not retried
 
 
 def test_a_non_parquet_download_is_reported(tmp_path, server):
@@ -225,7 +240,7 @@ def test_local_path_with_custom_columns(tmp_path):
                       url_col="image_url", caption_col="caption")
     assert table.to_pydict() == {"URL": ["http://a/1.jpg", "http://a/2.jpg"],
                                  "TEXT": ["one", "two"], "LABELS": [None, None],
-                                 "ID": [None, None]}
+                                 "ID": [None, None], "SPLIT": [None, None]}
     with_ids, _ = _build(tmp_path, source="local", path=str(_local_file(tmp_path)),
                          url_col="image_url", caption_col="caption", id_col="extra")
     assert with_ids["ID"].to_pylist() == ["1", "2"]  # any type, as text (dedupe.identity: id)
@@ -258,6 +273,65 @@ def test_local_checksum_is_checked_when_set(tmp_path):
     with pytest.raises(MetadataError, match="checksum mismatch"):
         _build(tmp_path, source="local", path=str(path), url_col="image_url",
                caption_col="caption", sha256="f" * 64)
+
+
+# --- the Karpathy split ----------------------------------------------------------------------
+
+KARPATHY = {"test": [139, 285], "val": [632], "train": [724], "restval": [776]}
+
+
+def _karpathy_json() -> bytes:
+    images = [{"cocoid": cocoid, "split": split, "filepath": "val2014",
+               "filename": f"COCO_val2014_{cocoid:012d}.jpg", "sentences": []}
+              for split, ids in KARPATHY.items() for cocoid in ids]
+    return json.dumps({"dataset": "coco", "images": images}).encode()
+
+
+def _coco_urls(tmp_path: Path) -> Path:
+    """A local COCO-like parquet: the five images of the split file and one it does not list."""
+    ids = [139, 285, 632, 724, 776, 9999]
+    urls = [f"http://images.cocodataset.org/{'val' if i % 2 else 'train'}2017/{i:012d}.jpg"
+            for i in ids for _ in range(2)]
+    path = tmp_path / "coco.parquet"
+    pq.write_table(pa.table({"URL": urls, "TEXT": [f"caption {n} of an image" for n in
+                                                   range(len(urls))]}), path)
+    return path
+
+
+def test_karpathy_split_file_from_a_loopback_server_picks_exactly_its_test_images(tmp_path,
+                                                                                    server):
+    from clipms.prep.captions import check_usable, dedupe
+
+    server.routes["/dataset_coco.json"] = [(200, _karpathy_json())]
+    table, summary = _build(tmp_path, source="local", path=str(_coco_urls(tmp_path)),
+                            karpathy_split=server.url("/dataset_coco.json"), **FAST)
+    by_id = {int(u.rsplit("/", 1)[1][:-4]): s for u, s in zip(table["URL"].to_pylist(),
+                                                              table["SPLIT"].to_pylist(),
+                                                              strict=True)}
+    assert by_id == {139: "val", 285: "val", 632: "train", 724: "train", 776: "train",
+                     9999: "train"}
+    assert "2 of its 2 test images" in summary.paragraph()
+    result = dedupe(table, frozenset({"http"}), val_fraction=0.5, log=lambda _m: None)
+    val = result.images[result.images["split"] == "val"]["url"].str[-16:-4].astype(int)
+    assert sorted(val) == KARPATHY["test"]  # exactly the listed images, whatever val_fraction
+    check_usable(result.stats)
+
+
+def test_karpathy_split_file_follows_the_url_policy_and_is_checked(tmp_path, server):
+    server.routes["/dataset_coco.json"] = [(200, _karpathy_json())]
+    with pytest.raises(MetadataError, match=r"refused \(loopback_address\)"):
+        _build(tmp_path, FetchPolicy(), source="local", path=str(_coco_urls(tmp_path)),
+               karpathy_split=server.url("/dataset_coco.json"), **FAST)
+    assert server.hits == {}
+    bad = tmp_path / "bad.json"
+    for body, message in ((b"{not json", "not a readable JSON"), (b'{"images": 3}', "'images'"),
+                          (b'{"images": [{"cocoid": 1, "split": "train"}]}', "no image has")):
+        bad.write_bytes(body)
+        with pytest.raises(MetadataError, match=f"metadata.karpathy_split: .*{message}"):
+            _build(tmp_path, source="local", path=str(_coco_urls(tmp_path)),
+                   karpathy_split=str(bad))
+    with pytest.raises(ParamsError, match="metadata.karpathy_split.*mscoco or local"):
+        validate_section("metadata", MetadataParams, {"karpathy_split": "dataset_coco.json"})
 
 
 # --- params and the stage --------------------------------------------------------------------
@@ -299,6 +373,13 @@ def test_stage_runs_from_a_project_root_and_prints_a_summary(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "stages.metadata"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "metadata.source = 'coco'" in proc.stderr
+
+    # The stage applies download.allow_private_addresses (false by default) to metadata.url.
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"metadata": {
+        "source": "mscoco", "url": "http://127.0.0.1:9/mscoco.parquet", "retries": 0}}))
+    proc = subprocess.run([sys.executable, "-m", "stages.metadata"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "refused (loopback_address)" in proc.stderr
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import chdir
 from pathlib import Path
 
 import numpy as np
@@ -18,20 +19,20 @@ import pytest
 
 from registry import lineage, settings
 from registry import run as tracking_run
+from stages.tracking import FILES
+from tests import mlflow_server as server_fixtures
 from tests.mlflow_server import MlflowServer, http_get
 from tests.test_registry import write_pipeline_state
 
 pytestmark = pytest.mark.slow
+mlflow_server = server_fixtures.mlflow_server  # the session fixture (pytest finds it by name)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    srv = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+@pytest.fixture
+def server(mlflow_server: MlflowServer) -> MlflowServer:
+    if mlflow_server.proc is None:  # a test that took it away failed before bringing it back
+        mlflow_server.start()
+    return mlflow_server
 
 
 @pytest.fixture
@@ -45,7 +46,7 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server: MlflowSer
 
 
 def journals() -> list[Path]:
-    return sorted(settings.JOURNAL_DIR.glob("*.json"))
+    return sorted(FILES.journal_dir.glob("*.json"))
 
 
 def train_like(run: tracking_run.PipelineRun, steps: int, start: int = 1) -> None:
@@ -60,7 +61,7 @@ def test_ui_page_answers(server: MlflowServer) -> None:
 
 
 def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> None:
-    run = tracking_run.PipelineRun.open("train", {"lr": 1e-3, "epochs": 1})
+    run = tracking_run.PipelineRun.open("train", {"lr": 1e-3, "epochs": 1}, FILES)
     assert run.flush() and run.run_id and not run.pending
     run.start_system_metrics(sampling_interval=1.0)
     train_like(run, 20)
@@ -73,7 +74,7 @@ def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> Non
     assert run.close() is True
     assert not journals()
 
-    resumed = tracking_run.log_stage("evaluate", {"batch_size": 16},
+    resumed = tracking_run.log_stage("evaluate", {"batch_size": 16}, FILES,
                                      {"i2t_R@5": 0.5, "mAP@10": 0.25})
     assert resumed is not None and resumed.run_id == run.run_id
 
@@ -96,7 +97,7 @@ def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> Non
     assert [a.path for a in client.list_artifacts(run.run_id, "plots")] == ["plots/train.csv"]
 
     # A rerun of a later stage with a changed param keeps the first value and records the new one.
-    tracking_run.log_stage("evaluate", {"batch_size": 32}, {"i2t_R@5": 0.5})
+    tracking_run.log_stage("evaluate", {"batch_size": 32}, FILES, {"i2t_R@5": 0.5})
     rerun = client.get_run(run.run_id).data
     assert rerun.params["evaluate.batch_size"] == "16"
     assert rerun.tags["rerun_param.evaluate.batch_size"] == "32"
@@ -105,7 +106,7 @@ def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> Non
 def test_server_going_away_mid_run_loses_nothing(workspace: Path, server: MlflowServer,
                                                  tmp_path_factory: pytest.TempPathFactory,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    run = tracking_run.PipelineRun.open("train", {"lr": 1e-3})
+    run = tracking_run.PipelineRun.open("train", {"lr": 1e-3}, FILES)
     train_like(run, 10)
     assert run.flush() and not run.pending  # sent while the server was up
 
@@ -117,26 +118,26 @@ def test_server_going_away_mid_run_loses_nothing(workspace: Path, server: Mlflow
     run.callback().on_train_end({"loss": 0.2})
     assert run.close() is False
     assert time.monotonic() - started < 60
-    assert journals() and settings.RUN_FILE.exists()
-    tracking_run.log_stage("evaluate", {"batch_size": 16}, {"i2t_R@5": 0.75})  # also journaled
+    assert journals() and FILES.run_file.exists()
+    tracking_run.log_stage("evaluate", {"batch_size": 16}, FILES, {"i2t_R@5": 0.75})  # journaled
     with pytest.raises(tracking_run.TrackingUnavailable, match="cannot reach the MLflow tracking"):
-        tracking_run.PipelineRun.resume().require_sent()
+        tracking_run.PipelineRun.resume(FILES).require_sent()
 
     # A second pipeline that starts while the server is down has no run id at all yet.
     other = tmp_path_factory.mktemp("offline-start")
     write_pipeline_state(other)
     (other / "params.yaml").write_text("register:\n  experiment: test-exp\n")
     monkeypatch.chdir(other)
-    offline = tracking_run.PipelineRun.open("train", {"lr": 2e-3})
+    offline = tracking_run.PipelineRun.open("train", {"lr": 2e-3}, FILES)
     train_like(offline, 5)
     assert offline.close() is False and offline.run_id is None
 
     server.start()
-    resumed = tracking_run.PipelineRun.resume()
+    resumed = tracking_run.PipelineRun.resume(FILES)
     resumed.require_sent()  # replays the journal, creating the run first
     assert resumed.run_id and not resumed.pending
     monkeypatch.chdir(workspace)
-    first = tracking_run.PipelineRun.resume()
+    first = tracking_run.PipelineRun.resume(FILES)
     first.require_sent()
     assert first.run_id == run.run_id
 
@@ -165,31 +166,46 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_tiny_bundle(tmp_path_factory.mktemp("export"), seed=0)
 
 
-def pipeline_run(root: Path, bundle: Path, score: float, val_sha: str = "f" * 64) -> dict:
-    """One pipeline run as the stages leave it (train opens the run, evaluate logs), then the
-    real register stage, in a workspace of its own."""
+def prepare_workspace(root: Path, bundle: Path, eval_metrics: dict, model: str = MODEL,
+                      primary_metric: str = "i2t_R@5", val_sha: str = "f" * 64,
+                      train_params: dict | None = None) -> Path:
+    """A workspace as the stages before register leave it: dvc.lock, manifest, params, the export
+    bundle, metrics/eval.json, and the pipeline's MLflow run (train opened it, evaluate logged)."""
     import shutil
 
-    from clipms.jsonio import read_json, write_json
-    from stages import register
+    from clipms.jsonio import write_json
 
     root.mkdir(parents=True)
     write_pipeline_state(root, val_sha=val_sha)
     (root / "params.yaml").write_text(
-        f"register:\n  model_name: {MODEL}\n  experiment: test-exp\n"
-        "  primary_metric: i2t_R@5\n  margin: 0.0\n")
+        f"register:\n  model_name: {model}\n  experiment: test-exp\n"
+        f"  primary_metric: {primary_metric}\n  margin: 0.0\n")
     shutil.copytree(bundle, root / "models" / "export")
-    eval_metrics = {"i2t_R@1": score / 2, "i2t_R@5": score, "mAP@10": score / 3, "images": 10}
     write_json(root / "metrics" / "eval.json", eval_metrics)
-    cwd = Path.cwd()
-    os.chdir(root)
-    try:
-        tracking_run.PipelineRun.open("train", {"lr": score}).close()
-        tracking_run.log_stage("evaluate", {"batch_size": 16}, eval_metrics)
-        assert register.main() == 0
-        return read_json("metrics/register.json")
-    finally:
-        os.chdir(cwd)
+    with chdir(root):
+        tracking_run.PipelineRun.open("train", train_params or {"lr": 1e-3}, FILES).close()
+        tracking_run.log_stage("evaluate", {"batch_size": 16}, FILES, eval_metrics)
+    return root
+
+
+def register_in(root: Path) -> tuple[int, dict | None]:
+    """The real register stage, in-process, in `root`: (exit code, metrics/register.json)."""
+    from clipms.jsonio import read_json
+    from stages import register
+
+    with chdir(root):
+        code = register.main()
+        out = Path("metrics/register.json")
+        return code, read_json(out) if out.exists() else None
+
+
+def pipeline_run(root: Path, bundle: Path, score: float, val_sha: str = "f" * 64) -> dict:
+    """One pipeline run as the stages leave it, then the real register stage."""
+    eval_metrics = {"i2t_R@1": score / 2, "i2t_R@5": score, "mAP@10": score / 3, "images": 10}
+    prepare_workspace(root, bundle, eval_metrics, val_sha=val_sha, train_params={"lr": score})
+    code, record = register_in(root)
+    assert code == 0 and record is not None
+    return record
 
 
 def test_gate_sequence_on_real_registered_models(workspace: Path, bundle: Path) -> None:
@@ -334,7 +350,7 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     train_summary = read_json(ws / "metrics" / "train.json")
     assert record["run_id"] == info["run_id"]
     assert (record["version"], record["alias"]) == (1, "champion")
-    assert not list((ws / settings.JOURNAL_DIR).glob("*.json"))
+    assert not list((ws / FILES.journal_dir).glob("*.json"))
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
     client = settings.client()

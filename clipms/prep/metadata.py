@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -27,13 +27,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clipms.atomic import atomic_write
-from clipms.prep import synthetic
+from clipms.prep import karpathy, synthetic
+from clipms.prep.urlguard import FetchPolicy, RefusedURL, build_opener, check_url
 
 MSCOCO_URL = ("https://huggingface.co/datasets/ChristophSchuhmann/MS_COCO_2017_URL_TEXT/resolve/"
               "main/mscoco.parquet")
 SOURCES = ("synthetic", "mscoco", "local")
+# SPLIT: train/val from a split file (metadata.karpathy_split), null otherwise (dedupe then
+# splits by a hash of each image's identity).
 SCHEMA = pa.schema([("URL", pa.string()), ("TEXT", pa.string()), ("LABELS", pa.string()),
-                    ("ID", pa.string())])
+                    ("ID", pa.string()), ("SPLIT", pa.string())])
 _CHUNK = 1 << 20
 
 
@@ -57,6 +60,7 @@ class MetadataSpec:
     url_col: str = "URL"
     caption_col: str = "TEXT"
     id_col: str | None = None  # a source column naming each image (for dedupe.identity: id)
+    karpathy_split: str | None = None  # mscoco/local: dataset_coco.json (path or http(s) URL)
 
 
 @dataclass(frozen=True)
@@ -70,18 +74,21 @@ class MetadataSummary:
     labelled_rows: int
     seconds: float
     out_path: str
+    split_note: str = ""  # what a split file decided
 
     def paragraph(self) -> str:
         return (f"metadata: {self.rows} caption rows for {self.images} images from source "
                 f"'{self.source}' written to {self.out_path} in {self.seconds:.1f} s; "
                 f"{self.exact_duplicates} rows are exact duplicates and {self.near_duplicates} "
                 f"near-duplicates (case/spacing/punctuation) of another caption of the same image, "
-                f"left for the dedupe stage; {self.labelled_rows} rows carry LABELS.")
+                f"left for the dedupe stage; {self.labelled_rows} rows carry LABELS."
+                + (f" {self.split_note}" if self.split_note else ""))
 
 
 def build_metadata(spec: MetadataSpec, out_path: Path | str, synthetic_dir: Path | str,
-                   backoff_seconds: float = 1.0) -> MetadataSummary:
-    """Fetch or generate the metadata of `spec.source` and write it to `out_path`.
+                   policy: FetchPolicy, backoff_seconds: float = 1.0) -> MetadataSummary:
+    """Fetch or generate the metadata of `spec.source` and write it to `out_path`; an http(s)
+    `url`/`path` is fetched under `policy` (the download stage's URL rule, `clipms.prep.urlguard`).
 
     `synthetic_dir` is recreated for every source, so that it always exists as the declared output
     (empty unless the source is synthetic). Keep it relative to the working directory: synthetic
@@ -95,15 +102,47 @@ def build_metadata(spec: MetadataSpec, out_path: Path | str, synthetic_dir: Path
         _reset_dir(synthetic_dir)
         table = synthetic_table(spec, synthetic_dir)
     elif spec.source == "mscoco":
-        table = _fetch_parquet(spec.url, out_path.parent, spec, "URL", "TEXT", backoff_seconds)
+        table = _fetch_parquet(spec.url, out_path.parent, spec, "URL", "TEXT", policy,
+                               backoff_seconds)
         _reset_dir(synthetic_dir)
     elif spec.source == "local":
-        table = local_table(spec, out_path.parent, backoff_seconds)
+        table = local_table(spec, out_path.parent, policy, backoff_seconds)
         _reset_dir(synthetic_dir)
     else:
         raise MetadataError(f"metadata.source = {spec.source!r}: expected one of {SOURCES}")
+    note = ""
+    if spec.karpathy_split:
+        table, note = karpathy_table(table, spec, out_path.parent, policy, backoff_seconds)
     write_table(table, out_path)
-    return summarise(table, spec.source, out_path, time.monotonic() - start)
+    return replace(summarise(table, spec.source, out_path, time.monotonic() - start),
+                   split_note=note)
+
+
+def karpathy_table(table: pa.Table, spec: MetadataSpec, work_dir: Path, policy: FetchPolicy,
+                   backoff_seconds: float) -> tuple[pa.Table, str]:
+    """SPLIT from Karpathy's dataset_coco.json (`clipms.prep.karpathy`): its test images `val`."""
+    if spec.source == "synthetic":
+        raise MetadataError("metadata.karpathy_split applies to COCO URLs (source mscoco or "
+                            "local), not to the synthetic source")
+    source = spec.karpathy_split
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix=".metadata-download-") as scratch:
+        if source.startswith(("http://", "https://")):
+            path = Path(scratch) / "dataset_coco.json"
+            download(source, path, policy=policy, timeout=spec.timeout, retries=spec.retries,
+                     backoff_seconds=backoff_seconds)
+        else:
+            path = Path(source)
+        try:
+            test = karpathy.test_ids(path)
+        except ValueError as err:
+            raise MetadataError(f"metadata.karpathy_split: {err}") from err
+    column, found = karpathy.splits(table["URL"], test)
+    note = (f"Split from {source}: {found} of its {len(test)} test images are in the metadata "
+            f"and form the val split; every other image is train.")
+    if found < len(test):
+        print(f"metadata: warning: only {found} of the {len(test)} Karpathy test images are in "
+              f"the metadata (matched by the COCO image id in each URL's file name)", flush=True)
+    return table.set_column(SCHEMA.get_field_index("SPLIT"), "SPLIT", column), note
 
 
 def _reset_dir(path: Path) -> None:
@@ -126,8 +165,9 @@ def synthetic_table(spec: MetadataSpec, image_dir: Path) -> pa.Table:
             urls.append(url)
             texts.append(caption)
             labels.append(record.labels_json)
-    return pa.table({"URL": urls, "TEXT": texts, "LABELS": labels,
-                     "ID": pa.nulls(len(urls), pa.string())}, schema=SCHEMA)
+    nulls = pa.nulls(len(urls), pa.string())
+    return pa.table({"URL": urls, "TEXT": texts, "LABELS": labels, "ID": nulls, "SPLIT": nulls},
+                    schema=SCHEMA)
 
 
 def file_url(path: Path) -> str:
@@ -137,13 +177,14 @@ def file_url(path: Path) -> str:
     return "file:" + urllib.request.pathname2url(path.as_posix())
 
 
-def local_table(spec: MetadataSpec, work_dir: Path, backoff_seconds: float) -> pa.Table:
+def local_table(spec: MetadataSpec, work_dir: Path, policy: FetchPolicy,
+                backoff_seconds: float) -> pa.Table:
     """A user's parquet (path or http(s) URL), its `url_col`/`caption_col` renamed to URL/TEXT."""
     if not spec.path:
         raise MetadataError("metadata.path must be set when metadata.source is 'local' "
                             "(a parquet file path or an http(s) URL)")
     if spec.path.startswith(("http://", "https://")):
-        return _fetch_parquet(spec.path, work_dir, spec, spec.url_col, spec.caption_col,
+        return _fetch_parquet(spec.path, work_dir, spec, spec.url_col, spec.caption_col, policy,
                               backoff_seconds)
     path = Path(spec.path)
     if not path.is_file():
@@ -154,12 +195,12 @@ def local_table(spec: MetadataSpec, work_dir: Path, backoff_seconds: float) -> p
 
 
 def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, caption_col: str,
-                   backoff_seconds: float) -> pa.Table:
+                   policy: FetchPolicy, backoff_seconds: float) -> pa.Table:
     """Download a parquet next to the output, read the caption columns, delete the download."""
     with tempfile.TemporaryDirectory(dir=work_dir, prefix=".metadata-download-") as scratch:
         tmp = Path(scratch) / "download.parquet"
-        download(url, tmp, timeout=spec.timeout, retries=spec.retries, sha256=spec.sha256,
-                 backoff_seconds=backoff_seconds)
+        download(url, tmp, policy=policy, timeout=spec.timeout, retries=spec.retries,
+                 sha256=spec.sha256, backoff_seconds=backoff_seconds)
         return read_captions(tmp, url_col, caption_col, spec.id_col, shown_name=url)
 
 
@@ -167,24 +208,32 @@ def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, c
 # Download with retries and checksum
 
 
-def download(url: str, dest: Path, *, timeout: float, retries: int, sha256: str | None = None,
-             backoff_seconds: float = 1.0) -> str:
-    """Download `url` to `dest` (via a temp file + rename); return the file's sha256.
+def download(url: str, dest: Path, *, policy: FetchPolicy, timeout: float, retries: int,
+             sha256: str | None = None, backoff_seconds: float = 1.0) -> str:
+    """Download `url` to `dest` (via a temp file + rename) under `policy`; return its sha256.
 
     Connection errors, timeouts and HTTP 5xx/429 are retried `retries` times with exponential
-    backoff; other HTTP errors and a checksum mismatch fail at once, since retrying cannot fix them.
+    backoff; other HTTP errors, a URL the policy refuses (scheme, address, redirect) and a checksum
+    mismatch fail at once, since retrying cannot fix them.
     """
     last_error: Exception | None = None
     print(f"metadata: downloading {url}", flush=True)
+    opener = build_opener(replace(policy, max_bytes=None))  # streamed to disk, not to memory
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(backoff_seconds * 2 ** (attempt - 1))
         try:
-            digest = _download_once(url, dest, timeout)
+            check_url(url, policy)
+            digest = _download_once(opener, url, dest, timeout)
         except urllib.error.HTTPError as err:
             if err.code < 500 and err.code != 429:
                 raise MetadataError(f"downloading {url}: HTTP {err.code} {err.reason}") from err
             last_error = err
+        except (RefusedURL, urllib.error.URLError) as err:
+            refused = err if isinstance(err, RefusedURL) else err.reason
+            if isinstance(refused, RefusedURL) and refused.reason != "unresolvable_host":
+                raise MetadataError(f"downloading {url}: {refused}") from err
+            last_error = err  # DNS may come back: retried like a connection error
         except (OSError, http.client.HTTPException) as err:  # refused, DNS, timeout, cut short
             last_error = err
         else:
@@ -201,11 +250,12 @@ def download(url: str, dest: Path, *, timeout: float, retries: int, sha256: str 
         f"the file elsewhere and set metadata.source: local with metadata.path.")
 
 
-def _download_once(url: str, dest: Path, timeout: float) -> str:
+def _download_once(opener: urllib.request.OpenerDirector, url: str, dest: Path,
+                   timeout: float) -> str:
     digest = hashlib.sha256()
     request = urllib.request.Request(url, headers={"User-Agent": "clipms-metadata"})
     with atomic_write(dest) as tmp, open(tmp, "wb") as handle, \
-            urllib.request.urlopen(request, timeout=timeout) as response:
+            opener.open(request, timeout=timeout) as response:
         expected = response.headers.get("Content-Length")
         received = 0
         while chunk := response.read(_CHUNK):
