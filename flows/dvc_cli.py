@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from clipms.redact import redact_text
+
 # Lines DVC prints for a stage it executes (repro and repro --dry).
 _RUNNING = re.compile(r"^Running stage '([^']+)'")
 _CACHED = re.compile(r"^Stage '([^']+)' is cached - skipping run")
@@ -75,7 +77,7 @@ def dvc(args: list[str], cwd: Path, on_line: Callable[[str], None] | None = None
                           stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
-            line = line.rstrip("\n")
+            line = redact_text(line.rstrip("\n"))  # no URL secret reaches a log or a notice
             lines.append(line)
             if on_line is not None and line.strip():
                 on_line(line)

@@ -30,6 +30,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
+from clipms.redact import redact_text
 from flows import dvc_cli, summary
 from flows.notify import notify_failure
 
@@ -113,7 +114,8 @@ def stage_task(stage: str) -> Any:
 def apply_overrides(workdir: Path, overrides: dict[str, Any]) -> str:
     """Apply param overrides as `dvc exp run -S` would; return the original params.yaml text."""
     original = dvc_cli.apply_overrides(workdir, overrides)
-    _logger().info("params overridden for this run: %s", " ".join(dvc_cli.override_args(overrides)))
+    _logger().info("params overridden for this run: %s",
+                   redact_text(" ".join(dvc_cli.override_args(overrides))))
     return original
 
 

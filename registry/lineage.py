@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from clipms.jsonio import read_json
-from registry.settings import redact_uri
+from clipms.redact import redact_text
 
 # Stages that never talk to MLflow: their resolved params are taken from dvc.lock by `open`.
 DATA_STAGES = ("metadata", "dedupe", "download", "shard", "tokenizer")
@@ -39,7 +39,8 @@ def flatten(prefix: str, value: Any) -> dict[str, str]:
 
 
 def safe_params(params: Mapping[str, str]) -> dict[str, str]:
-    """Drop what must never be logged: secrets, credentials in URLs, the user's home directory."""
+    """Drop what must never be logged: secret-looking keys' values, the credentials, query
+    strings and fragments of URLs (presigned signatures, tokens), the user's home directory."""
     home = str(Path.home())
     out = {}
     for key, value in params.items():
@@ -47,7 +48,7 @@ def safe_params(params: Mapping[str, str]) -> dict[str, str]:
         if SECRET_KEY.search(leaf):
             value = "<redacted>"
         elif "://" in value:
-            value = redact_uri(value)
+            value = redact_text(value)
         if home not in ("", "/") and home in value:
             value = value.replace(home, "~")
         out[key] = value[:MAX_PARAM_CHARS]

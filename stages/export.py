@@ -56,7 +56,7 @@ def main() -> int:
         return 1
     configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
     from clipms.export import ParityError, assert_parity, export_bundle, parity_report
-    from clipms.jsonio import write_json
+    from clipms.jsonio import read_json, write_json
     from clipms.tokenizer import Tokenizer
     from clipms.trained import RunConfig, TrainedModelError, load_clip
 
@@ -71,7 +71,11 @@ def main() -> int:
     except (TrainedModelError, ValueError) as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 1
-    report.update(parity_images=int(images.shape[0]), parity_captions=int(tokens.shape[0]),
+    # An amp-trained checkpoint holds fp32 master weights: the bar is the bundle's precision's
+    # (docs/ascend.md); the training precision is recorded beside it so the two are never confused.
+    trained = (read_json(paths.RUN_CONFIG).get("train") or {}).get("precision", "fp32")
+    report.update(trained_precision=trained, parity_images=int(images.shape[0]),
+                  parity_captions=int(tokens.shape[0]),
                   **{f"{p.stem}_mb": round(p.stat().st_size / 2**20, 3)
                      for p in sorted(paths.BUNDLE.glob("*.mindir"))})
     write_json(paths.EXPORT_METRICS, report)
@@ -85,7 +89,7 @@ def main() -> int:
         print(f"export: FAILED: {err}", file=sys.stderr)
         return 1
     print(f"export: {paths.BUNDLE} written and checked in {time.perf_counter() - started:.1f} s: "
-          f"{params.precision}, {report['gate_metric']} image "
+          f"{params.precision} (trained {trained}), {report['gate_metric']} image "
           f"{report['image_' + report['gate_metric']]:.2e}, text "
           f"{report['text_' + report['gate_metric']]:.2e} (tolerance {report['tolerance']:g}, "
           f"batch sizes {params.batch_sizes})")

@@ -150,7 +150,7 @@ def test_stage_exports_checks_and_records_the_errors(tmp_path):
     (tmp_path / "params.yaml").write_text("export:\n  batch_sizes: [1, 4, 16]\n")
     env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT)}
     proc = run(["python", "-m", "stages.export"], cwd=tmp_path, timeout=600, env=env)
-    assert "fp32, max_abs_error image" in proc.stdout
+    assert "fp32 (trained fp32), max_abs_error image" in proc.stdout
     report = json.loads((tmp_path / "metrics" / "export.json").read_text())
     assert report["passed"] is True and report["tolerance"] == 1e-5
     assert (report["precision"], report["gate_metric"]) == ("fp32", "max_abs_error")
@@ -167,6 +167,18 @@ def test_stage_exports_checks_and_records_the_errors(tmp_path):
     (tmp_path / "params.yaml").write_text("export:\n  tolerance: -1\n")
     bad = run(["python", "-m", "stages.export"], cwd=tmp_path, timeout=600, check=False, env=env)
     assert bad.returncode == 1 and "export.tolerance" in bad.stderr
+
+    # An amp-trained checkpoint (fp32 master weights) exported as fp32 meets the fp32 bar, and
+    # the report says which precision trained it and which bar applied.
+    run_config = tmp_path / "models" / "clip.json"
+    run_config.write_text(json.dumps({**json.loads(run_config.read_text()),
+                                      "train": {"precision": "amp"}}))
+    (tmp_path / "params.yaml").write_text("export:\n  batch_sizes: [1, 4]\n")
+    amp = run(["python", "-m", "stages.export"], cwd=tmp_path, timeout=600, env=env)
+    assert "fp32 (trained amp), max_abs_error image" in amp.stdout
+    report = json.loads((tmp_path / "metrics" / "export.json").read_text())
+    assert (report["trained_precision"], report["precision"], report["tolerance"]) == (
+        "amp", "fp32", 1e-5) and report["passed"] is True
 
     # A real parity failure -- an fp16 bundle held to the fp32 bar -- fails the stage (exit 1),
     # after recording the errors, so DVC and Prefect see it.

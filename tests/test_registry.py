@@ -151,10 +151,13 @@ def test_params_are_flattened_and_never_leak_secrets_or_home(monkeypatch) -> Non
         "metadata.path": f"{home}/data/meta.parquet", "tokenizer.kind": "bpe",
     })
     assert safe["metadata.api_key"] == safe["x.password"] == safe["x.hf_token"] == "<redacted>"
-    assert safe["metadata.url"] == "https://example.org/data.parquet"
+    assert safe["metadata.url"] == "https://<redacted>@example.org/data.parquet"
     assert safe["metadata.path"] == "~/data/meta.parquet"
     assert safe["tokenizer.kind"] == "bpe"
-    assert settings.redact_uri("http://u:p@127.0.0.1:5000") == "http://127.0.0.1:5000"
+    presigned = ("https://bucket.s3.amazonaws.com/m.parquet?X-Amz-Credential=AKIA%2F&"
+                 "X-Amz-Signature=SIGSECRET")
+    assert lineage.safe_params({"metadata.path": presigned})["metadata.path"] \
+        == "https://bucket.s3.amazonaws.com/m.parquet?<redacted>"
 
 
 def write_pipeline_state(root: Path, shards_md5: str = "1" * 32, val_sha: str = "f" * 64) -> None:
