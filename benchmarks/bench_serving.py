@@ -4,21 +4,23 @@
         --concurrency 1 8 32 64 --seconds 10 --out benchmarks/serving.json
 
 Starts, on free 127.0.0.1 ports, three servers of the same bundle: the service with dynamic
-batching (`--max-batch 32`), the same service with batching off (`--max-batch 1`) and
-`mlflow models serve` of the bundle's pyfunc (logged into a temporary SQLite registry unless
-`--mlflow-model` names one) with `--workers` = the machine's cores (`--mlflow-workers`), as its
-documentation suggests for more throughput. For each workload (text embeddings, image embeddings,
-text search; the pyfunc has no search) and each concurrency, every server gets the same load in
-turn, in an order that rotates per round: C clients each sending one request after the other for
-`--seconds` (and at most `--max-requests`). Every target gets the same client: one aiohttp session
-per cell with a pool of at most C keep-alive connections (one per client). Before its first cell
-each server gets `--warmup-s` of untimed load per workload (graph compiles, worker start-up); the
-warm-up's errors are reported too. Reported per cell: QPS, p50/p95/p99 latency, errors and the
-first error, the server's exit code if it died during the cell, and for the service the mean batch
-size (from its /metrics). Then `clipms-bench encode --bundle` measures what the model itself does
-at the batched service's mean text batch size at concurrency 32: the limit, so the service's own
-overhead shows. The client runs in this process (asyncio + aiohttp) and its CPU time is reported,
-since it shares the machine with the servers. Every server is stopped at the end.
+batching (`--max-batch 32`), the same service with batching off (`--max-batch 1`) and `mlflow
+models serve` of the bundle's pyfunc (logged into a temporary SQLite registry unless
+`--mlflow-model` names one) with `--workers` = the machine's cores (`--mlflow-workers`: MLflow's
+own knob for serving requests in parallel; one worker runs one predict at a time). For each
+workload (text embeddings, image embeddings, text search; the pyfunc has no search) and each
+concurrency, every server gets the same load in turn, in an order that rotates per round: C clients
+each sending one request after the other for `--seconds` (and at most `--max-requests`). Every
+target gets the same client: one aiohttp session per cell with a pool of at most C keep-alive
+connections (one per client). Before its first cell each server gets `--warmup-s` of untimed load
+per workload (graph compiles, worker start-up); the warm-up's errors are reported too. Reported per
+cell: QPS, p50/p95/p99 latency, errors and the first error, the server's exit code if it died
+during the cell, the server's CPU time per answered request (all its processes; the figure a shared
+machine distorts least), and for the service the mean batch size (from its /metrics). Then
+`clipms-bench encode --bundle` measures what the model itself does at the batched service's mean
+text batch size at concurrency 32: the limit, so the service's own overhead shows. The client runs
+in this process (asyncio + aiohttp) and its CPU time is reported, since it shares the machine with
+the servers. Every server is stopped at the end.
 """
 
 from __future__ import annotations
@@ -84,6 +86,24 @@ class Server:
                 pass
             time.sleep(1)
         raise TimeoutError(f"{self.name} not ready after {timeout} s")
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) used so far by the server and every process under it."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        total = 0.0
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
 
     def exit_code(self) -> int | None:
         """None while it runs; else its exit code (negative: killed by that signal)."""
@@ -234,8 +254,12 @@ def measure(servers: dict[str, Server], target: str, workload: str, concurrency:
     tower = "image" if workload == "image_embed" else "text"
     alive = server.exit_code() is None
     before = batch_totals(server.url, tower) if target != "mlflow" and alive else None
+    cpu_before = server.cpu_seconds()
     cell = asyncio.run(load(server.url, target, workload, concurrency, seconds, max_requests,
                             image))
+    if cell["requests"]:  # CPU per answer: what a shared machine distorts least
+        cell["server_cpu_ms_per_request"] = round(
+            (server.cpu_seconds() - cpu_before) * 1000 / cell["requests"], 2)
     if server.exit_code() is not None:  # counted and named, never hidden
         cell["server_exit"] = server.exit_code()
         print(f"{target} exited with {server.exit_code()}; its log ends:\n"
@@ -316,12 +340,14 @@ def summarize(cells: list[dict[str, Any]], warmup: list[dict[str, Any]],
 
 def markdown(cells: list[dict[str, Any]]) -> str:
     rows = ["| workload | concurrency | server | QPS | p50 ms | p95 ms | p99 ms | mean batch "
-            "| errors | load |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "| server CPU ms/request | errors | load |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         died = f" (server died: {c['server_exit']})" if "server_exit" in c else ""
         rows.append(f"| {c['workload']} | {c['concurrency']} | {c['target']} | {c['qps']} | "
                     f"{c['p50_ms']} | {c['p95_ms']} | {c['p99_ms']} | "
-                    f"{c.get('mean_batch', '-')} | {c['errors']}{died} | "
+                    f"{c.get('mean_batch', '-')} | {c.get('server_cpu_ms_per_request', '-')} | "
+                    f"{c['errors']}{died} | "
                     f"{c['load_avg_1min']} |")
     return "\n".join(rows)
 
