@@ -182,7 +182,7 @@ def test_overrides_run_is_its_own_experiment(prefect_stack: PrefectStack) -> Non
     assert flow_run["state_type"] == "COMPLETED", prefect_stack.logs(run_id)[-4000:]
     artifact = _artifact(prefect_stack, run_id)
     assert f": updated {stage}" in artifact.splitlines()[0], artifact
-    name = f"clip-{flow_run['name']}"
+    name = f"clip-{run_id}"  # the flow run's id: unique, unlike its generated name
     assert f"DVC experiment `{name}`" in artifact
     shown = run(["dvc", "exp", "show", "--no-pager", "--json"], prefect_stack.workspace).stdout
     assert name in shown
