@@ -159,7 +159,7 @@ async def load(url: str, target: str, workload: str, concurrency: int, seconds: 
     import aiohttp
 
     latencies: list[float] = []
-    errors = {"count": 0}
+    errors: dict[str, Any] = {"count": 0, "first": None}
     sent = {"n": 0}
     deadline = time.monotonic() + seconds
 
@@ -170,14 +170,16 @@ async def load(url: str, target: str, workload: str, concurrency: int, seconds: 
             started = time.perf_counter()
             try:
                 async with session.post(url + path, json=body) as response:
-                    await response.read()
+                    payload = await response.read()
                     ok = response.status == 200
-            except (TimeoutError, aiohttp.ClientError):
-                ok = False
+                    detail = f"HTTP {response.status}: {payload[:200]!r}"
+            except (TimeoutError, aiohttp.ClientError) as err:
+                ok, detail = False, f"{type(err).__name__}: {err}"
             if ok:
                 latencies.append(time.perf_counter() - started)
             else:
                 errors["count"] += 1
+                errors["first"] = errors["first"] or detail
 
     connector = aiohttp.TCPConnector(limit=concurrency)
     timeout = aiohttp.ClientTimeout(total=60)
@@ -186,7 +188,8 @@ async def load(url: str, target: str, workload: str, concurrency: int, seconds: 
         await asyncio.gather(*(client(session) for _ in range(concurrency)))
     elapsed = time.perf_counter() - started
     ms = np.asarray(latencies) * 1000 if latencies else np.zeros(1)
-    return {"requests": len(latencies), "errors": errors["count"], "seconds": round(elapsed, 2),
+    return {"requests": len(latencies), "errors": errors["count"],
+            "first_error": errors["first"], "seconds": round(elapsed, 2),
             "qps": round(len(latencies) / elapsed, 1),
             "p50_ms": round(float(np.percentile(ms, 50)), 1),
             "p95_ms": round(float(np.percentile(ms, 95)), 1),

@@ -46,7 +46,8 @@ class Check:
 @dataclass(frozen=True)
 class RunPlan:
     """The training settings a preflight looks at; defaults are stages.train.TrainParams' own
-    (tests/test_preflight.py checks that they agree)."""
+    and (device_target, mode) clipms.runtime.RuntimeConfig's (tests/test_preflight.py checks that
+    they agree)."""
 
     preset: str = "tiny"
     device_target: str = "CPU"
@@ -75,6 +76,8 @@ class RunPlan:
         values = {k: v for k, v in train.items() if k in known}
         values.update(ranks=dist.get("workers", 1), **{k: dist[k] for k in (
             "nodes", "node_rank", "master_addr", "master_port") if k in dist})
+        runtime = params.get("runtime") or {}  # the device and mode: clipms.runtime's section
+        values.update({k: runtime[k] for k in ("device_target", "mode") if k in runtime})
         return cls(**values, image_size=model_config(params).vision.image_size)
 
     @property

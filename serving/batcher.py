@@ -1,11 +1,12 @@
 """Dynamic batching: concurrent requests for one tower become one model call.
 
-Each request row is an item with its own future in a bounded asyncio queue. One task per tower
-takes the first waiting item, then whatever else arrives within `max_wait_ms`, up to `max_batch`
-items, and runs the tower on all of them at once in the model thread (never on the event loop).
-Row i of the output resolves item i's future, so a request only ever sees its own rows. While the
-model computes, new items wait in the queue and form the next batch; a queue that is full refuses
-the whole request at once (`Overloaded`, an HTTP 503) instead of growing without bound.
+Each request row is an item with its own future in a bounded queue. One task per tower takes the
+first waiting item, then whatever else arrives within `max_wait_ms` (no wait when no other request
+is in flight), up to `max_batch` items, and runs the tower on all of them at once in the model
+thread (never on the event loop). Row i of the output resolves item i's future, so a request only
+ever sees its own rows. While the model computes, new items wait in the queue and form the next
+batch; a queue that is full refuses the whole request at once (`Overloaded`, an HTTP 503) instead
+of growing without bound.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class Batcher:
 
     def __init__(self, name: str, run: Callable[[list[Any]], np.ndarray], executor: Executor,
                  max_batch: int, max_wait_ms: float, max_queue: int,
-                 on_batch: Callable[[str, int, float], None] | None = None) -> None:
+                 on_batch: Callable[[str, int, float], None] | None = None,
+                 more_coming: Callable[[int], bool] | None = None) -> None:
         if max_batch < 1 or max_queue < 1 or max_wait_ms < 0:
             raise ValueError(f"max_batch {max_batch} and max_queue {max_queue} must be >= 1, "
                              f"max_wait_ms {max_wait_ms} >= 0")
@@ -51,6 +53,9 @@ class Batcher:
         self._pending: deque[_Item] = deque()
         self._arrived = asyncio.Event()
         self._on_batch = on_batch
+        # Whether items beyond the `n` waiting may still arrive (requests in flight that have not
+        # queued yet); when none can, waiting max_wait_ms would only add latency (one client).
+        self._more_coming = more_coming or (lambda n: True)
         self._task: asyncio.Task | None = None
 
     @property
@@ -93,7 +98,7 @@ class Batcher:
                 self._arrived.clear()
                 await self._arrived.wait()
             deadline = loop.time() + self.max_wait
-            while len(self._pending) < self.max_batch:
+            while len(self._pending) < self.max_batch and self._more_coming(len(self._pending)):
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     break

@@ -98,7 +98,7 @@ class Engine:
         def batcher(tower: str, run: Any) -> Batcher:
             return Batcher(tower, lambda items: run(items, settings.max_batch), executor,
                            settings.max_batch, settings.max_wait_ms, settings.max_queue,
-                           on_batch)
+                           on_batch, more_coming=lambda waiting: self.inflight > waiting)
 
         self.text = batcher("text", self._encode_texts)
         self.image = batcher("image", self._encode_images)

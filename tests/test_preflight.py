@@ -25,21 +25,23 @@ def _cli(*args: str, cwd: Path = PROJECT_ROOT):
 
 
 def _schemas() -> dict[str, type]:
+    from clipms.runtime import RuntimeConfig
     from stages.evaluate import EvaluateParams
     from stages.metadata import MetadataParams
     from stages.tokenizer import TokenizerParams
     from stages.train import TrainParams
 
     return {"train": TrainParams, "tokenizer": TokenizerParams, "metadata": MetadataParams,
-            "evaluate": EvaluateParams}
+            "evaluate": EvaluateParams, "runtime": RuntimeConfig}
 
 
 def test_the_plan_defaults_are_the_train_stages_own():
-    schema = _schemas()["train"]()
+    schema, runtime = _schemas()["train"](), _schemas()["runtime"]()
     plan = preflight.RunPlan()
     for field in dataclasses.fields(preflight.RunPlan):
-        if field.name in schema.model_fields:
-            assert getattr(plan, field.name) == getattr(schema, field.name), field.name
+        for section in (schema, runtime):
+            if field.name in type(section).model_fields:
+                assert getattr(plan, field.name) == getattr(section, field.name), field.name
     dist = schema.distributed
     assert (plan.ranks, plan.nodes, plan.node_rank, plan.master_addr, plan.master_port) == (
         dist.workers, dist.nodes, dist.node_rank, dist.master_addr, dist.master_port)
