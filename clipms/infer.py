@@ -28,7 +28,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
@@ -36,6 +36,9 @@ from PIL import Image
 from clipms.preprocess import PreprocessConfig, PreprocessError, preprocess_image
 from clipms.tokenizer import Tokenizer
 from clipms.webds import Sample, iter_samples
+
+if TYPE_CHECKING:
+    from clipms.runtime import RuntimeConfig
 
 BUNDLE_FORMAT = "clipms-mindir-bundle"  # as clipms.export writes it (no MindSpore import here)
 SUPPORTED_VERSIONS = (1,)
@@ -79,16 +82,18 @@ class Encoder:
     """L2-normalised CLIP embeddings from the two MindIR graphs of an export bundle."""
 
     def __init__(self, bundle_dir: Path | str, batch_size: int = 64,
-                 kernel_fusion: bool = True) -> None:
-        """`kernel_fusion` turns on clipms.runtime's CPU graph-kernel fusion for the process
-        (1.4-1.5x faster on CPU, measured; each new batch size compiles once, cached on disk)."""
-        import mindspore as ms  # clipms is imported first, so MindSpore sees its runtime settings
+                 kernel_fusion: bool = True, device: str | RuntimeConfig = "CPU") -> None:
+        """`device` ("CPU", "GPU", "Ascend" or a whole `clipms.runtime.RuntimeConfig`) configures
+        MindSpore for the process through `clipms.runtime.configure`; `kernel_fusion` is its CPU
+        graph-kernel fusion (each new batch size compiles once, cached on disk)."""
+        from clipms.runtime import RuntimeConfig, configure
+
+        if not isinstance(device, RuntimeConfig):
+            device = RuntimeConfig(device_target=device, kernel_fusion=kernel_fusion)
+        configure(device)  # before MindSpore is imported where possible (import-time settings)
+        import mindspore as ms
         from mindspore import nn
 
-        from clipms.runtime import enable_kernel_fusion
-
-        if kernel_fusion:
-            enable_kernel_fusion()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.bundle_dir = Path(bundle_dir)
