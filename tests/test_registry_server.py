@@ -375,6 +375,7 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     assert tags["lineage.tokenizer_md5"] == lineage.lock_hash(lock, "models/tokenizer.json")
     head = run(["git", "rev-parse", "HEAD"], ws).stdout.strip()
     assert tags["lineage.git_commit"] == head
+    assert tags["lineage.git_dirty"] == "false"  # a fresh repro of a clean commit (issue 12.9)
     assert [i.dataset.digest for i in data.inputs.dataset_inputs] == [
         tags["lineage.data_shards_md5"]]
     version = client.get_model_version_by_alias("clip-e2e", "champion")
