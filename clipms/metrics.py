@@ -22,6 +22,7 @@ Every recall/accuracy value is a fraction in [0, 1], not a percentage.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from math import comb
 
@@ -306,3 +307,25 @@ def zeroshot_chance_levels(num_classes: int) -> dict[str, float]:
     if num_classes >= 5:
         out["zeroshot_top5"] = 5.0 / num_classes
     return out
+
+
+# ------------------------------------------------------------------------------- directions
+# Which way each metric of `metrics/eval.json` improves, for anything that compares models (the
+# registry's promotion gate). Decided by the metric's name, so metrics added later (per-attribute
+# zero-shot accuracies, other K) get a direction without a list to keep in step.
+HIGHER, LOWER = "higher", "lower"
+_LOWER_IS_BETTER = re.compile(r"(^|_)(mean|median)_rank$")
+_HIGHER_IS_BETTER = re.compile(r"(_R@\d+|^mAP@\d+|^zeroshot_(top\d+|mean_per_class_recall))"
+                               r"($|_)")
+
+
+def metric_direction(name: str) -> str | None:
+    """HIGHER or LOWER for a model-quality metric, None for anything else: counts
+    (`num_images`, `zeroshot_classes`, ...) and chance levels (`chance_*`) do not rank models."""
+    if name.startswith("chance_"):
+        return None
+    if _LOWER_IS_BETTER.search(name):
+        return LOWER
+    if _HIGHER_IS_BETTER.search(name):
+        return HIGHER
+    return None

@@ -179,7 +179,10 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
     """Train CLIP on `source`; checkpoints go to `checkpoint_dir` (rank 0 only).
 
     With `resume`, a checkpoint in `checkpoint_dir` whose config fingerprint matches `cfg` is
-    continued; checkpoints of another configuration are deleted and the run starts fresh.
+    continued. Checkpoints of another configuration (all of them, without `resume`) are moved
+    into `checkpoint_dir/stale-<fingerprint>/`, never deleted, and only once the model is built
+    and the run has at least one step: a configuration that fails to start leaves them in place.
+    Checkpoints are written on a background thread (`checkpoint.CheckpointWriter`).
     With `distributed`, `mindspore.communication.init()` must have run (msrun): gradients are
     averaged, features all-gathered, and only rank 0 writes.
     """
@@ -187,20 +190,22 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
 
     rank, group_size = setup_runtime(cfg, distributed)
     model, step_cell, named_trainable = build_training(cfg, distributed, group_size)
-    state = TrainState()
-    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    if ckpt_dir is not None and resume:
-        state = _maybe_resume(cfg, ckpt_dir, step_cell, named_trainable, model, rank,
-                              group_size)
-    elif ckpt_dir is not None and rank == 0:
-        checkpoint.clear(ckpt_dir)
-    writer = rank == 0 and ckpt_dir is not None
-
     per_epoch = source.batches_per_epoch  # batches (micro-batches) per epoch
     total = cfg.max_steps or (cfg.epochs * per_epoch) // cfg.accum_steps
     if total < 1:
         raise ValueError(f"{per_epoch} batches per epoch x {cfg.epochs} epochs is fewer than "
                          f"accum_steps={cfg.accum_steps}: not one optimizer step")
+    state = TrainState()
+    ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if ckpt_dir is not None:
+        state = _maybe_resume(cfg, ckpt_dir, step_cell, named_trainable, model, rank,
+                              group_size, resume)
+    if distributed:
+        from clipms.distributed import check_same_start
+
+        check_same_start(state.step)  # hosts without a shared checkpoint folder would diverge
+    writer = (checkpoint.CheckpointWriter(ckpt_dir, cfg.keep_checkpoints)
+              if rank == 0 and ckpt_dir is not None else None)
     samples_per_step = cfg.batch_size * cfg.accum_steps * group_size
     log.info("training %d steps (%d batches per epoch), %d samples a step, rank %d/%d, from "
              "step %d", total, per_epoch, samples_per_step, rank, group_size, state.step)
@@ -213,6 +218,8 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
         t0 = time.perf_counter()
         loss, norm, applied = _one_step(cfg, step_cell, batches, state, total, ms)
         if not math.isfinite(loss):
+            if writer:
+                writer.close()  # the last good checkpoint is complete on disk before we stop
             raise NonFiniteLossError(
                 f"loss is {loss} at step {state.step + 1} (epoch {epoch}); stopping. The last "
                 f"good checkpoint (if any) in {ckpt_dir} is untouched.")
@@ -230,7 +237,9 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
         if rank == 0:
             _report(cfg, row, total, callbacks)
         if writer and (state.step % cfg.checkpoint_every == 0 or state.step == total):
-            _save(cfg, ckpt_dir, step_cell, named_trainable, model, state, group_size)
+            _save(cfg, writer, step_cell, named_trainable, model, state, group_size)
+    if writer:
+        writer.close()  # the last checkpoint is on disk (a failed write raises here)
 
     summary = {
         "final_loss": state.history[-1]["loss"] if state.history else float("nan"),
@@ -421,14 +430,12 @@ def _state_tensors(step_cell: Any, named_trainable: list[tuple[str, Any]],
     return tensors
 
 
-def _save(cfg: TrainConfig, folder: Path, step_cell: Any, named_trainable: list, model: Any,
-          state: TrainState, group_size: int = 1) -> None:
+def _save(cfg: TrainConfig, writer: checkpoint.CheckpointWriter, step_cell: Any,
+          named_trainable: list, model: Any, state: TrainState, group_size: int = 1) -> None:
     meta = {"step": state.step, "adam_t": state.adam_t, "config": cfg.to_dict(),
             "fingerprint": _run_fingerprint(cfg, group_size), "group_size": group_size,
             "history": state.history}
-    path = checkpoint.save(folder, state.step, _state_tensors(step_cell, named_trainable, model),
-                           meta, keep=cfg.keep_checkpoints)
-    log.info("saved %s", path)
+    writer.submit(state.step, _state_tensors(step_cell, named_trainable, model), meta)
 
 
 def _run_fingerprint(cfg: TrainConfig, group_size: int) -> str:
@@ -438,17 +445,20 @@ def _run_fingerprint(cfg: TrainConfig, group_size: int) -> str:
 
 
 def _maybe_resume(cfg: TrainConfig, folder: Path, step_cell: Any, named_trainable: list,
-                  model: Any, rank: int = 0, group_size: int = 1) -> TrainState:
+                  model: Any, rank: int = 0, group_size: int = 1,
+                  resume: bool = True) -> TrainState:
     import mindspore as ms
 
     found = checkpoint.load_latest(folder)
-    if found is None:
-        return TrainState()
-    if found.meta.get("fingerprint") != _run_fingerprint(cfg, group_size):
+    if not resume or found is None or (
+            found.meta.get("fingerprint") != _run_fingerprint(cfg, group_size)):
         if rank == 0:  # the only writer; the other ranks just start fresh too
-            removed = checkpoint.clear(folder)
-            log.warning("checkpoints in %s belong to another configuration or other data; "
-                        "removed %d, starting fresh", folder, removed)
+            moved = checkpoint.set_aside(folder, found.meta.get("fingerprint") if found else None)
+            if moved is not None:
+                why = ("train.resume is off" if not resume else "they belong to another "
+                       "configuration or other data" if found else "none of them reads back")
+                log.warning("checkpoints in %s moved to %s (%s); starting fresh", folder, moved,
+                            why)
         return TrainState()
     for name, param in _state_tensors(step_cell, named_trainable, model).items():
         if name not in found.tensors:

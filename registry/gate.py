@@ -1,17 +1,28 @@
 """The champion/challenger promotion gate: a pure decision, then registry aliases (never stages).
 
 A new version becomes `champion` only if its primary metric beats the current champion's by at least
-`margin` (and strictly: a tie never replaces the champion) on the same evaluation set (same val-set
-digest). A version evaluated on a different set is never compared with the champion: it becomes
-`challenger` and the reason says why. The first version of a model becomes champion.
+`margin` in the metric's own direction (higher-is-better like R@5, lower-is-better like mean rank;
+strictly: a tie never replaces the champion), on the same evaluation set (same val-set digest, and
+both known). A version evaluated on a different or unknown set is never compared with the champion:
+it becomes `challenger` and the reason says why. The first version of a model becomes champion.
+
+It fails closed: only "the model has no `champion` alias" leads to the first-version path. Any error
+reading the registry (a locked database, a 5xx, a timeout) is a `GateError`, and no alias moves.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from clipms.metrics import HIGHER, LOWER, metric_direction
+
 CHAMPION, CHALLENGER = "champion", "challenger"
+
+
+class GateError(RuntimeError):
+    """The gate could not decide safely (the registry did not answer, or a bad primary metric)."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +39,7 @@ class Decision:
     alias: str  # CHAMPION or CHALLENGER
     reason: str
     primary_metric: str
+    direction: str  # HIGHER or LOWER: which way the primary metric improves
     margin: float
     new_value: float | None
     champion_value: float | None  # the champion's value before this decision (None: no champion)
@@ -38,14 +50,31 @@ class Decision:
         return asdict(self)
 
 
+def primary_direction(primary_metric: str, metrics: Mapping[str, Any]) -> str:
+    """The direction of `primary_metric`, which must be a model-quality metric that evaluate
+    wrote; else a GateError naming the metrics allowed."""
+    allowed = sorted(k for k, v in metrics.items()
+                     if metric_direction(k) and isinstance(v, int | float)
+                     and not isinstance(v, bool))
+    direction = metric_direction(primary_metric)
+    if primary_metric not in allowed or direction is None:
+        why = ("is not in the evaluation metrics" if primary_metric not in metrics
+               else "does not rank models (a count or a chance level)")
+        raise GateError(f"register.primary_metric '{primary_metric}' {why}; allowed: "
+                        + ", ".join(f"{k} ({metric_direction(k)} is better)" for k in allowed))
+    return direction
+
+
 def decide(new: Candidate, champion: Candidate | None, primary_metric: str,
-           margin: float) -> Decision:
+           margin: float, direction: str = HIGHER) -> Decision:
     """Champion or challenger for `new`, given the current champion (None if there is none)."""
     if margin < 0:
         raise ValueError(f"register.margin must be >= 0, got {margin}")
+    if direction not in (HIGHER, LOWER):
+        raise ValueError(f"direction must be {HIGHER!r} or {LOWER!r}, got {direction!r}")
 
     def result(alias: str, reason: str, compared: bool) -> Decision:
-        return Decision(alias, reason, primary_metric, margin, new.value,
+        return Decision(alias, reason, primary_metric, direction, margin, new.value,
                         champion.value if champion else None,
                         champion.version if champion else None, compared)
 
@@ -53,49 +82,73 @@ def decide(new: Candidate, champion: Candidate | None, primary_metric: str,
         return result(CHAMPION, "first version: there is no champion yet", False)
     if new.value is None:
         return result(CHALLENGER, f"this version has no '{primary_metric}' value", False)
-    if not new.val_digest or new.val_digest != champion.val_digest:
+    if not new.val_digest or not champion.val_digest:  # two unknown sets are not one set
+        return result(CHALLENGER, (
+            f"not compared: unknown evaluation set (no val digest on "
+            f"{'this version' if not new.val_digest else ''}"
+            f"{' and ' if not new.val_digest and not champion.val_digest else ''}"
+            f"{f'champion v{champion.version}' if not champion.val_digest else ''})"), False)
+    if new.val_digest != champion.val_digest:
         return result(CHALLENGER, (
             f"not compared: evaluated on a different evaluation set (val digest "
             f"{new.val_digest} vs champion v{champion.version}'s {champion.val_digest})"), False)
     if champion.value is None:
         return result(CHALLENGER, (
             f"not compared: champion v{champion.version} has no '{primary_metric}' value"), False)
-    gain = new.value - champion.value
+    gain = new.value - champion.value if direction == HIGHER else champion.value - new.value
+    better = "higher" if direction == HIGHER else "lower"
     if gain > 0 and gain >= margin:
         return result(CHAMPION, (
             f"{primary_metric} {new.value:.6g} beats champion v{champion.version}'s "
-            f"{champion.value:.6g} by {gain:.6g} >= margin {margin:g}"), True)
+            f"{champion.value:.6g} ({better} is better) by {gain:.6g} >= margin {margin:g}"), True)
     return result(CHALLENGER, (
         f"{primary_metric} {new.value:.6g} does not beat champion v{champion.version}'s "
-        f"{champion.value:.6g} by more than 0 and at least margin {margin:g} "
-        f"(difference {gain:.6g})"), True)
+        f"{champion.value:.6g} ({better} is better) by more than 0 and at least margin "
+        f"{margin:g} (gain {gain:.6g})"), True)
 
 
 def current_champion(mlflow_client: Any, name: str, primary_metric: str) -> Candidate | None:
-    """The version holding alias `champion`, with its recorded metric and val digest."""
+    """The version holding alias `champion`, with its recorded metric and val digest.
+
+    None only when the alias lookup says "not found" AND the registered model, read back, has no
+    `champion` alias; any other outcome of either call is a GateError."""
     from mlflow.exceptions import MlflowException
 
     try:
-        version = mlflow_client.get_model_version_by_alias(name, CHAMPION)
-    except MlflowException:
-        return None  # no such registered model or alias yet
-    return candidate_from_version(version, primary_metric)
+        try:
+            version = mlflow_client.get_model_version_by_alias(name, CHAMPION)
+        except MlflowException as err:
+            if err.error_code not in ("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST"):
+                raise
+            if CHAMPION in (mlflow_client.get_registered_model(name).aliases or {}):
+                raise  # the alias exists: "not found" was something else
+            return None
+        return candidate_from_version(version, primary_metric)
+    except Exception as err:  # a locked database, a 5xx, a timeout: never "no champion"
+        raise GateError(f"could not read the current champion of '{name}' from the registry "
+                        f"({_first_line(err)}); no alias was moved") from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def candidate_from_version(version: Any, primary_metric: str) -> Candidate:
-    tags = version.tags or {}
     from registry.journal import mlflow_key
 
+    tags = version.tags or {}
     raw = tags.get(f"metric.{mlflow_key(primary_metric)}")
     return Candidate(str(version.version), float(raw) if raw not in (None, "") else None,
-                     tags.get("lineage.val_digest"))
+                     tags.get("lineage.val_digest") or None)
 
 
 def apply(mlflow_client: Any, name: str, version: str, decision: Decision) -> None:
-    """Point the decided alias at `version` and record the decision on the version."""
-    mlflow_client.set_registered_model_alias(name, decision.alias, version)
+    """Record the decision on the version, then point the decided alias at it (the alias move
+    comes last: if anything before it fails, no alias has moved)."""
     for key, value in decision_tags(decision).items():
         mlflow_client.set_model_version_tag(name, version, key, value)
+    mlflow_client.set_registered_model_alias(name, decision.alias, version)
 
 
 def decision_tags(decision: Decision) -> dict[str, str]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import mlflow
 import numpy as np
+import pandas as pd
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import INTERNAL_ERROR, INVALID_PARAMETER_VALUE
 from mlflow.pyfunc import PythonModel
@@ -65,9 +66,10 @@ class ClipEmbeddingModel(PythonModel):
         self.encoder = Encoder(context.artifacts["bundle"])
         self.limits = request_limits()
 
-    # No type hints on purpose: MLflow 3 would derive a (conflicting) schema from them; the logged
-    # signature is the contract.
-    def predict(self, context, model_input, params=None):  # noqa: ANN001, ANN201
+    # `model_input: pd.DataFrame` is the one input hint MLflow 3 derives no schema from (the logged
+    # signature stays the contract); without any hint it warns "Add type hints to the `predict`
+    # method" every time this file runs: at each register, load and serve.
+    def predict(self, context, model_input: pd.DataFrame, params=None):  # noqa: ANN001, ANN201
         from clipms.inputs import InputError
         from clipms.preprocess import PreprocessError
 
@@ -83,8 +85,6 @@ class ClipEmbeddingModel(PythonModel):
                                   "log)", error_code=INTERNAL_ERROR) from None
 
     def _predict(self, model_input: Any) -> Any:
-        import pandas as pd
-
         frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         columns = [c for c in ("text", "image") if c in frame.columns]
         if not columns:

@@ -1,18 +1,40 @@
-"""Register the exported model: log it to the run, create a version, tag it, apply the gate."""
+"""Register the exported model: log it to the run, create a version, tag it, apply the gate.
+
+The gate runs under the registry's lock (`registry.gatelock`) and reads the champion there, after
+this version exists, so two registrations racing against one registry compare in turn, never
+against the same old champion. It fails closed (`gate.GateError`): no alias moves.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from registry import gate, pyfunc
+from registry.gatelock import gate_lock
 from registry.journal import mlflow_key
 from registry.lineage import val_digest
 from registry.run import PipelineRun
-from registry.settings import client
+from registry.settings import RegisterParams, client, tracking_uri
 
 MODEL_ARTIFACT = "clip"  # the logged model's name inside the run
+
+
+class RegistryError(RuntimeError):
+    """The registry failed before the gate ran (logging, registering or tagging the version)."""
+
+
+@contextmanager
+def _step(what: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception as err:  # an HTTP 5xx, a timeout, a locked database: say which step
+        text = str(err).strip()
+        raise RegistryError(f"the registry failed while {what} ({type(err).__name__}: "
+                            f"{text.splitlines()[0][:300] if text else ''}); no alias was "
+                            "moved") from err
 
 
 def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -20,37 +42,39 @@ def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
             if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
-def register_version(run: PipelineRun, bundle_dir: Path | str, model_name: str,
-                     primary_metric: str, margin: float,
+def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterParams,
                      eval_metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """Log + register the bundle as a new version of `model_name`; returns the gate's record."""
+    """Log + register the bundle as a new version of `params.model_name`; returns the gate's
+    record. GateError (before anything is logged) for a primary metric evaluate did not write."""
     import mlflow
 
     metrics = numeric(eval_metrics)
-    if primary_metric not in metrics:
-        raise KeyError(f"register.primary_metric '{primary_metric}' is not in the evaluation "
-                       f"metrics; available: {sorted(metrics)}")
+    direction = gate.primary_direction(params.primary_metric, metrics)
     run.require_sent()  # replays anything earlier stages could not send; raises if unreachable
     mlflow_client = client()
-    info = pyfunc.log_model(bundle_dir, name=MODEL_ARTIFACT, run_id=run.run_id)
-    version = mlflow.register_model(info.model_uri, model_name)
-    number = str(version.version)
+    with _step("logging the model"):
+        info = pyfunc.log_model(bundle_dir, name=MODEL_ARTIFACT, run_id=run.run_id)
+    with _step(f"registering a new version of '{params.model_name}'"):
+        number = str(mlflow.register_model(info.model_uri, params.model_name).version)
+    with _step(f"tagging version {number}"):
+        run_tags = mlflow_client.get_run(run.run_id).data.tags
+        tags = {k: v for k, v in run_tags.items() if k.startswith("lineage.")}
+        tags["lineage.val_digest"] = val_digest() or run_tags.get("lineage.val_digest", "")
+        tags.update({f"metric.{mlflow_key(k)}": repr(v) for k, v in metrics.items()})
+        tags["run_id"] = run.run_id or ""
+        for key, value in tags.items():
+            mlflow_client.set_model_version_tag(params.model_name, number, key, value)
 
-    run_tags = mlflow_client.get_run(run.run_id).data.tags
-    tags = {k: v for k, v in run_tags.items() if k.startswith("lineage.")}
-    tags["lineage.val_digest"] = val_digest() or run_tags.get("lineage.val_digest", "")
-    tags.update({f"metric.{mlflow_key(k)}": repr(v) for k, v in metrics.items()})
-    tags["run_id"] = run.run_id or ""
-    for key, value in tags.items():
-        mlflow_client.set_model_version_tag(model_name, number, key, value)
+    new = gate.Candidate(number, metrics[params.primary_metric],
+                         tags["lineage.val_digest"] or None)
+    with gate_lock(tracking_uri(), params.model_name, params.lock_timeout) as lock:
+        champion = gate.current_champion(mlflow_client, params.model_name, params.primary_metric)
+        decision = gate.decide(new, champion, params.primary_metric, params.margin, direction)
+        gate.apply(mlflow_client, params.model_name, number, decision)
 
-    champion = gate.current_champion(mlflow_client, model_name, primary_metric)
-    new = gate.Candidate(number, metrics[primary_metric], tags["lineage.val_digest"] or None)
-    decision = gate.decide(new, champion, primary_metric, margin)
-    gate.apply(mlflow_client, model_name, number, decision)
-
-    record = {"model_name": model_name, "version": int(number), "run_id": run.run_id,
-              "model_uri": f"models:/{model_name}/{number}", **decision.to_dict()}
+    record = {"model_name": params.model_name, "version": int(number), "run_id": run.run_id,
+              "model_uri": f"models:/{params.model_name}/{number}", "lock": lock,
+              **decision.to_dict()}
     run.set_tags({"register.version": number, "register.decision": decision.alias,
                   "register.reason": decision.reason})
     run.log_metrics({"register.version": int(number),

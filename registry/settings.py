@@ -38,6 +38,7 @@ class RegisterParams(Section):
     experiment: str = Field("clip-mindspore", min_length=1)  # read by train, which opens the run
     primary_metric: str = "i2t_R@5"
     margin: float = Field(0.0, ge=0.0)
+    lock_timeout: float = Field(600.0, gt=0)  # seconds to wait for another registration's gate
 
 
 def register_params() -> RegisterParams:

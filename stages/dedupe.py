@@ -13,17 +13,10 @@ from typing import Literal
 from pydantic import Field
 
 from clipms.jsonio import write_json
-from clipms.prep.captions import (
-    MetadataError,
-    check_usable,
-    dedupe,
-    read_metadata,
-    summary,
-    write_images,
-)
+from clipms.prep import captions
 from stages import paths
-from stages.download import fetch_schemes
 from stages.params import ParamsError, Section, load_section
+from stages.urlpolicy import fetch_policy
 
 READS = (paths.METADATA,)
 WRITES = (paths.IMAGES, paths.DEDUPE_METRICS)
@@ -42,14 +35,15 @@ def main() -> int:
     started = time.perf_counter()
     try:
         params = load_section("dedupe", DedupeParams)
-        _, schemes = fetch_schemes()
-        result = dedupe(read_metadata(paths.METADATA), schemes, **params.model_dump())
-        print(summary(result.stats, time.perf_counter() - started))
-        check_usable(result.stats)
-    except (ParamsError, MetadataError) as err:
+        policy = fetch_policy()
+        result = captions.dedupe(captions.read_metadata(paths.METADATA), policy.allowed_schemes,
+                                 **params.model_dump())
+        print(captions.summary(result.stats, time.perf_counter() - started))
+        captions.check_usable(result.stats)
+    except (ParamsError, captions.MetadataError) as err:
         print(f"dedupe: error: {err}", file=sys.stderr)
         return 1
-    write_images(result.images, paths.IMAGES)
+    captions.write_images(result.images, paths.IMAGES)
     write_json(paths.DEDUPE_METRICS, result.stats)
     return 0
 

@@ -3,76 +3,89 @@
 `python -m stages.download`; reads the `download` section and `metadata.source` (which decides
 whether `file://` URLs may be fetched). `data/download` is a `persist: true` out in dvc.yaml, so a
 rerun after an interruption resumes: shards img2dataset finished are kept, the rest are fetched.
+Exits 1 when img2dataset did not finish, or when fewer than `min_success_rate` of the rows arrived
+(metrics/download.json is written first, so the reasons are on record).
 """
 
 from __future__ import annotations
 
-import re
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from clipms.jsonio import write_json
-from clipms.prep.download import DownloadError, DownloadSettings, allowed_schemes, download_images
+from clipms.prep.download import (
+    DownloadError,
+    DownloadSettings,
+    check_success_rate,
+    download_images,
+)
+from clipms.prep.engines import DISTRIBUTORS, EngineError, EngineSettings
+from clipms.prep.urlguard import FetchPolicy
 from stages import paths
 from stages.params import PARAMS_FILE, ParamsError, Section, read_params, validate_section
+from stages.urlpolicy import FetchParams, read_source
 
 READS = (paths.IMAGES, paths.SYNTHETIC)  # file: URLs of the synthetic source point there
 WRITES = (paths.DOWNLOAD, paths.DOWNLOAD_METRICS)
 
 
-class DownloadParams(Section):
+class DownloadParams(FetchParams):
+    """The `download` section: the URL policy keys (FetchParams), the settings, the engine."""
+
     image_size: int = Field(256, ge=16, le=4096)
     resize_mode: Literal["no", "keep_ratio", "center_crop", "border"] = "center_crop"
     encode_quality: int = Field(95, ge=1, le=100)
-    processes: int = Field(2, ge=1, le=256)
-    threads: int = Field(16, ge=1, le=1024)
     timeout: int = Field(10, ge=1, le=600)
     retries: int = Field(1, ge=0, le=10)
     samples_per_shard: int = Field(1000, ge=1, le=1_000_000)
-    allowed_schemes: list[str] = Field(default_factory=lambda: ["http", "https"], min_length=1)
+    max_image_area: int = Field(25_000_000, ge=1)
+    max_aspect_ratio: float = Field(10.0, ge=1.0)
+    min_success_rate: float = Field(0.5, ge=0.0, le=1.0)
+    distributor: Literal[DISTRIBUTORS] = "multiprocessing"  # type: ignore[valid-type]
+    processes: int = Field(2, ge=1, le=256)
+    threads: int = Field(16, ge=1, le=1024)
+    subjob_size: int = Field(1000, ge=1)
+    spark_master: str | None = Field(None, min_length=1)
+    executors: int | None = Field(None, ge=1)
+    ray_address: str | None = Field(None, min_length=1)
 
-    @field_validator("allowed_schemes")
-    @classmethod
-    def _schemes(cls, value: list[str]) -> list[str]:
-        for scheme in value:
-            if not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.\-]*", scheme):
-                raise ValueError(f"{scheme!r} is not a URL scheme (e.g. http, https)")
-            if scheme.lower() == "file":
-                raise ValueError("'file' is not allowed here: it is added automatically for "
-                                 "metadata.source synthetic and refused for any other source")
-        return [s.lower() for s in value]
+    def settings(self) -> DownloadSettings:
+        return DownloadSettings(**_fields_of(self, DownloadSettings))
 
-
-class SourceParams(Section):
-    """The one key of the `metadata` section that the download policy depends on."""
-
-    source: Literal["synthetic", "mscoco", "local"] = "synthetic"
+    def engine(self) -> EngineSettings:
+        return EngineSettings(**_fields_of(self, EngineSettings))
 
 
-def fetch_schemes(path: Path | str = PARAMS_FILE) -> tuple[DownloadParams, frozenset[str]]:
-    """The download params and the URL schemes that may be fetched (dedupe applies the same)."""
+def _fields_of(params: Section, cls: type) -> dict:
+    return params.model_dump(include={f.name for f in dataclasses.fields(cls)})
+
+
+def load_download(path: Path | str = PARAMS_FILE) -> tuple[DownloadParams, FetchPolicy]:
+    """The download params and the URL policy (with `metadata.source`, which allows `file`)."""
     params = read_params(path)
     download = validate_section("download", DownloadParams, params.get("download") or {},
                                 source=str(path))
-    metadata = params.get("metadata") or {}
-    source = validate_section("metadata", SourceParams, {"source": metadata.get("source",
-                                                                              "synthetic")},
-                              source=str(path)).source
-    return download, allowed_schemes(download.allowed_schemes, source)
+    return download, download.policy(read_source(params, path))
 
 
 def main() -> int:
     try:
-        params, schemes = fetch_schemes()
-        settings = DownloadSettings(**params.model_dump(exclude={"allowed_schemes"}))
-        metrics = download_images(paths.IMAGES, paths.DOWNLOAD, settings, schemes)
-    except (ParamsError, DownloadError, FileNotFoundError, ValueError) as err:
+        params, policy = load_download()
+        metrics = download_images(paths.IMAGES, paths.DOWNLOAD, params.settings(),
+                                  params.engine(), policy)
+    except (ParamsError, DownloadError, EngineError, FileNotFoundError, ValueError) as err:
         print(f"download: error: {err}", file=sys.stderr)
         return 1
     write_json(paths.DOWNLOAD_METRICS, metrics)
+    try:
+        check_success_rate(metrics, params.min_success_rate)
+    except DownloadError as err:
+        print(f"download: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

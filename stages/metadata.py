@@ -1,6 +1,8 @@
 """Stage `metadata`: caption metadata -> data/metadata.parquet (and data/synthetic/ images).
 
-`python -m stages.metadata`; the `metadata` section of params.yaml chooses the source.
+`python -m stages.metadata`; the `metadata` section of params.yaml chooses the source; an http(s)
+`url`/`path` is fetched under the download stage's URL policy (`download.allowed_schemes`,
+`download.allow_private_addresses`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from clipms.prep.metadata import MSCOCO_URL, MetadataError, MetadataSpec, build_metadata
 from stages import paths
 from stages.params import ParamsError, Section, load_section
+from stages.urlpolicy import fetch_policy
 
 READS: tuple = ()
 WRITES = (paths.METADATA, paths.SYNTHETIC)
@@ -61,8 +64,9 @@ class MetadataParams(Section):
 def main() -> int:
     try:
         params = load_section("metadata", MetadataParams)
+        policy = fetch_policy()  # an http(s) url/path follows the download stage's URL rule
         summary = build_metadata(MetadataSpec(**params.model_dump()), paths.METADATA,
-                                 paths.SYNTHETIC)
+                                 paths.SYNTHETIC, policy)
     except (ParamsError, MetadataError) as err:
         print(f"metadata: error: {err}", file=sys.stderr)
         return 1

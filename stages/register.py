@@ -25,8 +25,10 @@ def main() -> int:
         print(f"register: error: {err}", file=sys.stderr)
         return 1
     from clipms.jsonio import read_json, write_json
+    from registry.gate import GateError
+    from registry.gatelock import GateLockTimeout
     from registry.lineage import flatten
-    from registry.registration import register_version
+    from registry.registration import RegistryError, register_version
     from registry.run import PipelineRun, TrackingUnavailable
 
     try:
@@ -36,10 +38,13 @@ def main() -> int:
         run = PipelineRun.open("register", {}, run_file=None)
     run.log_params(flatten("register", params.model_dump()))
     try:
-        record = register_version(run, paths.BUNDLE, params.model_name, params.primary_metric,
-                                  params.margin, read_json(paths.EVAL_METRICS))
-    except TrackingUnavailable as err:
-        print(f"register: {err}", file=sys.stderr)
+        record = register_version(run, paths.BUNDLE, params, read_json(paths.EVAL_METRICS))
+    except TrackingUnavailable as err:  # the journal keeps everything for the next attempt
+        print(f"register: error: {err}", file=sys.stderr)
+        return 1
+    except (GateError, GateLockTimeout, RegistryError) as err:  # failed closed: no alias moved
+        print(f"register: error: {err}", file=sys.stderr)
+        run.fail(err)
         return 1
     write_json(paths.REGISTER_METRICS, record)
     run.close()

@@ -25,7 +25,19 @@ WRITES = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.MLFLOW_RUN, paths.CHECKPOINT
 
 
 class DistributedParams(Section):
-    workers: int = Field(1, ge=1, le=1024)  # data-parallel processes (devices); 1 = no msrun
+    """msrun's cluster (clipms.distributed.Cluster); docs/ascend.md has the multi-host recipe."""
+
+    workers: int = Field(1, ge=1, le=1024)  # data-parallel processes in all hosts; 1 = no msrun
+    nodes: int = Field(1, ge=1, le=128)  # hosts; each runs workers / nodes of them
+    node_rank: int = Field(0, ge=0)  # this host's index (0 writes the outputs)
+    master_addr: str = "127.0.0.1"  # the host running msrun's scheduler (node 0's address)
+    master_port: int | None = Field(None, ge=1024, le=65535)  # null: a free port (one node)
+
+    def cluster(self) -> Any:
+        from clipms.distributed import Cluster
+
+        return Cluster(workers=self.workers, nodes=self.nodes, node_rank=self.node_rank,
+                       master_addr=self.master_addr, master_port=self.master_port)
 
 
 class TrainParams(Section):
@@ -105,10 +117,13 @@ def main() -> int:
                         stream=sys.stdout)
     try:
         params = load_section("train", TrainParams)
+        cluster = params.distributed.cluster()  # bad combinations fail here, before any work
         job = build_job(params)
     except (ParamsError, ValueError, FileNotFoundError) as err:
         print(f"train: error: {err}", file=sys.stderr)
         return 1
+    if not cluster.writes_outputs:
+        return _join_as_worker_node(job, cluster)
     from clipms import train_job
     from clipms.trainer import NonFiniteLossError
     from registry.run import PipelineRun  # MLflow: one run per pipeline run (docs/mlflow.md)
@@ -117,10 +132,10 @@ def main() -> int:
     run.start_system_metrics()
     sinks = [*callbacks(), run.callback()]
     try:
-        if params.distributed.workers > 1:
+        if cluster.workers > 1:
             from clipms.distributed import launch
 
-            launch(job, params.distributed.workers, paths.MSRUN_LOGS)
+            launch(job, cluster, paths.MSRUN_LOGS)
             summary = train_job.replay(job.outputs, sinks)
         else:
             summary = train_job.run(job, sinks).summary
@@ -134,6 +149,21 @@ def main() -> int:
           f"{summary['samples_per_s']:.1f} samples/s, {summary['wall_time_s']:.0f} s; wrote "
           f"{job.outputs.checkpoint}, {job.outputs.run_config}, {job.outputs.metrics}, "
           f"{job.outputs.plot}")
+    return 0
+
+
+def _join_as_worker_node(job: Any, cluster: Any) -> int:
+    """Node 1.. of a multi-host run: start this host's workers; global rank 0 (on node 0) writes
+    the model, the metrics and the MLflow run, so nothing is written or tracked here."""
+    from clipms.distributed import LaunchError, launch
+
+    try:
+        launch(job, cluster, paths.MSRUN_LOGS)
+    except LaunchError as err:
+        print(f"train: error: {err}", file=sys.stderr)
+        return 1
+    print(f"train: node {cluster.node_rank} of {cluster.nodes} finished; the outputs are on "
+          f"node 0 ({cluster.master_addr})")
     return 0
 
 

@@ -1,8 +1,9 @@
 """A real MLflow tracking server for tests: SQLite backend, proxied artifacts, loopback, one worker.
 
 `MlflowServer(root).start()` launches `mlflow server` on a free 127.0.0.1 port, waits (bounded) for
-`/health`, and `.stop()` always ends it (SIGTERM, then SIGKILL of its process group). Used by the
-session fixture in tests/test_registry*.py; `restart()` lets a test take the server away and back.
+`/health`, and `.stop()` always ends it (SIGTERM, then SIGKILL of its process group). `restart()`
+lets a test take the server away and back. `mlflow_server` is a session fixture (assign it to a
+name in a test module) so that every module that needs a server shares one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 STARTUP_TIMEOUT_S = 120.0  # ~12 s on an idle 2-core machine; much longer while 8 jobs share it
 
@@ -118,3 +122,14 @@ class MlflowServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """One SQLite-backed server for every test module that needs one (start-up costs ~12-30 s)."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -18,12 +18,14 @@ from clipms.prep.captions import (
     image_identities,
     normalise_captions,
     read_metadata,
+    scheme_array,
     stable_keys,
     write_images,
 )
-from clipms.prep.download import allowed_schemes, read_parquet, url_schemes
+from clipms.prep.download import read_parquet
+from clipms.prep.urlguard import allowed_schemes, url_scheme
 from stages.dedupe import DedupeParams
-from stages.download import fetch_schemes
+from stages.download import load_download
 from stages.params import ParamsError, load_section
 
 HTTP = frozenset({"http", "https"})
@@ -113,8 +115,9 @@ def test_file_scheme_only_for_synthetic():
 
 
 def test_url_schemes_do_not_strip_or_guess():
-    schemes = url_schemes(pd.Series(["HTTP://x", " file:///a", "<URL:file:///a>", "x", "file:a"]))
-    assert schemes.tolist() == ["http", "", "", "", "file"]
+    urls = ["HTTP://x", " file:///a", "<URL:file:///a>", "x", "file:a"]
+    assert scheme_array(pa.array(urls)).to_pylist() == ["http", "", "", "", "file"]
+    assert [url_scheme(u) for u in urls] == ["http", "", "", "", "file"]  # the same rule
 
 
 def test_labels_travel_per_image():
@@ -275,13 +278,14 @@ def test_dedupe_params_validation(tmp_path):
 
 
 def test_download_params_and_scheme_policy(tmp_path):
-    params, schemes = fetch_schemes(write(tmp_path, "metadata:\n  source: synthetic\n"))
-    assert params.image_size == 256 and schemes == {"http", "https", "file"}
-    _, schemes = fetch_schemes(write(tmp_path, "metadata:\n  source: mscoco\n"))
-    assert schemes == {"http", "https"}
+    params, policy = load_download(write(tmp_path, "metadata:\n  source: synthetic\n"))
+    assert params.image_size == 256 and policy.allowed_schemes == {"http", "https", "file"}
+    assert not policy.allow_private_addresses  # the default: internal addresses are refused
+    _, policy = load_download(write(tmp_path, "metadata:\n  source: mscoco\n"))
+    assert policy.allowed_schemes == {"http", "https"}
     with pytest.raises(ParamsError, match=r"download.allowed_schemes = \['http', 'file'\]"):
-        fetch_schemes(write(tmp_path, "download:\n  allowed_schemes: [http, file]\n"))
+        load_download(write(tmp_path, "download:\n  allowed_schemes: [http, file]\n"))
     with pytest.raises(ParamsError, match=r"metadata.source = 'web'"):
-        fetch_schemes(write(tmp_path, "metadata:\n  source: web\n"))
+        load_download(write(tmp_path, "metadata:\n  source: web\n"))
     with pytest.raises(ParamsError, match=r"download.resize_mode = 'stretch'"):
-        fetch_schemes(write(tmp_path, "download:\n  resize_mode: stretch\n"))
+        load_download(write(tmp_path, "download:\n  resize_mode: stretch\n"))

@@ -8,22 +8,18 @@ URL pointing at a real local JPEG, empty captions and duplicate rows. The stages
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-import yaml
 from PIL import Image
 
 from clipms import webds
@@ -34,116 +30,14 @@ from clipms.prep.download import (
     prepare_output,
     read_parquet,
 )
+from clipms.prep.urlguard import FetchPolicy
+from tests.image_site import COLOURS, Site, jpeg, run_stage, stage_env, write_params
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-SLOW_SECONDS = 2.5       # the slow URL answers after this; the download timeout is 1 s
-COLOURS = [(200, 30, 30), (30, 160, 60), (40, 60, 220), (230, 200, 40), (140, 50, 180),
-           (240, 130, 20), (20, 20, 20)]
 LOCAL_COLOUR = (255, 0, 255)  # the local file only: magenta never appears in a served image
-
-
-def jpeg(colour: tuple[int, int, int], size: tuple[int, int] = (96, 80)) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", size, colour).save(out, format="JPEG", quality=90)
-    return out.getvalue()
-
-
-class Site:
-    """A loopback HTTP server: `/good/<i>.jpg`, `/missing.jpg` (404), `/truncated.jpg`,
-    `/text.jpg` (plain text), `/slow.jpg` (answers after SLOW_SECONDS), `/redirect.jpg` (302 to
-    `redirect_to`) and `/stall/<i>.jpg` (waits until `stall` is set, at most 60 s)."""
-
-    def __init__(self, redirect_to: str = "http://127.0.0.1:9/") -> None:
-        self.requests: list[str] = []
-        self.redirect_to = redirect_to
-        self.stall = threading.Event()
-        site = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                site.requests.append(self.path)
-                if self.path == "/redirect.jpg":
-                    self.send_response(302)
-                    self.send_header("Location", site.redirect_to)
-                    self.end_headers()
-                    return
-                body = site.body(self.path)
-                if body is None:
-                    self.send_error(404)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "image/jpeg")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                # The client may have given up (the slow URL): that is the point.
-                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                    self.wfile.write(body)
-
-            def log_message(self, *_args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def body(self, path: str) -> bytes | None:
-        if path.startswith("/good/"):
-            return jpeg(COLOURS[int(path.split("/")[-1].split(".")[0])])
-        if path == "/truncated.jpg":
-            data = jpeg((10, 120, 120))
-            return data[: len(data) // 2]
-        if path == "/text.jpg":
-            return b"this is not an image, whatever its name says\n"
-        if path == "/slow.jpg":
-            time.sleep(SLOW_SECONDS)
-            return jpeg((120, 120, 120))
-        if path.startswith("/stall/"):  # hangs (bounded) until `stall` is set
-            self.stall.wait(timeout=60)
-            return jpeg((60, 60, 60))
-        return None
-
-    def __enter__(self) -> Site:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        self.stall.set()
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=10)
 
 
 def quiet(_message: str) -> None:
     pass
-
-
-def stage_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(PROJECT_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    return env
-
-
-def run_stage(name: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=cwd, env=stage_env(),
-                          capture_output=True, text=True, timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"stage {name} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
-                             f"{proc.stderr[-4000:]}")
-    return proc
-
-
-def write_params(folder: Path, **download: object) -> None:
-    params = {
-        "metadata": {"source": "local", "path": "unused.parquet"},
-        "dedupe": {"keep": "all", "min_caption_chars": 5, "val_fraction": 0.3},
-        "download": {"image_size": 64, "resize_mode": "center_crop", "encode_quality": 90,
-                     "processes": 1, "threads": 8, "timeout": 1, "retries": 0,
-                     "samples_per_shard": 4, "allowed_schemes": ["http", "https"], **download},
-        "shard": {"samples_per_shard": 2, "min_image_size": 32, "seed": 0, "workers": 1},
-    }
-    (folder / "params.yaml").write_text(yaml.safe_dump(params))
 
 
 def read_shards(folder: Path) -> dict[str, dict]:
@@ -258,17 +152,21 @@ def test_download_refuses_file_urls_before_img2dataset(tmp_path):
     """Only file:// rows: nothing may reach img2dataset, and the refusals are counted."""
     local_file = tmp_path / "secret.jpg"
     local_file.write_bytes(jpeg(LOCAL_COLOUR))
-    write_params(tmp_path)
+    write_params(tmp_path, min_success_rate=0.5)
     (tmp_path / "data").mkdir()
     pd.DataFrame({"url": [local_file.as_uri(), "FILE://" + str(local_file), " " +
                           local_file.as_uri()],
                   "key": ["a" * 16, "b" * 16, "c" * 16], "caption": "a local file",
                   "captions": [["a local file"]] * 3, "split": "train", "labels": None,
                   }).to_parquet(tmp_path / "data/images.parquet", index=False)
-    run_stage("download", tmp_path)
+    proc = run_stage("download", tmp_path, check=False)
     metrics = json.loads((tmp_path / "metrics/download.json").read_text())
     assert metrics["disallowed_scheme"] == 3 and metrics["attempted"] == 0
     assert not list((tmp_path / "data/download").glob("*.tar"))
+    # Nothing arrived: the stage fails (success rate 0 < min_success_rate) and says why.
+    assert proc.returncode == 1
+    assert "only 0 of 3 images arrived" in proc.stderr and "3 x refused: disallowed_scheme" in \
+        proc.stderr
 
 
 @pytest.mark.slow
@@ -313,19 +211,21 @@ def test_killed_download_resumes_only_unfinished_shards(tmp_path):
 def test_output_is_kept_only_for_the_same_fingerprint(tmp_path):
     images_file = tmp_path / "images.parquet"
     pd.DataFrame({"url": ["http://x/1"]}).to_parquet(images_file)
-    settings = DownloadSettings()
-    same = fingerprint(images_file, settings, frozenset({"http"}))
+    settings, policy = DownloadSettings(), FetchPolicy(frozenset({"http"}))
+    same = fingerprint(images_file, settings, policy)
     out = tmp_path / "download"
-    prepare_output(out, quiet, expected=same)
+    prepare_output(str(out), quiet, expected=same)
     (out / "00000.tar").write_bytes(b"finished shard")
     (out / "00000_stats.json").write_text("{}")
-    prepare_output(out, quiet, expected=fingerprint(images_file, settings, frozenset({"http"})))
-    assert (out / "00000.tar").is_file()  # same input and settings: resume
-    for other in (fingerprint(images_file, DownloadSettings(image_size=128), frozenset({"http"})),
-                  fingerprint(images_file, settings, frozenset({"http", "https"}))):
+    prepare_output(out.as_uri(), quiet, expected=fingerprint(images_file, settings, policy))
+    assert (out / "00000.tar").is_file()  # same input and settings: resume (an fsspec URL too)
+    for other in (fingerprint(images_file, DownloadSettings(image_size=128), policy),
+                  fingerprint(images_file, settings, FetchPolicy(frozenset({"http", "https"}))),
+                  fingerprint(images_file, settings, FetchPolicy(allow_private_addresses=True)),
+                  fingerprint(images_file, DownloadSettings(max_image_area=10), policy)):
         assert other != same
     pd.DataFrame({"url": ["http://x/2"]}).to_parquet(images_file)
-    prepare_output(out, quiet, expected=fingerprint(images_file, settings, frozenset({"http"})))
+    prepare_output(str(out), quiet, expected=fingerprint(images_file, settings, policy))
     assert sorted(p.name for p in out.iterdir()) == [FINGERPRINT_FILE]  # new input: start over
 
 

@@ -78,6 +78,35 @@ def test_a_different_checkpoint_fails_the_parity_check(exported, trained):
         assert_parity(report)
 
 
+def test_fp16_bundle_is_half_the_size_and_meets_its_own_bar_not_the_fp32_one(exported, trained,
+                                                                             tmp_path):
+    from clipms.export import PARITY, assert_parity, export_bundle, parity_report
+
+    fp32_dir, fp32_bundle, run = exported
+    paths = trained["a"]
+    bundle = export_bundle(load_clip(paths["checkpoint"], run.model), run.preprocess,
+                           paths["tokenizer"], tmp_path / "fp16", precision="fp16")
+    assert bundle["precision"] == "fp16" and fp32_bundle["precision"] == "fp32"
+    assert bundle["parity"] == {"metric": "max_abs_error_normalized",
+                                "tolerance": PARITY["fp16"].tolerance}
+    assert bundle["logit_scale"] == fp32_bundle["logit_scale"]  # read before the fp16 cast
+    for name in ("image_encoder.mindir", "text_encoder.mindir"):
+        assert (tmp_path / "fp16" / name).stat().st_size < 0.7 * (fp32_dir / name).stat().st_size
+
+    reference = load_clip(paths["checkpoint"], run.model)  # fp32, fresh from disk
+    images, tokens = sample_inputs(run, paths["tokenizer"], n=8)
+    report = parity_report(reference, tmp_path / "fp16", images, tokens, BATCH_SIZES, "fp16")
+    assert report["passed"], report
+    assert_parity(report)
+    print({k: f"{v:.2e}" for k, v in report.items() if k.endswith("error")
+           or k.endswith("normalized")})  # the measured errors (docs/ascend.md)
+    for tower in ("image", "text"):
+        assert 1e-5 < report[f"{tower}_max_abs_error_normalized"] <= PARITY["fp16"].tolerance
+    strict = parity_report(reference, tmp_path / "fp16", images, tokens, BATCH_SIZES, "fp16",
+                           tolerance=1e-5)
+    assert not strict["passed"]  # fp16 is not fp32: it fails the fp32 bar
+
+
 def test_a_checkpoint_of_another_architecture_is_a_clear_error(trained):
     import dataclasses
 
@@ -100,9 +129,10 @@ def test_stage_exports_checks_and_records_the_errors(tmp_path):
     (tmp_path / "params.yaml").write_text("export:\n  batch_sizes: [1, 4, 16]\n")
     env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT)}
     proc = run(["python", "-m", "stages.export"], cwd=tmp_path, timeout=600, env=env)
-    assert "max abs error" in proc.stdout
+    assert "fp32, max_abs_error image" in proc.stdout
     report = json.loads((tmp_path / "metrics" / "export.json").read_text())
     assert report["passed"] is True and report["tolerance"] == 1e-5
+    assert (report["precision"], report["gate_metric"]) == ("fp32", "max_abs_error")
     assert report["parity_images"] == 11  # all val images (< 16), cycled up to batch 16
     for batch in (1, 4, 16):
         assert report[f"image_max_abs_error_b{batch}"] <= 1e-5
@@ -117,6 +147,17 @@ def test_stage_exports_checks_and_records_the_errors(tmp_path):
     bad = run(["python", "-m", "stages.export"], cwd=tmp_path, timeout=600, check=False, env=env)
     assert bad.returncode == 1 and "export.tolerance" in bad.stderr
 
+    # A real parity failure -- an fp16 bundle held to the fp32 bar -- fails the stage (exit 1),
+    # after recording the errors, so DVC and Prefect see it.
+    (tmp_path / "params.yaml").write_text(
+        "export:\n  precision: fp16\n  tolerance: 1.0e-5\n  batch_sizes: [1, 4]\n")
+    failed = run(["python", "-m", "stages.export"], cwd=tmp_path, timeout=600, check=False,
+                 env=env)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "export: FAILED: exported fp16 MindIR differs" in failed.stderr
+    report = json.loads((tmp_path / "metrics" / "export.json").read_text())
+    assert report["passed"] is False and report["precision"] == "fp16"
+    assert report["image_max_abs_error_normalized"] > 1e-5  # really computed in fp16
 
 
 def test_bench_encode_bundle_and_retrieval_report_rates(exported):

@@ -21,11 +21,15 @@ import yaml
 
 from clipms.prep import synthetic
 from clipms.prep.metadata import MetadataError, MetadataSpec, build_metadata, download
+from clipms.prep.urlguard import FetchPolicy
 from stages.metadata import MetadataParams
 from stages.params import ParamsError, validate_section
 from tests.workspace import PROJECT_ROOT, make_workspace, run, tool_env
 
 FAST = {"retries": 2, "timeout": 5.0}  # with backoff_seconds=0.01 below: no real waiting
+# The test server is on 127.0.0.1: these tests allow private addresses explicitly (the default
+# policy refuses them; test_loopback_metadata_url_is_refused_by_default checks that).
+LOOPBACK = FetchPolicy(allow_private_addresses=True)
 
 
 def _parquet_bytes(tmp_path: Path, columns: dict[str, list]) -> bytes:
@@ -77,9 +81,10 @@ def server() -> Iterator[_Server]:
         srv.thread.join(timeout=5)
 
 
-def _build(tmp_path: Path, **spec: object) -> tuple[pa.Table, object]:
+def _build(tmp_path: Path, policy: FetchPolicy = LOOPBACK,
+           **spec: object) -> tuple[pa.Table, object]:
     out = tmp_path / "data" / "metadata.parquet"
-    summary = build_metadata(MetadataSpec(**spec), out, tmp_path / "data" / "synthetic",
+    summary = build_metadata(MetadataSpec(**spec), out, tmp_path / "data" / "synthetic", policy,
                              backoff_seconds=0.01)
     return pq.read_table(out), summary
 
@@ -90,9 +95,9 @@ def _build(tmp_path: Path, **spec: object) -> tuple[pa.Table, object]:
 def test_synthetic_rows_urls_labels_and_bytes_are_deterministic(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # relative paths, as the stage runs them from the project root
     spec = MetadataSpec(num_images=12, synthetic_image_size=32, seed=3)
-    summary = build_metadata(spec, "data/metadata.parquet", "data/synthetic")
+    summary = build_metadata(spec, "data/metadata.parquet", "data/synthetic", LOOPBACK)
     first = Path("data/metadata.parquet").read_bytes()
-    build_metadata(spec, "data/metadata.parquet", "data/synthetic")
+    build_metadata(spec, "data/metadata.parquet", "data/synthetic", LOOPBACK)
     assert Path("data/metadata.parquet").read_bytes() == first
 
     table = pq.read_table("data/metadata.parquet")
@@ -113,7 +118,7 @@ def test_synthetic_urls_open_with_urllib_from_the_project_root(tmp_path, monkeyp
 
     monkeypatch.chdir(tmp_path)
     build_metadata(MetadataSpec(num_images=2, synthetic_image_size=32),
-                   "data/metadata.parquet", "data/synthetic")
+                   "data/metadata.parquet", "data/synthetic", LOOPBACK)
     url = pq.read_table("data/metadata.parquet")["URL"][0].as_py()
     with urllib.request.urlopen(url, timeout=5) as response:
         assert response.read() == Path("data/synthetic/000001.png").read_bytes()
@@ -185,14 +190,15 @@ def test_a_download_cut_short_is_retried(tmp_path, server):
 def test_retries_are_bounded(tmp_path, server):
     server.routes["/down"] = [(500, b"busy")]
     with pytest.raises(MetadataError, match=r"after 3 attempts \(last error: HTTP 500"):
-        download(server.url("/down"), tmp_path / "x", timeout=5, retries=2, backoff_seconds=0.01)
+        download(server.url("/down"), tmp_path / "x", policy=LOOPBACK, timeout=5, retries=2,
+                 backoff_seconds=0.01)
     assert server.hits["/down"] == 3
     assert list(tmp_path.iterdir()) == []
 
 
 def test_http_404_fails_at_once(tmp_path, server):
     with pytest.raises(MetadataError, match="HTTP 404"):
-        download(server.url("/missing"), tmp_path / "x", timeout=5, retries=3)
+        download(server.url("/missing"), tmp_path / "x", policy=LOOPBACK, timeout=5, retries=3)
     assert server.hits["/missing"] == 1
 
 
@@ -202,6 +208,15 @@ def test_unreachable_server_gives_a_clear_offline_error(tmp_path):
         port = sock.getsockname()[1]
     with pytest.raises(MetadataError, match="Offline or unreachable.*metadata.source: local"):
         _build(tmp_path, source="mscoco", url=f"http://127.0.0.1:{port}/mscoco.parquet", **FAST)
+
+
+def test_loopback_metadata_url_is_refused_by_default(tmp_path, server):
+    server.routes["/mscoco.parquet"] = [(200, _coco_like(tmp_path))]
+    for source, key in (("mscoco", "url"), ("local", "path")):
+        with pytest.raises(MetadataError, match=r"refused \(loopback_address\).*127\.0\.0\.1"):
+            _build(tmp_path, FetchPolicy(), source=source, **{key: server.url("/mscoco.parquet")},
+                   **FAST)
+    assert server.hits == {}  # refused before any connection, and not retried
 
 
 def test_a_non_parquet_download_is_reported(tmp_path, server):
@@ -299,6 +314,13 @@ def test_stage_runs_from_a_project_root_and_prints_a_summary(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "stages.metadata"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "metadata.source = 'coco'" in proc.stderr
+
+    # The stage applies download.allow_private_addresses (false by default) to metadata.url.
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"metadata": {
+        "source": "mscoco", "url": "http://127.0.0.1:9/mscoco.parquet", "retries": 0}}))
+    proc = subprocess.run([sys.executable, "-m", "stages.metadata"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "refused (loopback_address)" in proc.stderr
 
 
 @pytest.mark.slow

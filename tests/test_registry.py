@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,77 @@ def test_a_different_val_set_is_never_compared() -> None:
     d = decide(Candidate("2", 0.99, "b" * 32), Candidate("1", 0.10, DIGEST), "i2t_R@5", 0.0)
     assert d.alias == CHALLENGER and not d.compared
     assert "different evaluation set" in d.reason and DIGEST in d.reason
+
+
+@pytest.mark.parametrize(("new", "champion", "alias"), [
+    (12.0, 10.0, CHALLENGER),  # a higher mean rank is worse
+    (10.0, 10.0, CHALLENGER),  # a tie never replaces the champion
+    (8.0, 10.0, CHAMPION),     # lower is better
+])
+def test_gate_respects_a_lower_is_better_metric(new: float, champion: float, alias: str) -> None:
+    d = decide(Candidate("2", new, DIGEST), Candidate("1", champion, DIGEST), "i2t_mean_rank",
+               0.0, direction="lower")
+    assert (d.alias, d.direction, d.compared) == (alias, "lower", True)
+    assert "lower is better" in d.reason
+
+
+def test_two_missing_val_digests_are_not_the_same_evaluation_set() -> None:
+    """Issue 14.10: a version and a champion that both lack a val digest were evaluated on sets
+    nobody can tell apart: never compared, whatever the numbers."""
+    d = decide(Candidate("2", 0.9, None), Candidate("1", 0.1, None), "i2t_R@5", 0.0)
+    assert (d.alias, d.compared) == (CHALLENGER, False)
+    assert "unknown evaluation set" in d.reason
+    d = decide(Candidate("2", 0.9, DIGEST), Candidate("1", 0.1, None), "i2t_R@5", 0.0)
+    assert (d.alias, d.compared) == (CHALLENGER, False)
+    d = decide(Candidate("2", 0.9, ""), Candidate("1", 0.1, ""), "i2t_R@5", 0.0)
+    assert (d.alias, d.compared) == (CHALLENGER, False)
+
+
+def test_metric_directions_cover_what_evaluate_writes() -> None:
+    from clipms.metrics import metric_direction
+
+    written = json.loads((Path(__file__).resolve().parents[1] / "metrics/eval.json").read_text())
+    directions = {k: metric_direction(k) for k in written}
+    assert directions["i2t_R@5"] == directions["mAP@10"] == directions["zeroshot_top1"] \
+        == directions["zeroshot_mean_per_class_recall"] == "higher"
+    assert directions["i2t_mean_rank"] == directions["t2i_median_rank"] == "lower"
+    assert directions["num_images"] is directions["chance_i2t_R@5"] is None
+    assert directions["zeroshot_classes"] is directions["zeroshot_skipped"] is None
+    # every number evaluate writes is either a ranked quality metric or a known non-metric
+    unranked = {k for k, d in directions.items() if d is None}
+    assert all(k.startswith(("chance_", "num_", "zeroshot_")) for k in unranked), unranked
+    assert gate.primary_direction("i2t_mean_rank", written) == "lower"
+    with pytest.raises(gate.GateError, match="does not rank models"):
+        gate.primary_direction("num_images", written)
+
+
+def test_the_gate_lock_is_beside_a_sqlite_store_and_times_out(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    from registry import gatelock
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert gatelock.lock_kind(uri) == "file"
+    assert gatelock.lock_file(uri, "clip") == tmp_path / ".mlflow.db.gate-clip.lock"
+    assert gatelock.lock_kind("http://127.0.0.1:5000") == "machine"
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    assert gatelock.lock_kind("http://127.0.0.1:5000") == "prefect"
+    assert gatelock.lock_kind(uri) == "file"  # a local database is shared through its folder
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom registry.gatelock import gate_lock\n"
+        f"with gate_lock({uri!r}, 'clip', 5):\n    print('held', flush=True)\n"
+        "    time.sleep(30)\n")], stdout=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(gatelock.GateLockTimeout, match="register.lock_timeout"), \
+                gatelock.gate_lock(uri, "clip", 0.5):
+            pass
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    with gatelock.gate_lock(uri, "clip", 5) as kind:  # released when its holder died
+        assert kind == "file"
 
 
 def test_a_missing_digest_or_value_is_not_compared() -> None:
@@ -189,10 +261,11 @@ def test_tracking_uri_defaults_to_the_project_database(monkeypatch, tmp_path: Pa
 
 def test_register_refuses_a_missing_primary_metric_before_touching_mlflow() -> None:
     from registry.registration import register_version
+    from registry.settings import RegisterParams
 
     pipeline_run = run.PipelineRun("key", None, "exp")
-    with pytest.raises(KeyError, match="i2t_R@5.*available.*mAP@10"):
-        register_version(pipeline_run, "models/export", "clip", "i2t_R@5", 0.0, {"mAP@10": 0.5})
+    with pytest.raises(gate.GateError, match=r"'i2t_R@5' is not in.*allowed: mAP@10 \(higher"):
+        register_version(pipeline_run, "models/export", RegisterParams(), {"mAP@10": 0.5})
     assert pipeline_run.pending == []
 
 
@@ -215,3 +288,16 @@ def test_registry_imports_nothing_from_stages_or_flows() -> None:
     package = Path(__file__).resolve().parents[1] / "registry"
     for module in sorted(package.glob("*.py")):
         assert not imported_roots(module.read_text()) & {"stages", "flows"}, module.name
+
+
+def test_the_pyfunc_model_code_runs_without_mlflow_warnings() -> None:
+    """MLflow runs the model file at every register, load and serve; a warning there is noise the
+    user cannot act on (issue 12 item 10)."""
+    code = ("import warnings, mlflow.pyfunc\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import registry.pyfunc_model\n"
+            "print([str(w.message) for w in seen])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout

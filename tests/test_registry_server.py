@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import chdir
 from pathlib import Path
 
 import numpy as np
@@ -18,20 +19,19 @@ import pytest
 
 from registry import lineage, settings
 from registry import run as tracking_run
+from tests import mlflow_server as server_fixtures
 from tests.mlflow_server import MlflowServer, http_get
 from tests.test_registry import write_pipeline_state
 
 pytestmark = pytest.mark.slow
+mlflow_server = server_fixtures.mlflow_server  # the session fixture (pytest finds it by name)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    srv = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+@pytest.fixture
+def server(mlflow_server: MlflowServer) -> MlflowServer:
+    if mlflow_server.proc is None:  # a test that took it away failed before bringing it back
+        mlflow_server.start()
+    return mlflow_server
 
 
 @pytest.fixture
@@ -165,31 +165,46 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return export_tiny_bundle(tmp_path_factory.mktemp("export"), seed=0)
 
 
-def pipeline_run(root: Path, bundle: Path, score: float, val_sha: str = "f" * 64) -> dict:
-    """One pipeline run as the stages leave it (train opens the run, evaluate logs), then the
-    real register stage, in a workspace of its own."""
+def prepare_workspace(root: Path, bundle: Path, eval_metrics: dict, model: str = MODEL,
+                      primary_metric: str = "i2t_R@5", val_sha: str = "f" * 64,
+                      train_params: dict | None = None) -> Path:
+    """A workspace as the stages before register leave it: dvc.lock, manifest, params, the export
+    bundle, metrics/eval.json, and the pipeline's MLflow run (train opened it, evaluate logged)."""
     import shutil
 
-    from clipms.jsonio import read_json, write_json
-    from stages import register
+    from clipms.jsonio import write_json
 
     root.mkdir(parents=True)
     write_pipeline_state(root, val_sha=val_sha)
     (root / "params.yaml").write_text(
-        f"register:\n  model_name: {MODEL}\n  experiment: test-exp\n"
-        "  primary_metric: i2t_R@5\n  margin: 0.0\n")
+        f"register:\n  model_name: {model}\n  experiment: test-exp\n"
+        f"  primary_metric: {primary_metric}\n  margin: 0.0\n")
     shutil.copytree(bundle, root / "models" / "export")
-    eval_metrics = {"i2t_R@1": score / 2, "i2t_R@5": score, "mAP@10": score / 3, "images": 10}
     write_json(root / "metrics" / "eval.json", eval_metrics)
-    cwd = Path.cwd()
-    os.chdir(root)
-    try:
-        tracking_run.PipelineRun.open("train", {"lr": score}).close()
+    with chdir(root):
+        tracking_run.PipelineRun.open("train", train_params or {"lr": 1e-3}).close()
         tracking_run.log_stage("evaluate", {"batch_size": 16}, eval_metrics)
-        assert register.main() == 0
-        return read_json("metrics/register.json")
-    finally:
-        os.chdir(cwd)
+    return root
+
+
+def register_in(root: Path) -> tuple[int, dict | None]:
+    """The real register stage, in-process, in `root`: (exit code, metrics/register.json)."""
+    from clipms.jsonio import read_json
+    from stages import register
+
+    with chdir(root):
+        code = register.main()
+        out = Path("metrics/register.json")
+        return code, read_json(out) if out.exists() else None
+
+
+def pipeline_run(root: Path, bundle: Path, score: float, val_sha: str = "f" * 64) -> dict:
+    """One pipeline run as the stages leave it, then the real register stage."""
+    eval_metrics = {"i2t_R@1": score / 2, "i2t_R@5": score, "mAP@10": score / 3, "images": 10}
+    prepare_workspace(root, bundle, eval_metrics, val_sha=val_sha, train_params={"lr": score})
+    code, record = register_in(root)
+    assert code == 0 and record is not None
+    return record
 
 
 def test_gate_sequence_on_real_registered_models(workspace: Path, bundle: Path) -> None:

@@ -124,3 +124,149 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     checkpoint.checkpoint_path(tmp_path, 2).write_bytes(b"not a checkpoint")
     latest = checkpoint.load_latest(tmp_path)
     assert latest is not None and latest.meta["step"] == 1
+
+
+# A process that writes a good checkpoint of step 2, then rewrites step 2 and writes step 3 while
+# the kernel refuses to grow any file past half the good file's size (RLIMIT_FSIZE: the write
+# fails with EFBIG part-way through, as on a full disk). Each failure must leave nothing behind
+# under a checkpoint's name and the good file untouched.
+FAILING_WRITE = textwrap.dedent("""
+    import resource, signal, sys
+    import numpy as np
+    from clipms import checkpoint
+
+    folder, use_writer = sys.argv[1], sys.argv[2] == "writer"
+    checkpoint.save(folder, 2, {"w": np.zeros(4096, np.float32)}, {"step": 2})
+    size = checkpoint.checkpoint_path(folder, 2).stat().st_size
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write() instead of a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size // 2, resource.RLIM_INFINITY))
+    for step in (2, 3):
+        try:
+            if use_writer:
+                writer = checkpoint.CheckpointWriter(folder, keep=5)
+                writer.submit(step, {"w": np.ones(4096, np.float32)}, {"step": step})
+                writer.close()
+            else:
+                checkpoint.save(folder, step, {"w": np.ones(4096, np.float32)}, {"step": step})
+            print("SAVED", step)
+        except Exception as err:
+            print("FAILED", step, type(err).__name__)
+""")
+
+
+@pytest.mark.parametrize("how", ["save", "writer"])
+def test_a_write_that_fails_part_way_leaves_the_previous_checkpoint_intact(tmp_path, how):
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_WRITE)
+    folder = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, str(script), str(folder), how], cwd=PROJECT,
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    expected_error = "CheckpointWriteError" if how == "writer" else "OSError"
+    assert f"FAILED 2 {expected_error}" in proc.stdout, proc.stdout + proc.stderr
+    assert f"FAILED 3 {expected_error}" in proc.stdout, proc.stdout + proc.stderr
+    # the good step-2 file is still there, whole, with its old values; no step-3 file exists
+    assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["step-00000002.ckpt"]
+    good = checkpoint.load(checkpoint.checkpoint_path(folder, 2))
+    np.testing.assert_array_equal(good.tensors["w"], np.zeros(4096, np.float32))
+    # and whatever the failed writes left is a temp file, not a checkpoint
+    assert all(p.name.startswith(".") for p in folder.iterdir() if p.name != "step-00000002.ckpt")
+
+
+
+
+def _micro():
+    from clipms.config import CLIPConfig, TextConfig, VisionConfig
+
+    return CLIPConfig(
+        embed_dim=16,
+        vision=VisionConfig(image_size=16, patch_size=8, width=32, layers=1, head_width=16),
+        text=TextConfig(context_length=8, vocab_size=40, width=32, heads=2, layers=1))
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in checkpoint.list_checkpoints(folder)}
+
+
+def test_checkpoints_of_other_data_are_moved_aside_after_the_new_config_is_validated(
+        tmp_path, caplog):
+    from clipms.trainer import RandomBatches, TrainConfig, train
+
+    micro, folder = _micro(), tmp_path / "ckpt"
+    first = TrainConfig(model=micro, batch_size=4, epochs=1, lr=1e-3, warmup_steps=1,
+                        checkpoint_every=1, data_fingerprint="0123456789abcdef")
+    train(first, RandomBatches(micro, 4, 2), folder)
+    before = _digests(folder)
+    assert list(before) == ["step-00000001.ckpt", "step-00000002.ckpt"]
+
+    # Same config, other data: the run fails to start (no full batch), nothing is moved.
+    other_data = TrainConfig(**{**first.__dict__, "data_fingerprint": "fedcba9876543210"})
+    with pytest.raises(ValueError, match="not one optimizer step"):
+        train(other_data, RandomBatches(micro, 4, 0), folder)
+    assert _digests(folder) == before and checkpoint.stale_sets(folder) == []
+
+    # It starts: the old set is moved, byte for byte, and the run does not resume from it.
+    with caplog.at_level("WARNING", logger="clipms.trainer"):
+        result = train(other_data, RandomBatches(micro, 4, 2), folder)
+    assert f"moved to {folder / ('stale-' + first.fingerprint())}" in caplog.text
+    assert [row["step"] for row in result.history] == [1, 2]
+    (stale,) = checkpoint.stale_sets(folder)
+    assert stale.name == f"stale-{first.fingerprint()}" and _digests(stale) == before
+    assert checkpoint.load_latest(folder).meta["fingerprint"] == other_data.fingerprint()
+
+    # resume off: even matching checkpoints are set aside rather than overwritten
+    train(other_data, RandomBatches(micro, 4, 2), folder, resume=False)
+    assert [p.name for p in checkpoint.stale_sets(folder)] == [
+        f"stale-{other_data.fingerprint()}", f"stale-{first.fingerprint()}"]
+
+
+def test_only_the_newest_stale_sets_are_kept_and_names_never_collide(tmp_path):
+    import os
+
+    folder = tmp_path / "ckpt"
+    assert checkpoint.set_aside(folder, "abc") is None  # nothing to move
+    made = []
+    for i, label in enumerate(["aaa", "bbb", "aaa", "../../etc", "ccc"]):
+        checkpoint.save(folder, 1, {"w": np.full(2, i, np.float32)}, {"step": 1, "i": i})
+        made.append(checkpoint.set_aside(folder, label, keep_sets=3))
+        os.utime(made[-1], ns=(i * 10**9, i * 10**9))  # set-aside order, whatever the clock
+    assert [p.name for p in made] == ["stale-aaa", "stale-bbb", "stale-aaa-2", "stale-unknown",
+                                      "stale-ccc"]
+    kept = checkpoint.stale_sets(folder)
+    assert [p.name for p in kept] == ["stale-ccc", "stale-unknown", "stale-aaa-2"]
+    for path, i in zip(kept, (4, 3, 2), strict=True):
+        assert checkpoint.load(path / "step-00000001.ckpt").meta["i"] == i
+    assert checkpoint.list_checkpoints(folder) == []
+
+
+def test_fingerprint_changes_with_the_data_and_data_fingerprint_covers_the_manifest(tmp_path):
+    import json
+
+    from clipms.train_job import data_fingerprint
+    from clipms.trainer import TrainConfig
+
+    shards, tokenizer = tmp_path / "shards", tmp_path / "tokenizer.json"
+    shards.mkdir()
+    manifest = {"splits": {"train": {"samples": 8, "shards": [
+        {"name": "train/000000.tar", "samples": 8, "sha256": "a" * 64}]}}}
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    tokenizer.write_text('{"kind": "bpe"}')
+    base = data_fingerprint(shards, tokenizer)
+    assert data_fingerprint(shards, tokenizer) == base  # a function of the files only
+
+    manifest["splits"]["train"]["shards"][0]["sha256"] = "b" * 64  # one shard's bytes changed
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    changed_shards = data_fingerprint(shards, tokenizer)
+    tokenizer.write_text('{"kind": "openai"}')
+    changed_tokenizer = data_fingerprint(shards, tokenizer)
+    assert len({base, changed_shards, changed_tokenizer}) == 3
+
+    cfg = TrainConfig(model=_micro(), data_fingerprint=base)
+    assert TrainConfig(**{**cfg.__dict__, "data_fingerprint": changed_shards}).fingerprint() \
+        != cfg.fingerprint()
+    # the cadence of checkpoints and logs does not change what is trained
+    cadence = {"checkpoint_every": 7, "keep_checkpoints": 9, "log_every": 3}
+    assert TrainConfig(**{**cfg.__dict__, **cadence}).fingerprint() == cfg.fingerprint()

@@ -16,8 +16,8 @@ from tests.workspace import make_workspace, run, set_params
 def test_params_reject_unknown_keys_and_bad_values():
     with pytest.raises(ParamsError, match=r"train.precision = 'fp8'"):
         validate_section("train", TrainParams, {"precision": "fp8"})
-    with pytest.raises(ParamsError, match=r"train.distributed.nodes: unknown key"):
-        validate_section("train", TrainParams, {"distributed": {"nodes": 2}})
+    with pytest.raises(ParamsError, match=r"train.distributed.hosts: unknown key"):
+        validate_section("train", TrainParams, {"distributed": {"hosts": 2}})
     params = validate_section("train", TrainParams, {"distributed": {"workers": 8}})
     assert params.resume == "auto" and params.distributed.workers == 8
 

@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clipms.atomic import atomic_write
-from clipms.prep.download import scheme_array
+from clipms.prep.urlguard import SCHEME_PATTERN
 
 URL_COL = "URL"
 TEXT_COL = "TEXT"
@@ -127,6 +127,13 @@ def image_identities(urls: pa.Array, identity: Identity, ids: pa.Array | None = 
     if identity != "path":
         raise ValueError(f"identity {identity!r} is not one of path, url, id")
     return pc.fill_null(pc.struct_field(pc.extract_regex(urls, _URL_PATH), [0]), "")
+
+
+def scheme_array(urls: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """Lower-cased URL scheme of each URL ('' when there is none, e.g. ' file://' or '/etc/x'),
+    by the download's one scheme rule (`urlguard.SCHEME_PATTERN`), vectorised in Arrow."""
+    found = pc.extract_regex(urls, SCHEME_PATTERN)
+    return pc.fill_null(pc.utf8_lower(pc.struct_field(found, [0])), "")
 
 
 def stable_keys(identities: Iterable[str]) -> list[str]:

@@ -1,32 +1,36 @@
-"""img2dataset wrapper: images.parquet -> webdataset shards, a URL-scheme allow-list, a summary.
+"""img2dataset wrapper: images.parquet -> webdataset shards, with the URL policy and a summary.
 
-Safety: only rows whose URL scheme is on the allow-list ever reach img2dataset (whose urllib fetcher
-would happily read `file://` paths). Rows are filtered here, before img2dataset sees the file, and
-counted as `disallowed_scheme`; `dedupe` applies the same policy, this is the second line of defence
-for an images.parquet that did not come from our own dedupe stage.
+Safety (`clipms.prep.urlguard`): every row's URL is checked before img2dataset or any engine sees
+it - the scheme must be allowed (`file` only for the synthetic source) and, unless
+`allow_private_addresses`, every address its host resolves to must be public - and refusals are
+counted by reason. Inside img2dataset's workers (`clipms.prep.img2dataset_guard`) the same policy is
+urllib's opener (checked again at connect time; redirects may not change the scheme or reach such
+an address; bodies are bounded) and images over `max_image_area` / `max_aspect_ratio` are refused
+from their header, before they are decoded.
 
 Resume: img2dataset's default incremental mode skips every shard that already has a
-`NNNNN_stats.json`. The output folder carries a fingerprint of the input and the download settings;
-a rerun with the same fingerprint resumes, any other fingerprint clears the folder first.
+`NNNNN_stats.json`. The output folder (a local path or any fsspec URL) carries a fingerprint of the
+input, the download settings and the policy; a rerun with the same fingerprint resumes, on any
+distributor, any other fingerprint clears the folder first.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pandas as pd
-import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from clipms.prep.engines import EngineSettings, engine_session
+from clipms.prep.urlguard import FetchPolicy, precheck, refusal_counts
 
 # Not *.json: img2dataset counts every *.json in the folder as a finished shard.
 FINGERPRINT_FILE = "clipms_input.sha256"
@@ -45,89 +49,73 @@ def read_parquet(path: Path | str) -> pd.DataFrame:
     return pq.read_table(str(path)).to_pandas()
 
 
-def scheme_array(urls: pa.Array | pa.ChunkedArray) -> pa.Array:
-    """Lower-cased URL scheme of each URL ('' when there is none, e.g. ' file://' or '/etc/x').
-
-    Nothing is stripped first: urllib would strip leading spaces, but a URL that does not start
-    with its scheme has no scheme here, so it can never pass the allow-list.
-    """
-    found = pc.extract_regex(urls, r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*):")
-    return pc.fill_null(pc.utf8_lower(pc.struct_field(found, [0])), "")
-
-
-def url_schemes(urls: pd.Series) -> pd.Series:
-    """`scheme_array` for a pandas column."""
-    schemes = scheme_array(pa.array(urls.astype(object), type=pa.string(), from_pandas=True))
-    return pd.Series(schemes.to_numpy(zero_copy_only=False), index=urls.index, dtype=object)
-
-
-def allowed_schemes(configured: Iterable[str], source: str) -> frozenset[str]:
-    """The schemes that may be fetched: the configured list, plus `file` only for synthetic data.
-
-    The synthetic generator serves its images as file:// URLs; any other source is untrusted input
-    and a file:// row in it must never make us read local files.
-    """
-    schemes = {s.lower() for s in configured}
-    if source == "synthetic":
-        schemes.add("file")
-    else:
-        schemes.discard("file")
-    return frozenset(schemes)
-
-
 @dataclass(frozen=True)
 class DownloadSettings:
+    """What decides the downloaded samples (fingerprinted; the engine settings are not)."""
+
     image_size: int = 256
     resize_mode: str = "center_crop"
     encode_quality: int = 95
-    processes: int = 2
-    threads: int = 16
     timeout: int = 10
     retries: int = 1
     samples_per_shard: int = 1000
+    max_image_area: int = 25_000_000
+    max_aspect_ratio: float = 10.0
 
 
 class DownloadError(RuntimeError):
-    """img2dataset did not finish every shard (a rerun resumes the unfinished ones)."""
+    """img2dataset did not finish every shard, or too few images arrived."""
 
 
-def filter_schemes(images: pd.DataFrame, schemes: frozenset[str]) -> tuple[pd.DataFrame, int]:
-    """Rows whose URL scheme is allowed, and how many were removed."""
-    ok = url_schemes(images["url"].astype(str)).isin(schemes) & images["url"].notna()
-    return images[ok].reset_index(drop=True), int((~ok).sum())
+def filter_urls(images: pd.DataFrame, policy: FetchPolicy) -> tuple[pd.DataFrame, dict[str, int]]:
+    """The rows the policy allows (`urlguard.precheck`), and the refusals by reason."""
+    urls = images["url"].astype(object).where(images["url"].notna(), "").astype(str).tolist()
+    reasons = precheck(urls, policy)
+    keep = [reason is None for reason in reasons]
+    return images[keep].reset_index(drop=True), refusal_counts(reasons)
 
 
-def fingerprint(images_file: Path, settings: DownloadSettings, schemes: frozenset[str]) -> str:
-    """sha256 of the input bytes + settings: what decides whether existing shards are reusable."""
+def fingerprint(images_file: Path, settings: DownloadSettings, policy: FetchPolicy) -> str:
+    """sha256 of the input bytes + settings + policy: whether existing shards are reusable."""
     digest = hashlib.sha256()
     with open(images_file, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
-    config = {"settings": asdict(settings), "schemes": sorted(schemes)}
+    config = {"settings": asdict(settings), "schemes": sorted(policy.allowed_schemes),
+              "allow_private_addresses": policy.allow_private_addresses,
+              "allowed_networks": sorted(policy.allowed_networks), "max_bytes": policy.max_bytes}
     digest.update(json.dumps(config, sort_keys=True).encode())
     return digest.hexdigest()
 
 
-def prepare_output(output: Path, print_fn=print, *, expected: str) -> None:
-    """Keep a folder whose fingerprint matches (resume); otherwise start from an empty folder."""
-    marker = output / FINGERPRINT_FILE
-    if output.exists() and marker.is_file() and marker.read_text().strip() == expected:
-        done = len(list(output.glob("*_stats.json")))
+def prepare_output(output: str, print_fn=print, *, expected: str) -> None:
+    """Keep a folder whose fingerprint matches (resume); otherwise start from an empty folder.
+    `output` is a local path or any fsspec URL."""
+    fs, root = fsspec.core.url_to_fs(output)
+    marker = f"{root}/{FINGERPRINT_FILE}"
+    if fs.isfile(marker) and fs.cat_file(marker).decode().strip() == expected:
+        done = len(fs.glob(f"{root}/*_stats.json"))
         print_fn(f"download: resuming in {output} ({done} finished shard(s) are kept)")
         return
-    if output.exists():
+    if fs.exists(root):
         print_fn(f"download: {output} holds another input or settings; clearing it")
-        shutil.rmtree(output)
-    output.mkdir(parents=True)
-    marker.write_text(expected + "\n")
+        fs.rm(root, recursive=True)
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe_file(marker, (expected + "\n").encode())
 
 
-def run_img2dataset(images: pd.DataFrame, output: Path, settings: DownloadSettings) -> None:
-    """Hand the (already filtered) rows to img2dataset; call under `if __name__ == "__main__"`."""
+def run_img2dataset(images: pd.DataFrame, output: str, settings: DownloadSettings,
+                    engine: EngineSettings, policy: FetchPolicy) -> None:
+    """Hand the (already checked) rows to img2dataset on the engine, with the policy and the size
+    limits inside its workers; call under `if __name__ == "__main__"`."""
     from img2dataset import download  # heavy (cv2, fsspec, ...): only where used
 
+    from clipms.prep.img2dataset_guard import ImageLimits, guarded
+
     frame = images.rename(columns={"key": "image_key"})[["url", "caption", *EXTRA_COLUMNS]]
-    with tempfile.TemporaryDirectory(prefix="clipms-download-") as tmp:
+    limits = ImageLimits(settings.max_image_area, settings.max_aspect_ratio)
+    with tempfile.TemporaryDirectory(prefix="clipms-download-") as tmp, \
+            guarded(policy, limits), engine_session(engine):
         url_list = Path(tmp) / "images.parquet"
         frame.to_parquet(url_list, index=False)
         download(
@@ -137,17 +125,20 @@ def run_img2dataset(images: pd.DataFrame, output: Path, settings: DownloadSettin
             caption_col="caption",
             save_additional_columns=list(EXTRA_COLUMNS),
             output_format="webdataset",
-            output_folder=str(output),
+            output_folder=output,
             image_size=settings.image_size,
             resize_mode=settings.resize_mode,
             encode_quality=settings.encode_quality,
-            processes_count=settings.processes,
-            thread_count=settings.threads,
+            processes_count=engine.processes,
+            thread_count=engine.threads,
             timeout=settings.timeout,
             retries=settings.retries,
             number_sample_per_shard=settings.samples_per_shard,
+            max_image_area=settings.max_image_area,
+            max_aspect_ratio=settings.max_aspect_ratio,
             incremental_mode="incremental",  # "overwrite" is broken in 1.47; prepare_output clears
-            distributor="multiprocessing",
+            distributor=engine.distributor,
+            subjob_size=engine.subjob_size,
             enable_wandb=False,
             extract_exif=False,  # nothing downstream reads EXIF; parsing it costs CPU per image
         )
@@ -157,29 +148,33 @@ def expected_shards(rows: int, samples_per_shard: int) -> int:
     return -(-rows // samples_per_shard)
 
 
-def summarise(output: Path, rows: int, disallowed: int, samples_per_shard: int) -> dict[str, Any]:
+def summarise(output: str, rows: int, refused: dict[str, int],
+              samples_per_shard: int) -> dict[str, Any]:
     """Aggregate img2dataset's NNNNN_stats.json files into one metrics dict."""
+    fs, root = fsspec.core.url_to_fs(output)
     totals = Counter()
     reasons: Counter[str] = Counter()
-    stats_files = sorted(output.glob("*_stats.json"))
+    stats_files = sorted(fs.glob(f"{root}/*_stats.json"))
     for stats_file in stats_files:
-        stats = json.loads(stats_file.read_text())
+        stats = json.loads(fs.cat_file(stats_file))
         for name in ("count", "successes", "failed_to_download", "failed_to_resize"):
             totals[name] += int(stats.get(name, 0))
         status = stats.get("status_dict", {})
         reasons.update({k: int(v) for k, v in status.items() if k != "success"})
-    shards = expected_shards(rows, samples_per_shard)
     return {
-        "rows_in": rows + disallowed,
-        "disallowed_scheme": disallowed,
+        "rows_in": rows + sum(refused.values()),
+        "refused": refused,
+        "disallowed_scheme": refused.get("disallowed_scheme", 0),
         "attempted": totals["count"],
         "successes": totals["successes"],
         "failed_to_download": totals["failed_to_download"],
         "failed_to_resize": totals["failed_to_resize"],
         "failure_reasons": dict(sorted(reasons.items())),
-        "shards_expected": shards,
+        "shards_expected": expected_shards(rows, samples_per_shard),
         "shards_done": len(stats_files),
-        "success_rate": round(totals["successes"] / totals["count"], 4) if totals["count"] else 0.0,
+        # Of every row the stage was given: refused rows count as failures too.
+        "success_rate": round(totals["successes"] / total, 4) if (total := rows + sum(
+            refused.values())) else 0.0,
     }
 
 
@@ -187,21 +182,23 @@ def download_images(
     images_file: Path | str,
     output: Path | str,
     settings: DownloadSettings,
-    schemes: frozenset[str],
+    engine: EngineSettings,
+    policy: FetchPolicy,
     print_fn=print,
 ) -> dict[str, Any]:
-    """images.parquet -> img2dataset webdataset in `output`; returns the metrics dict."""
-    images_file, output = Path(images_file), Path(output)
+    """images.parquet -> img2dataset webdataset in `output` (a path or an fsspec URL); returns the
+    metrics dict."""
+    images_file, output = Path(images_file), str(output)
     started = time.perf_counter()
-    images = _read_images(images_file)
-    allowed, disallowed = filter_schemes(images, schemes)
-    if disallowed:
-        print_fn(f"download: refusing {disallowed:,} row(s) whose URL scheme is not in "
-                 f"{sorted(schemes)}")
-    prepare_output(output, print_fn, expected=fingerprint(images_file, settings, schemes))
+    allowed, refused = filter_urls(_read_images(images_file), policy)
+    if sum(refused.values()):
+        reasons = ", ".join(f"{k} {v:,}" for k, v in refused.items() if v)
+        print_fn(f"download: refusing {sum(refused.values()):,} row(s) before any download "
+                 f"({reasons})")
+    prepare_output(output, print_fn, expected=fingerprint(images_file, settings, policy))
     if len(allowed):
-        run_img2dataset(allowed, output, settings)
-    metrics = summarise(output, len(allowed), disallowed, settings.samples_per_shard)
+        run_img2dataset(allowed, output, settings, engine, policy)
+    metrics = summarise(output, len(allowed), refused, settings.samples_per_shard)
     metrics["seconds"] = round(time.perf_counter() - started, 2)
     if metrics["shards_done"] < metrics["shards_expected"]:
         raise DownloadError(
@@ -210,6 +207,19 @@ def download_images(
         )
     print_fn(summary(metrics))
     return metrics
+
+
+def check_success_rate(metrics: dict[str, Any], min_success_rate: float) -> None:
+    """DownloadError naming the top failure reasons when too few of the URLs arrived."""
+    rows, rate = metrics["rows_in"], metrics["success_rate"]
+    if rows and rate >= min_success_rate:
+        return
+    causes = Counter({**metrics["failure_reasons"],
+                      **{f"refused: {k}": v for k, v in metrics["refused"].items() if v}})
+    top = "; ".join(f"{n:,} x {reason}" for reason, n in causes.most_common(5)) or "none"
+    raise DownloadError(
+        f"only {metrics['successes']:,} of {rows:,} images arrived (success rate {rate:.3f} < "
+        f"download.min_success_rate {min_success_rate:g}). Top failure reasons: {top}")
 
 
 def _read_images(path: Path) -> pd.DataFrame:
@@ -230,7 +240,7 @@ def summary(metrics: dict[str, Any]) -> str:
     return (
         f"download: {metrics['successes']:,} of {metrics['attempted']:,} images fetched "
         f"({metrics['failed_to_download']:,} failed to download, {metrics['failed_to_resize']:,} "
-        f"failed to decode/resize, {metrics['disallowed_scheme']:,} refused by the scheme "
-        f"allow-list) in {metrics.get('seconds', 0):.1f} s (~{rate:.0f} URLs/s, including "
+        f"failed to decode/resize, {sum(metrics['refused'].values()):,} refused before download) "
+        f"in {metrics.get('seconds', 0):.1f} s (~{rate:.0f} URLs/s, including "
         f"start-up), {metrics['shards_done']} shard(s). Failure reasons: {reasons or 'none'}."
     )

