@@ -2,7 +2,9 @@
 
     python benchmarks/bench_data.py dedupe   [--images 120000 --captions 5]
     python benchmarks/bench_data.py shard    [--samples 4000 --image-size 256]
-    python benchmarks/bench_data.py download [--images 2500 --shards 5 --processes 2 --threads 16]
+    python benchmarks/bench_data.py download [--images 2500 --shards 5 --processes 2 --threads 16
+                                              --distributor multiprocessing|pyspark|ray]
+    python benchmarks/bench_data.py urlguard [--requests 300 --rounds 5]
 
 Each prints one line of JSON with the measured figures (and the 1-minute load average, since the
 machine is shared). Inputs are generated in a temporary folder that is removed afterwards.
@@ -139,6 +141,8 @@ class _Quiet(SimpleHTTPRequestHandler):
 
 def bench_download(args: argparse.Namespace) -> dict:
     from clipms.prep.download import DownloadSettings, download_images
+    from clipms.prep.engines import EngineSettings
+    from clipms.prep.urlguard import FetchPolicy
 
     with tempfile.TemporaryDirectory() as tmp:
         www = Path(tmp) / "www"
@@ -158,21 +162,58 @@ def bench_download(args: argparse.Namespace) -> dict:
                                    "split": "train", "labels": None})
             images_file = Path(tmp) / "images.parquet"
             images.to_parquet(images_file, index=False)
-            settings = DownloadSettings(image_size=256, processes=args.processes,
-                                        threads=args.threads, timeout=10, retries=0,
+            settings = DownloadSettings(image_size=256, timeout=10, retries=0,
                                         samples_per_shard=-(-args.images // args.shards))
+            engine = EngineSettings(distributor=args.distributor, processes=args.processes,
+                                    threads=args.threads)
+            # the server is on loopback: allowed explicitly (the pipeline's default refuses it)
+            policy = FetchPolicy(frozenset({"http"}), allow_private_addresses=True)
             cpu = cpu_seconds()
-            metrics = download_images(images_file, Path(tmp) / "out", settings,
-                                      frozenset({"http"}), print_fn=lambda _m: None)
+            metrics = download_images(images_file, Path(tmp) / "out", settings, engine, policy,
+                                      print_fn=lambda _m: None)
             cpu = cpu_seconds() - cpu
         finally:
             server.shutdown()
             server.server_close()
     return {"bench": "download", "images": args.images, "successes": metrics["successes"],
-            "shards": args.shards, "processes": args.processes, "threads": args.threads,
+            "shards": args.shards, "distributor": args.distributor,
+            "processes": args.processes, "threads": args.threads,
             "seconds": metrics["seconds"],
             "images_per_s": round(metrics["successes"] / metrics["seconds"]),
             "cpu_seconds_incl_server": round(cpu, 2)}
+
+
+def bench_urlguard(args: argparse.Namespace) -> dict:
+    """Requests/s through urllib's default opener and through the URL policy's opener
+    (clipms.prep.urlguard, address checks on), alternated in rounds against one loopback server."""
+    import urllib.request
+
+    from clipms.prep.urlguard import FetchPolicy, build_opener
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "0.jpg").write_bytes(_jpeg(np.random.default_rng(0), args.source_size))
+        server = ThreadingHTTPServer(("127.0.0.1", 0), partial(_Quiet, directory=tmp))
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/0.jpg"
+        openers = {"urllib": urllib.request.build_opener(),
+                   "guarded": build_opener(FetchPolicy(allowed_networks=("127.0.0.1/32",)))}
+        rates: dict[str, list[float]] = {name: [] for name in openers}
+        try:
+            for _ in range(args.rounds):
+                for name, opener in openers.items():
+                    started = time.perf_counter()
+                    for _ in range(args.requests):
+                        with opener.open(url, timeout=10) as response:
+                            response.read()
+                    rates[name].append(args.requests / (time.perf_counter() - started))
+        finally:
+            server.shutdown()
+            server.server_close()
+    median = {name: round(float(np.median(r)), 1) for name, r in rates.items()}
+    return {"bench": "urlguard", "requests_per_round": args.requests, "rounds": args.rounds,
+            "requests_per_s": median, "guarded_over_urllib": round(
+                median["guarded"] / median["urllib"], 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,8 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--threads", type=int, default=16)
     p.add_argument("--source-size", type=int, default=320)
+    p.add_argument("--distributor", choices=("multiprocessing", "pyspark", "ray"),
+                   default="multiprocessing", help="img2dataset's distributor (pyspark: local)")
+    p = sub.add_parser("urlguard", help="requests/s: urllib's opener vs the URL policy's")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--source-size", type=int, default=256)
     args = parser.parse_args(argv)
-    result = {"dedupe": bench_dedupe, "shard": bench_shard, "download": bench_download}[
+    result = {"dedupe": bench_dedupe, "shard": bench_shard, "download": bench_download,
+              "urlguard": bench_urlguard}[
         args.bench](args)
     result["load_avg_1m"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -50,17 +51,26 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MindSpore runtime threads (default: all cores)")
     parser.add_argument("--kernel-fusion", choices=("on", "off"), default="on",
                         help="graph-kernel fusion on CPU (clipms.runtime; default on)")
+    parser.add_argument("--device", choices=("CPU", "GPU", "Ascend"), default="CPU",
+                        help="device target (clipms.runtime.configure)")
+
+
+def runtime_config(args: argparse.Namespace):  # noqa: ANN201 - clipms.runtime.RuntimeConfig
+    from clipms.runtime import RuntimeConfig
+
+    return RuntimeConfig(device_target=args.device, mode=args.mode,
+                         kernel_fusion=args.kernel_fusion == "on")
 
 
 def setup_mindspore(args: argparse.Namespace) -> None:
-    import mindspore as ms  # after clipms/__init__.py has set MindSpore's environment
+    from clipms.runtime import configure
 
-    from clipms.runtime import enable_kernel_fusion
+    settings = configure(runtime_config(args))  # before MindSpore is imported
+    import mindspore as ms
 
-    mode = ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE
-    ms.set_context(mode=mode, device_target="CPU", runtime_num_threads=args.threads)
+    ms.set_context(runtime_num_threads=args.threads)
     ms.set_seed(0)
-    args.kernel_fusion_active = args.kernel_fusion == "on" and enable_kernel_fusion()
+    args.kernel_fusion_active = settings.kernel_fusion
 
 
 def time_steps(step: Callable[[], Any], warmup: int, steps: int,
@@ -100,7 +110,8 @@ def random_images(n: int, image_size: int, seed: int = 0) -> np.ndarray:
 
 
 def _base_result(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
-    return {"mode": args.mode, "threads": args.threads, "batch_size": args.batch_size,
+    return {"device": args.device, "mode": args.mode, "threads": args.threads,
+            "batch_size": args.batch_size,
             "warmup": args.warmup, "steps": args.steps,
             "kernel_fusion": getattr(args, "kernel_fusion_active", False), **extra}
 
@@ -307,6 +318,28 @@ def add_loader_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--augment", action="store_true", help="random resized crop")
     parser.add_argument("--warmup", type=int, default=3, help="batches not timed")
     parser.add_argument("--batches", type=int, default=30, help="batches timed")
+    parser.add_argument("--ranks", type=int, default=8,
+                        help="training processes (devices) on the host to size the loader for")
+    parser.add_argument("--device-rate", type=float, default=DEVICE_RATE,
+                        help="samples/s one device trains; the default is MindCV's ViT-B/32 on "
+                             "one Ascend 910 (docs/ascend.md); measure yours and pass it")
+
+
+# MindCV's ViT-B/32 (image tower only) on 8 x Ascend 910: 619 ms/step at 256 images per device
+# (mindspore-lab/mindcv configs/vit/README.md and vit_b32_224_ascend.yaml at commit 0bc0866).
+# A CLIP step adds the text tower, so a CLIP device consumes at most this many samples/s.
+DEVICE_RATE = round(256 / 0.619)
+
+
+def loader_needs(result: dict[str, Any], ranks: int, device_rate: float) -> dict[str, Any]:
+    """What `ranks` devices training `device_rate` samples/s each need from this loader: decode
+    processes per rank and busy cores, from the CPU cost per sample measured here."""
+    per_core = 1000.0 / result["cpu_ms_per_sample"]  # samples/s of one fully busy core
+    return {"ranks": ranks, "device_samples_per_s": device_rate,
+            "host_samples_per_s": round(ranks * device_rate),
+            "samples_per_s_per_core": round(per_core, 1),
+            "workers_per_rank": math.ceil(device_rate / per_core),
+            "busy_cores": math.ceil(ranks * device_rate / per_core)}
 
 
 def run_loader(args: argparse.Namespace) -> dict[str, Any]:
@@ -317,7 +350,6 @@ def run_loader(args: argparse.Namespace) -> dict[str, Any]:
 
     import psutil  # a MindSpore dependency
 
-    import clipms  # noqa: F401  (sets MindSpore's environment before its first import)
     from clipms.data import build_train_dataset, steps_per_epoch
     from clipms.preprocess import PreprocessConfig
     from clipms.tokenizer import Tokenizer
@@ -341,15 +373,18 @@ def run_loader(args: argparse.Namespace) -> dict[str, Any]:
             tick = time.perf_counter()
         cpu_s = _tree_cpu_s(psutil.Process()) - cpu_before
     timed = batch_ms[args.warmup:]
-    return {"bench": "loader", "samples_per_s": round(args.batch_size * len(timed)
-                                                      / (sum(timed) / 1000), 1),
-            "median_batch_ms": round(statistics.median(timed), 1), "batches": len(timed),
-            "batch_size": args.batch_size, "image_size": args.image_size,
-            "workers": args.workers, "augment": args.augment, "tokenizer": tokenizer.kind,
-            "context_length": tokenizer.context_length,
-            "cpu_ms_per_sample": round(1000 * cpu_s / (len(batch_ms) * args.batch_size), 2),
-            "build_s": round(build_s, 2), "first_batch_s": round(batch_ms[0] / 1000, 2),
-            "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    samples_per_s = args.batch_size * len(timed) / (sum(timed) / 1000)
+    result = {"bench": "loader", "samples_per_s": round(samples_per_s, 1),
+              "samples_per_s_per_worker": round(samples_per_s / max(1, args.workers), 1),
+              "median_batch_ms": round(statistics.median(timed), 1), "batches": len(timed),
+              "batch_size": args.batch_size, "image_size": args.image_size,
+              "workers": args.workers, "augment": args.augment, "tokenizer": tokenizer.kind,
+              "context_length": tokenizer.context_length,
+              "cpu_ms_per_sample": round(1000 * cpu_s / (len(batch_ms) * args.batch_size), 2),
+              "build_s": round(build_s, 2), "first_batch_s": round(batch_ms[0] / 1000, 2),
+              "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+    result["needs"] = loader_needs(result, args.ranks, args.device_rate)
+    return result
 
 
 register(Subcommand("loader", "training data pipeline samples/s (decode, preprocess, tokenize, "
@@ -378,7 +413,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     from clipms.trainer import TrainConfig, build_training
 
     cfg = TrainConfig(model=get_preset(args.preset), batch_size=args.batch_size,
-                      precision=args.precision, mode=args.mode, lr=args.lr)
+                      precision=args.precision, runtime=runtime_config(args), lr=args.lr)
     _, step, _ = build_training(cfg)
     images = ms.Tensor(random_images(args.batch_size, cfg.model.vision.image_size))
     tokens = ms.Tensor(random_tokens(args.batch_size, cfg.model.text.context_length,

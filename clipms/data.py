@@ -47,7 +47,9 @@ image/json/captions.
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import math
 import os
 import zlib
@@ -61,10 +63,12 @@ import numpy as np
 from PIL import Image
 
 from clipms import webds
+from clipms.loader import DECODERS, DEVICE_DECODE_FORMATS, device_transforms
 from clipms.preprocess import (
     INTERPOLATIONS,
     PreprocessConfig,
     PreprocessError,
+    check_pixels,
     decode_image,
     preprocess_image,
     to_normalized_array,
@@ -72,6 +76,7 @@ from clipms.preprocess import (
 from clipms.tokenizer import Tokenizer
 from clipms.webds import DataError  # the shard format's error type, raised for loader errors too
 
+log = logging.getLogger(__name__)
 RRC_SCALE = (0.9, 1.0)  # open_clip's default RandomResizedCrop for training
 RRC_RATIO = (3 / 4, 4 / 3)
 
@@ -302,24 +307,61 @@ class TrainSamples:
         return image, self.tokenizer.encode([text])[0]
 
 
+class EncodedTrainSamples(TrainSamples):
+    """TrainSamples that hand over the encoded image (1-D uint8) for MindSpore's own decoder.
+    The header is still read here: only allowed formats within the pixel limit go through."""
+
+    def load(self, sample: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        if os.getpid() != self._pid:
+            self._handles, self._pid = {}, os.getpid()
+        key = self.index.keys[sample]
+        image_bytes, meta = self.index.read(sample, self._handles)
+        text = self.caption(sample, epoch, captions_of(meta, key))
+        shard = self.index.shards[self.index.shard_of[sample]]
+        try:
+            with Image.open(io.BytesIO(image_bytes), formats=DEVICE_DECODE_FORMATS) as header:
+                check_pixels(header.size, self.preprocess.max_pixels, key)
+        except PreprocessError as err:
+            raise DataError(f"{shard}: {err}") from err
+        except Image.DecompressionBombError as err:  # PIL's own limit, checked inside open()
+            raise DataError(f"{shard}: {key}: over the pixel limit ({err})") from err
+        except Exception as err:  # noqa: BLE001 - PIL raises many types for a bad header
+            raise DataError(f"{shard}: sample {key!r} is not a "
+                            f"{' or '.join(DEVICE_DECODE_FORMATS)} image ({err})") from err
+        return np.frombuffer(image_bytes, dtype=np.uint8), self.tokenizer.encode([text])[0]
+
+
 def build_train_dataset(shards_dir: Path | str, tokenizer: Tokenizer, preprocess: PreprocessConfig,
                         batch_size: int, *, epochs: int = 1, start_step: int = 0, seed: int = 0,
                         rank: int = 0, world_size: int = 1, workers: int = 2,
                         augment: bool = False, split: str = "train",
-                        shuffle_window_shards: int = 0) -> Any:
-    """The mindspore.dataset pipeline of (image, text) batches; see the module docstring."""
+                        shuffle_window_shards: int = 0, decode: str = "pil") -> Any:
+    """The mindspore.dataset pipeline of (image, text) batches; see the module docstring.
+    `decode` is one of DECODERS; "cpu"/"ascend" decode in `workers` C++ threads of the dataset
+    (no Python worker processes, no shared memory) and do not augment."""
     import mindspore.dataset as ds  # heavy: only the training path needs it
 
+    if decode not in DECODERS:
+        raise DataError(f"decode = {decode!r}: expected one of {DECODERS}")
+    if decode != "pil" and augment:
+        raise DataError(f"decode = {decode!r} does not augment: use decode 'pil' with augment")
     # Decode workers are forked after the tokenizer may have used its Rust thread pool, which does
     # not survive a fork; one caption per call needs no parallelism anyway.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    source = TrainSamples(index_shards(shards_dir, split), tokenizer, preprocess, batch_size,
-                          epochs=epochs, start_step=start_step, seed=seed, rank=rank,
-                          world_size=world_size, augment=augment,
-                          shuffle_window_shards=shuffle_window_shards)
-    dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
-                                  num_parallel_workers=max(1, workers),
-                                  python_multiprocessing=workers > 1)
+    kind = TrainSamples if decode == "pil" else EncodedTrainSamples
+    source = kind(index_shards(shards_dir, split), tokenizer, preprocess, batch_size,
+                  epochs=epochs, start_step=start_step, seed=seed, rank=rank,
+                  world_size=world_size, augment=augment,
+                  shuffle_window_shards=shuffle_window_shards)
+    if decode == "pil":
+        dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
+                                      num_parallel_workers=max(1, workers),
+                                      python_multiprocessing=workers > 1)
+    else:  # reading encoded bytes is cheap: one reader, the decode fans out in C++
+        dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
+                                      num_parallel_workers=1, python_multiprocessing=False)
+        dataset = dataset.map(device_transforms(preprocess, decode), input_columns=["image"],
+                              num_parallel_workers=max(1, workers))
     return dataset.batch(batch_size, drop_remainder=True)
 
 
@@ -333,9 +375,12 @@ class EvalBatch:
 
 
 def iter_eval_batches(shards_dir: Path | str, preprocess: PreprocessConfig, batch_size: int,
-                      split: str = "val", workers: int = 2) -> Iterator[EvalBatch]:
-    """Every sample of `split` once, in manifest/shard order, decoded in `workers` threads
-    (PIL releases the GIL while decoding and resizing)."""
+                      split: str = "val", workers: int = 2,
+                      skipped: list[str] | None = None) -> Iterator[EvalBatch]:
+    """Every decodable sample of `split` once, in manifest/shard order, decoded in `workers`
+    threads (PIL releases the GIL while decoding and resizing). An image the decoder refuses
+    (another format, over the pixel limit, broken data) is a bad sample, not a crash: it is left
+    out, logged, and its key appended to `skipped` when a list is given."""
     if batch_size < 1:
         raise DataError(f"batch_size must be >= 1, got {batch_size}")
     index = index_shards(shards_dir, split)
@@ -343,19 +388,27 @@ def iter_eval_batches(shards_dir: Path | str, preprocess: PreprocessConfig, batc
         for start in range(0, len(index), batch_size):
             ids = range(start, min(start + batch_size, len(index)))
             items = list(pool.map(lambda i: _eval_item(index, i, preprocess), ids))
-            yield EvalBatch(images=np.stack([item[0] for item in items]),
-                            keys=[index.keys[i] for i in ids],
-                            captions=[item[1] for item in items],
-                            labels=[item[2] for item in items])
+            good = [(i, item) for i, item in zip(ids, items, strict=True) if item is not None]
+            if skipped is not None:
+                skipped.extend(index.keys[i] for i, item in zip(ids, items, strict=True)
+                               if item is None)
+            if not good:
+                continue
+            yield EvalBatch(images=np.stack([item[0] for _, item in good]),
+                            keys=[index.keys[i] for i, _ in good],
+                            captions=[item[1] for _, item in good],
+                            labels=[item[2] for _, item in good])
 
 
-def _eval_item(index: ShardIndex, i: int,
-               preprocess: PreprocessConfig) -> tuple[np.ndarray, list[str], dict | None]:
+def _eval_item(index: ShardIndex, i: int, preprocess: PreprocessConfig
+               ) -> tuple[np.ndarray, list[str], dict | None] | None:
+    """(image, captions, labels), or None for an image the decoder refuses (issue 14.1)."""
     image_bytes, meta = index.read(i)
     key = index.keys[i]
     try:
         image = preprocess_image(image_bytes, preprocess, name=key)
     except PreprocessError as err:
-        raise DataError(f"{index.shards[index.shard_of[i]]}: {err}") from err
+        log.warning("%s: %s: bad sample, skipped", index.shards[index.shard_of[i]], err)
+        return None
     labels = meta.get("labels")
     return image, captions_of(meta, key), labels if isinstance(labels, dict) else None

@@ -37,11 +37,11 @@ from typing import Any
 
 import mindspore as ms
 import numpy as np
-from mindspore import nn, ops
+from mindspore import nn
 
 from clipms.config import CLIPConfig
 from clipms.jsonio import write_json
-from clipms.model import CLIP
+from clipms.model import CLIP, cast, to_mixed_precision
 from clipms.preprocess import PreprocessConfig
 
 BUNDLE_FORMAT = "clipms-mindir-bundle"
@@ -76,45 +76,34 @@ class ParityError(RuntimeError):
 
 
 class ImageEncoder(nn.Cell):
-    """The image tower alone: (N, 3, S, S) float32 -> (N, E)."""
+    """The image tower alone: (N, 3, S, S) float32 -> (N, E) float32 (an fp16 tower's output is
+    cast back, so the bundle's contract holds at either precision)."""
 
     def __init__(self, clip: CLIP):
         super().__init__()
         self.clip = clip
 
     def construct(self, images: ms.Tensor) -> ms.Tensor:
-        return self.clip.encode_image(images)
+        return cast(self.clip.encode_image(images), ms.float32)
 
 
 class TextEncoder(nn.Cell):
-    """The text tower alone: (N, ctx) int32 -> (N, E)."""
+    """The text tower alone: (N, ctx) int32 -> (N, E) float32."""
 
     def __init__(self, clip: CLIP):
         super().__init__()
         self.clip = clip
 
     def construct(self, tokens: ms.Tensor) -> ms.Tensor:
-        return self.clip.encode_text(tokens)
-
-
-class Float32Output(nn.Cell):
-    """`cell`'s output cast to float32 (an fp16 tower keeps the bundle's float32 contract)."""
-
-    def __init__(self, cell: nn.Cell):
-        super().__init__()
-        self.cell = cell
-
-    def construct(self, x: ms.Tensor) -> ms.Tensor:
-        return ops.cast(self.cell(x), ms.float32)
+        return cast(self.clip.encode_text(tokens), ms.float32)
 
 
 def to_fp16(net: CLIP) -> CLIP:
     """`net` computing and storing its weights in fp16, except LayerNorm (fp32), in place: amp
     training's O2 (`clipms.model.to_mixed_precision`) plus fp16 storage of what is cast anyway."""
-    net.to_float(ms.float16)
+    to_mixed_precision(net, ms.float16)
     for _, cell in net.cells_and_names():
         if isinstance(cell, nn.LayerNorm):
-            cell.to_float(ms.float32)
             continue
         for _, param in cell.parameters_and_names(expand=False):
             if param.dtype == ms.float32:
@@ -175,7 +164,6 @@ def export_bundle(net: CLIP, preprocess: PreprocessConfig, tokenizer_path: Path 
     image, text = ImageEncoder(net), TextEncoder(net)
     if precision == "fp16":
         to_fp16(net)
-        image, text = Float32Output(image), Float32Output(text)
     size, ctx = cfg.vision.image_size, cfg.text.context_length
     _export_graph(image, ms.Tensor(shape=[None, 3, size, size], dtype=ms.float32),
                   out / IMAGE_ENCODER)
@@ -183,6 +171,8 @@ def export_bundle(net: CLIP, preprocess: PreprocessConfig, tokenizer_path: Path 
     shutil.copyfile(tokenizer_path, out / TOKENIZER)
     write_json(out / PREPROCESS, preprocess.to_dict())
     bundle = describe_bundle(cfg, preprocess, logit_scale, precision)
+    for tower, file in (("image_encoder", IMAGE_ENCODER), ("text_encoder", TEXT_ENCODER)):
+        bundle[tower]["input"]["graph_name"] = graph_input_name(out / file)
     write_json(out / BUNDLE, bundle)
     for path in out.iterdir():
         path.chmod(0o644)  # a bundle is shipped and served by other users: readable by all
@@ -193,6 +183,36 @@ def _export_graph(cell: nn.Cell, example: ms.Tensor, path: Path) -> None:
     ms.export(cell, example, file_name=str(path.with_suffix("")), file_format="MINDIR")
     if not path.is_file():
         raise RuntimeError(f"ms.export did not write {path}")
+
+
+def graph_input_name(path: Path | str) -> str:
+    """The input's name inside a MindIR file (MindSpore prefixes the argument's name with its
+    graph's): what MindSpore Lite's converter config calls `input_shape=<name>:[...]`."""
+    from mindspore.train import mind_ir_pb2
+
+    model = mind_ir_pb2.ModelProto()
+    model.ParseFromString(Path(path).read_bytes())
+    (graph_input,) = model.graph.input
+    return graph_input.name
+
+
+# MindSpore Lite's Ascend precision_mode that keeps each bundle's parity bar meaningful: an fp16
+# bundle already chose fp16 with fp32 LayerNorm (enforce_origin keeps that); an fp32 bundle stays
+# fp32 where the NPU has fp32 kernels (Lite's own default, enforce_fp16, would make it fp16).
+LITE_PRECISION_MODE = {"fp32": "preferred_fp32", "fp16": "enforce_origin"}
+
+
+def lite_ascend_config(bundle: dict[str, Any], tower: str, batch_sizes: Sequence[int],
+                       precision_mode: str | None = None) -> str:
+    """A MindSpore Lite converter config (`converter_lite --configFile=`) for one tower of an
+    exported bundle on Ascend: the dynamic batch as `dynamic_dims` profiles, the precision mode.
+    Written from MindSpore Lite's documentation (docs/ascend.md); not runnable here."""
+    precision_mode = precision_mode or LITE_PRECISION_MODE[bundle.get("precision", "fp32")]
+    spec = bundle[tower]["input"]
+    dims = ",".join(str(d) for d in spec["shape"][1:])
+    profiles = ",".join(f"[{b}]" for b in sorted(set(batch_sizes)))
+    return (f"[ascend_context]\ninput_shape={spec['graph_name']}:[-1,{dims}]\n"
+            f"dynamic_dims={profiles}\nprecision_mode={precision_mode}\n")
 
 
 def load_graph(path: Path | str) -> nn.GraphCell:

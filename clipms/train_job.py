@@ -78,21 +78,21 @@ def run(job: TrainJob, callbacks: Sequence[Callback] = (),
         distributed: bool = False) -> TrainResult:
     """Train as `job` says and (on rank 0) write its outputs."""
     from clipms.preprocess import PreprocessConfig
+    from clipms.runtime import configure
     from clipms.tokenizer import Tokenizer
     from clipms.trainer import ShardBatches, init_distributed, train
 
     tokenizer = Tokenizer.load(job.tokenizer)
     preprocess = PreprocessConfig(image_size=job.config.model.vision.image_size)
     if distributed:
-        import mindspore as ms
-
-        ms.set_device(job.config.device_target)  # before init(): it binds the device
+        configure(job.config.runtime)  # before init(): it binds the device
         rank, group_size = init_distributed()
     else:
         rank, group_size = 0, 1
     source = ShardBatches(job.shards_dir, tokenizer, preprocess, job.config.batch_size,
                           seed=job.config.seed, rank=rank, group_size=group_size,
-                          workers=job.loader_workers, augment=job.augment)
+                          workers=job.loader_workers, augment=job.augment,
+                          decode=job.config.decode)
     result = train(job.config, source, job.checkpoint_dir, callbacks=callbacks,
                    resume=job.resume, distributed=distributed)
     if rank == 0:

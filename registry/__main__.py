@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from registry.compare import DEFAULT_METRICS
 
@@ -20,23 +21,25 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
                          help="comma-separated metric keys to show")
     compare.add_argument("--limit", type=int, default=20, help="newest N versions")
+    compare.add_argument("--params", type=Path, default=Path("params.yaml"),
+                         help="the params file --name defaults from (register.model_name)")
     args = parser.parse_args(argv)
 
     from registry.compare import collect, render
     from registry.settings import client
 
-    name = args.name or _default_model_name()
+    name = args.name or _default_model_name(args.params)
     rows = collect(client(), name, args.limit)
     print(render(name, rows, [m for m in args.metrics.split(",") if m]))
     return 0
 
 
-def _default_model_name() -> str:
+def _default_model_name(params_file: Path) -> str:
     from clipms.params import ParamsError
     from registry.settings import RegisterParams, register_params
 
     try:
-        return register_params().model_name
+        return register_params(params_file).model_name
     except ParamsError as err:  # still usable outside a project, with the default name
         print(f"warning: {err}; using the default model name", file=sys.stderr)
         return str(RegisterParams.model_fields["model_name"].default)

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from clipms.jsonio import read_json
-from registry.settings import DVC_LOCK, SHARD_MANIFEST, redact_uri
+from clipms.redact import redact_text
 
 # Stages that never talk to MLflow: their resolved params are taken from dvc.lock by `open`.
 DATA_STAGES = ("metadata", "dedupe", "download", "shard", "tokenizer")
@@ -39,7 +39,8 @@ def flatten(prefix: str, value: Any) -> dict[str, str]:
 
 
 def safe_params(params: Mapping[str, str]) -> dict[str, str]:
-    """Drop what must never be logged: secrets, credentials in URLs, the user's home directory."""
+    """Drop what must never be logged: secret-looking keys' values, the credentials, query
+    strings and fragments of URLs (presigned signatures, tokens), the user's home directory."""
     home = str(Path.home())
     out = {}
     for key, value in params.items():
@@ -47,7 +48,7 @@ def safe_params(params: Mapping[str, str]) -> dict[str, str]:
         if SECRET_KEY.search(leaf):
             value = "<redacted>"
         elif "://" in value:
-            value = redact_uri(value)
+            value = redact_text(value)
         if home not in ("", "/") and home in value:
             value = value.replace(home, "~")
         out[key] = value[:MAX_PARAM_CHARS]
@@ -62,7 +63,7 @@ def _git(*args: str) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
-def read_lock(path: Path = DVC_LOCK) -> dict[str, Any]:
+def read_lock(path: Path) -> dict[str, Any]:
     """dvc.lock's stages, or {} when the pipeline has not been locked yet."""
     if not path.exists():
         return {}
@@ -96,7 +97,7 @@ def lock_params(lock: Mapping[str, Any], stages: Iterable[str]) -> dict[str, str
     return out
 
 
-def val_digest(manifest: Path = SHARD_MANIFEST) -> str | None:
+def val_digest(manifest: Path) -> str | None:
     """A digest of the evaluation set: sha256 over the val shards' names and sha256s."""
     if not manifest.exists():
         return None
@@ -107,22 +108,22 @@ def val_digest(manifest: Path = SHARD_MANIFEST) -> str | None:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
 
 
-def lineage(lock: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """Tags that say exactly what a run was made from: code, data and tokenizer versions."""
-    lock = read_lock() if lock is None else lock
+def lineage(lock: Mapping[str, Any], manifest: Path) -> dict[str, str]:
+    """Tags that say exactly what a run was made from: code, data and tokenizer versions
+    (`lock`: dvc.lock's stages, `manifest`: the shard manifest)."""
     meta = lock.get("metadata", {}).get("params", {}).get("params.yaml", {}).get("metadata", {})
     source = str(meta.get("source", "unknown"))
     where = {"mscoco": meta.get("url"), "local": meta.get("path")}.get(source)
     tags = {
         "lineage.git_commit": _git("rev-parse", "HEAD"),
-        "lineage.git_dirty": _dirty(),
+        "lineage.git_dirty": _dirty(lock),
         "lineage.data_shards_md5": lock_hash(lock, "data/shards"),
         "lineage.tokenizer_md5": lock_hash(lock, "models/tokenizer.json"),
         "lineage.metadata_source": source,
         "lineage.metadata_location": where,
         "lineage.metadata_md5": lock_hash(lock, "data/metadata.parquet"),
         "lineage.metadata_sha256": meta.get("sha256"),
-        "lineage.val_digest": val_digest(),
+        "lineage.val_digest": val_digest(manifest),
     }
     if tags["lineage.git_commit"]:
         tags["mlflow.source.git.commit"] = tags["lineage.git_commit"]
@@ -135,13 +136,36 @@ def dvc_experiment_tags() -> dict[str, str]:
     return {tag: os.environ[env] for env, tag in names.items() if os.environ.get(env)}
 
 
-def _dirty() -> str | None:
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return None if status is None else str(bool(status)).lower()
+# What makes a run's code or params differ from its commit: Python code, the params and the
+# pipeline definition, the package's assets. Anything else that changed (dvc.lock, metrics/,
+# plots/ - the pipeline's own writes - or a note) leaves the commit honest.
+_LINEAGE_SUFFIXES = (".py",)
+_LINEAGE_NAMES = ("params.yaml", "dvc.yaml", "pyproject.toml")
+_LINEAGE_DIRS = ("clipms/",)
 
 
-def dataset_record(tags: Mapping[str, str],
-                   manifest: Path = SHARD_MANIFEST) -> dict[str, str] | None:
+def changed_code_and_params(porcelain: str, lock: Mapping[str, Any]) -> list[str]:
+    """The paths of `git status --porcelain` output that change code or params (the pipeline's
+    outputs, as dvc.lock records them, never count)."""
+    outputs = {out.get("path", "") for stage in lock.values() for out in stage.get("outs", [])}
+    changed = []
+    for line in porcelain.splitlines():
+        path = line[3:].split(" -> ")[-1].strip().strip('"')
+        if not path or path == "dvc.lock" or any(
+                path == o or path.startswith(o.rstrip("/") + "/") for o in outputs if o):
+            continue
+        if (path.endswith(_LINEAGE_SUFFIXES) or Path(path).name in _LINEAGE_NAMES
+                or path.startswith(_LINEAGE_DIRS)):
+            changed.append(path)
+    return changed
+
+
+def _dirty(lock: Mapping[str, Any]) -> str | None:
+    status = _git("status", "--porcelain", "--untracked-files=all")
+    return None if status is None else str(bool(changed_code_and_params(status, lock))).lower()
+
+
+def dataset_record(tags: Mapping[str, str], manifest: Path) -> dict[str, str] | None:
     """The shards as an MLflow dataset input: name, digest = DVC hash, source = their origin."""
     digest = tags.get("lineage.data_shards_md5")
     if not digest:

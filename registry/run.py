@@ -6,9 +6,10 @@ of train, so a rerun or `dvc exp run` carries the right id and `dvc checkout` re
 
 Nothing here may cost a trained model or stall training. Every write is a journal record
 (`registry.journal`) queued in memory; one background thread per run sends the queue in order, so
-the training loop never waits on the network (a step only appends to a list). Stages wait for the
-sender at most `CLOSE_TIMEOUT_S` when they end; what was not sent by then is saved in the journal
-folder with a warning, and the next stage that reaches the server replays it (creating the run first
+the training loop never waits on the network (a step only appends to a list). A server that stops
+answering costs a stage at most `OPEN_TIMEOUT_S` when train opens the run and `CLOSE_TIMEOUT_S` (+
+`MONITOR_STOP_TIMEOUT_S`) when it ends; what was not sent by then is saved in the journal folder
+with a warning, and the next stage that reaches the server replays it (creating the run first
 if the server was already down when training started). Only `register` needs the server.
 
 A training run that resumes from a checkpoint continues the MLflow run that wrote the checkpoint
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from clipms.jsonio import read_json, write_json
+from clipms.redact import redact_text, redact_url
 from registry import journal
 from registry.journal import (
     CreateRun,
@@ -59,20 +61,19 @@ from registry.lineage import (
 )
 from registry.settings import (
     DEFAULT_TRACKING_URI,
-    JOURNAL_DIR,
-    RUN_FILE,
+    TrackingFiles,
     client,
     is_local_store,
     local_artifact_location,
-    redact_uri,
     register_params,
     tracking_uri,
 )
 
-CLOSE_TIMEOUT_S = 15.0  # the longest a stage waits for the sender when it ends
-OPEN_TIMEOUT_S = 5.0  # how long opening a run waits for the server before going on without it
-REPLAY_TIMEOUT_S = 10.0  # per earlier run's journal, replayed when a new run opens
-LEGACY_JOURNAL = Path("models/mlflow_journal.json")  # one file for all runs, before the folder
+# How long a stage waits for a server that has stopped answering (no record sent for that long):
+CLOSE_TIMEOUT_S = 15.0  # when it ends
+OPEN_TIMEOUT_S = 5.0  # when train opens the run (then training starts; the sender keeps trying)
+REPLAY_TIMEOUT_S = 10.0  # for the journals of earlier runs, replayed when a new run opens
+MONITOR_STOP_TIMEOUT_S = 5.0  # for the system-metrics monitor's last upload
 RUN_KEY_TAG = "pipeline.run_key"
 MAX_ERROR_CHARS = 5000
 
@@ -124,17 +125,19 @@ class _Sender:
 class PipelineRun:
     """The MLflow run of one pipeline run, with a local queue of what has not been sent yet."""
 
-    def __init__(self, run_key: str, run_id: str | None, experiment: str,
+    def __init__(self, run_key: str, run_id: str | None, experiment: str, files: TrackingFiles,
                  records: Iterable[Record] = ()) -> None:
         self.run_key = run_key
         self.run_id = run_id
         self.experiment = experiment
+        self.files = files
         self.pending: list[Record] = list(records)
         self.last_error: str | None = None
         self.owns_run_file = False  # only train (which opened the run) writes its DVC out
         self.resume_record: Path | None = None  # train: which run wrote the checkpoints
         self._lock = threading.RLock()  # guards pending, run_id, _held
         self._in_flight: Record | None = None
+        self._progress = 0  # records sent so far: a flush waits while this moves
         self._held = False  # sending waits until train knows whether it resumed (`resolve`)
         self._earlier: dict[str, Any] | None = None  # the run a resumed training continues
         self._sender: _Sender | None = None
@@ -144,29 +147,30 @@ class PipelineRun:
     # -- opening ---------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, stage: str, params: Mapping[str, Any], experiment: str | None = None,
-             run_name: str | None = None, run_file: Path | None = RUN_FILE,
-             resume_record: Path | None = None) -> PipelineRun:
+    def open(cls, stage: str, params: Mapping[str, Any], files: TrackingFiles,
+             experiment: str | None = None, run_name: str | None = None,
+             owns_run_file: bool = True, resume_record: Path | None = None) -> PipelineRun:
         """Start the run of a new pipeline run (the train stage): params, lineage, dataset input.
 
-        The experiment defaults to `register.experiment` in params.yaml. `run_file=None` (a stage
-        other than train) keeps the run in memory instead of writing train's DVC out.
+        The experiment defaults to `register.experiment` in params.yaml. `owns_run_file=False` (a
+        stage other than train) keeps the run in memory instead of writing train's DVC out.
         `resume_record` (train: a file beside the checkpoints) names the run that wrote the
         checkpoints; when training turns out to resume from one (`resolve`), that run continues.
         """
-        replay_journals()  # earlier runs' unsent records go first, and are never dropped
-        run = cls(uuid.uuid4().hex, None, experiment or register_params().experiment)
-        lock = read_lock()
-        tags = {**lineage(lock), **dvc_experiment_tags()}
+        replay_journals(files)  # earlier runs' unsent records go first, and are never dropped
+        run = cls(uuid.uuid4().hex, None,
+                  experiment or register_params(files.params).experiment, files)
+        lock = read_lock(files.lock)
+        tags = {**lineage(lock, files.manifest), **dvc_experiment_tags()}
         run_name = run_name or os.environ.get("DVC_EXP_NAME")  # `dvc exp run` names the run
         run.pending.append(CreateRun(run_name, {**tags, RUN_KEY_TAG: run.run_key,
                                                 "pipeline.opened_by": stage}))
         run.log_params(lock_params(lock, DATA_STAGES))
         run.log_params(flatten(stage, dict(params)))
-        dataset = dataset_record(tags)
+        dataset = dataset_record(tags, files.manifest)
         if dataset:
             run.pending.append(LogDataset(dataset, "training"))
-        run.owns_run_file = run_file is not None
+        run.owns_run_file = owns_run_file
         run.resume_record = resume_record
         if resume_record is not None and resume_record.exists():
             run._earlier = read_json(resume_record)
@@ -178,15 +182,15 @@ class PipelineRun:
         return run
 
     @classmethod
-    def resume(cls, run_file: Path = RUN_FILE) -> PipelineRun:
+    def resume(cls, files: TrackingFiles) -> PipelineRun:
         """Continue the run that train opened, with anything earlier stages could not send."""
-        if not run_file.exists():
-            raise FileNotFoundError(f"{run_file}: no MLflow run to continue (run the train stage)")
-        _migrate_legacy_journal()
-        info = read_json(run_file)
+        if not files.run_file.exists():
+            raise FileNotFoundError(
+                f"{files.run_file}: no MLflow run to continue (run the train stage)")
+        info = read_json(files.run_file)
         run = cls(info["run_key"], info.get("run_id"),
-                  info.get("experiment") or register_params().experiment)
-        saved = Journal.find(JOURNAL_DIR, run.run_key)
+                  info.get("experiment") or register_params(files.params).experiment, files)
+        saved = Journal.find(files.journal_dir, run.run_key)
         if saved is not None:
             run.run_id = run.run_id or saved.run_id
             run.pending = saved.records
@@ -210,11 +214,13 @@ class PipelineRun:
         its queued records, creation first), then mark it RUNNING again."""
         self.run_key = str(earlier["run_key"])
         self.run_id = earlier.get("run_id")
-        saved = Journal.find(JOURNAL_DIR, self.run_key)
+        saved = Journal.find(self.files.journal_dir, self.run_key)
         head: list[Record] = saved.records if saved else []
-        mine = [r for r in self.pending if not isinstance(r, CreateRun)]
+        mine = [r for r in self.pending if not isinstance(r, CreateRun | LogDataset)]
         if self.run_id is None and not any(isinstance(r, CreateRun) for r in head):
-            head = [r for r in self.pending if isinstance(r, CreateRun)]  # create it now
+            # It never reached the server, or its journal is gone: create (or find) it now.
+            head = [CreateRun(r.run_name, {**r.tags, RUN_KEY_TAG: self.run_key})
+                    for r in self.pending if isinstance(r, CreateRun)]
         self.pending = [*head, SetStatus("RUNNING"), *mine,
                         SetTags({"pipeline.resumed": "true"})]
 
@@ -258,17 +264,21 @@ class PipelineRun:
     # -- sending -----------------------------------------------------------------------------
 
     def flush(self, timeout: float | None = CLOSE_TIMEOUT_S) -> bool:
-        """Send what is queued, in order, waiting at most `timeout` seconds (None: until the
-        sender is done; 0: start sending and return). True when everything was sent."""
+        """Send what is queued, in order; True when everything was sent. Waits while records
+        keep going out, and gives up once `timeout` seconds pass without one (a hung server);
+        None waits until the sender is done, 0 starts sending and returns at once."""
         if self._sender is None:
             self._sender = _Sender(self._send_all)
         target = self._sender.kick()
         if timeout == 0:
             return False
-        finished = self._sender.wait(target, timeout)
-        if not finished:
-            self.last_error = f"no answer from the server within {timeout:g} s"
-            return False
+        while True:
+            before = self._progress
+            if self._sender.wait(target, timeout):
+                break
+            if self._progress == before:
+                self.last_error = f"no answer from the server within {timeout:g} s"
+                return False
         with self._lock:
             return self._sender.ok and not self.pending and self._in_flight is None
 
@@ -280,7 +290,7 @@ class PipelineRun:
                 with self._lock:
                     if self._held or not self.pending:
                         break
-                    record = self._in_flight = self.pending.pop(0)
+                    record = self._in_flight = self._next_record()
                 try:
                     self._send_one(mlflow_client, record)
                 except BaseException:
@@ -290,11 +300,23 @@ class PipelineRun:
                 finally:
                     with self._lock:
                         self._in_flight = None
+                self._progress += 1
         except Exception as err:  # an unreachable server surfaces as many exception types
-            self.last_error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            first = str(err).splitlines()[0][:300] if str(err) else ""
+            self.last_error = redact_text(f"{type(err).__name__}: {first}")
             return False
         self.last_error = None
         return True
+
+    def _next_record(self) -> Record:
+        """The first queued record, a big metrics batch cut to one request's worth (so that
+        progress is visible request by request); the caller holds the lock."""
+        record = self.pending[0]
+        if isinstance(record, LogMetrics) and len(record.metrics) > journal.MAX_METRICS:
+            head = LogMetrics(record.metrics[:journal.MAX_METRICS])
+            del record.metrics[:journal.MAX_METRICS]
+            return head
+        return self.pending.pop(0)
 
     def _send_one(self, mlflow_client: Any, record: Record) -> None:
         """Send one record; one the server rejects as invalid is reported and dropped, because
@@ -353,7 +375,7 @@ class PipelineRun:
             print(f"[mlflow] system metrics disabled: {err}", file=sys.stderr)
             self._monitor = None
 
-    def stop_system_metrics(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+    def stop_system_metrics(self, timeout: float = MONITOR_STOP_TIMEOUT_S) -> None:
         """Stop the monitor; its last upload may hang on a dead server, so wait `timeout` only."""
         monitor, self._monitor, self._monitor_interval = self._monitor, None, None
         if monitor is None:
@@ -366,8 +388,8 @@ class PipelineRun:
 
     def fail(self, error: BaseException) -> None:
         """Record why the run failed (type, message, traceback) and end it as FAILED."""
-        message = f"{type(error).__name__}: {error}".strip()
-        trace = "".join(traceback.format_exception(error))[-MAX_ERROR_CHARS:]
+        message = redact_text(f"{type(error).__name__}: {error}".strip())
+        trace = redact_text("".join(traceback.format_exception(error)))[-MAX_ERROR_CHARS:]
         self.set_tags({"error.type": type(error).__name__,
                        "error.message": message[:MAX_ERROR_CHARS],
                        "mlflow.note.content": f"Failed: {message[:MAX_ERROR_CHARS]}\n\n"
@@ -389,20 +411,21 @@ class PipelineRun:
                 signal.signal(signal.SIGTERM, previous)
 
     def close(self, status: str = "FINISHED", timeout: float = CLOSE_TIMEOUT_S) -> bool:
-        """Set the run's status, send everything (waiting at most `timeout`), journal what was
-        not sent; True if all was sent."""
+        """Set the run's status, send everything (giving up after `timeout` seconds without an
+        answer, plus at most MONITOR_STOP_TIMEOUT_S for the system metrics), journal what was not
+        sent; True if all was sent."""
         self.resolve(resumed=False)  # training that never reached a step: a run of its own
-        self.stop_system_metrics(timeout)
+        self.stop_system_metrics()
         self._queue(SetStatus(status, now_ms()))
         sent = self.flush(timeout)
         self.save()
         if not sent:
             print(f"[mlflow] WARNING: could not send to the tracking server "
-                  f"{redact_uri(tracking_uri())} ({self.last_error}); "
+                  f"{redact_url(tracking_uri())} ({self.last_error}); "
                   f"{len(self.pending)} queued record(s) saved to "
-                  f"{Journal.path(JOURNAL_DIR, self.run_key)}; they are replayed by the next "
-                  "stage that reaches the server (register requires it). Model files are "
-                  "unaffected.", file=sys.stderr)
+                  f"{Journal.path(self.files.journal_dir, self.run_key)}; they are replayed by "
+                  "the next stage that reaches the server (register requires it). Model files "
+                  "are unaffected.", file=sys.stderr)
         return sent
 
     def save(self) -> None:
@@ -410,14 +433,15 @@ class PipelineRun:
         and, for train, the run file (its DVC out) and the resume record."""
         with self._lock:
             records = [r for r in (self._in_flight, *self.pending) if r is not None]
-            Journal(self.run_key, self.run_id, self.experiment, records).save(JOURNAL_DIR)
+            Journal(self.run_key, self.run_id, self.experiment, records).save(
+                self.files.journal_dir)
         if not self.owns_run_file:
             return
         uri = tracking_uri()
         info = {"run_key": self.run_key, "run_id": self.run_id, "experiment": self.experiment,
                 # no local paths in a DVC out:
-                "tracking_uri": DEFAULT_TRACKING_URI if is_local_store(uri) else redact_uri(uri)}
-        write_json(RUN_FILE, info)
+                "tracking_uri": DEFAULT_TRACKING_URI if is_local_store(uri) else redact_url(uri)}
+        write_json(self.files.run_file, info)
         if self.resume_record is not None:
             write_json(self.resume_record, info)
 
@@ -427,10 +451,10 @@ class PipelineRun:
         self.save()
         if not sent or self.run_id is None:
             raise TrackingUnavailable(
-                f"cannot reach the MLflow tracking server at {redact_uri(tracking_uri())} "
+                f"cannot reach the MLflow tracking server at {redact_url(tracking_uri())} "
                 f"({self.last_error}). The trained and exported model is safe in models/; "
                 f"{len(self.pending)} queued record(s) are kept in "
-                f"{Journal.path(JOURNAL_DIR, self.run_key)}. Start the server (or fix "
+                f"{Journal.path(self.files.journal_dir, self.run_key)}. Start the server (or fix "
                 "MLFLOW_TRACKING_URI) and rerun `dvc repro` to replay and register.")
 
     def callback(self, flush_every_s: float = 10.0, prefix: str = "") -> Any:
@@ -466,43 +490,33 @@ def ensure_experiment(mlflow_client: Any, name: str) -> str:
     return str(mlflow_client.create_experiment(name, artifact_location=location))
 
 
-def _migrate_legacy_journal() -> None:
-    """Move the single journal file of earlier versions into the journal folder."""
-    if not LEGACY_JOURNAL.exists():
-        return
-    try:
-        old = Journal.load(LEGACY_JOURNAL)
-    except (JournalError, KeyError) as err:
-        print(f"[mlflow] WARNING: {err}", file=sys.stderr)
-        return
-    if old.records:
-        old.experiment = old.experiment or register_params().experiment
-        old.save(JOURNAL_DIR)
-    LEGACY_JOURNAL.unlink()
-
-
-def replay_journals(exclude: str | None = None, timeout: float = REPLAY_TIMEOUT_S) -> int:
-    """Send the journals of earlier pipeline runs (each waited for at most `timeout`); a journal
-    is deleted only once all its records were sent. Returns how many are still unsent."""
-    _migrate_legacy_journal()
-    left = 0
-    for path in Journal.all_paths(JOURNAL_DIR):
+def replay_journals(files: TrackingFiles, exclude: str | None = None,
+                    timeout: float = REPLAY_TIMEOUT_S) -> int:
+    """Send the journals of earlier pipeline runs; a server that answers nothing for `timeout`
+    seconds ends the replay (it would not answer the next one either). A journal is deleted only
+    once all its records were sent. Returns how many journals are still unsent."""
+    paths = Journal.all_paths(files.journal_dir)
+    for done, path in enumerate(paths):
         try:
             saved = Journal.load(path)
         except (JournalError, KeyError) as err:
             print(f"[mlflow] WARNING: {err}", file=sys.stderr)
-            left += 1
             continue
         if saved.run_key == exclude:
             continue
-        run = PipelineRun(saved.run_key, saved.run_id, saved.experiment, saved.records)
-        if not run.flush(timeout):
-            left += 1
+        run = PipelineRun(saved.run_key, saved.run_id, saved.experiment, files, saved.records)
+        sent = run.flush(timeout)
         run.save()  # removes the file when everything went
-    return left
+        if not sent:
+            print(f"[mlflow] WARNING: {len(paths) - done} earlier journal(s) in "
+                  f"{files.journal_dir} not replayed yet ({run.last_error}); kept for the next "
+                  "stage", file=sys.stderr)
+            break
+    return sum(1 for _ in Journal.all_paths(files.journal_dir))
 
 
-def log_stage(stage: str, params: Mapping[str, Any], metrics: Mapping[str, float] | None = None,
+def log_stage(stage: str, params: Mapping[str, Any], files: TrackingFiles,
+              metrics: Mapping[str, float] | None = None,
               artifacts: Iterable[tuple[Path | str, str | None]] = ()) -> PipelineRun | None:
     """What evaluate/export call at their end: params, metrics, artifacts into the pipeline's run.
 
@@ -510,7 +524,7 @@ def log_stage(stage: str, params: Mapping[str, Any], metrics: Mapping[str, float
     warns; an unreachable server leaves everything in the journal for `register` to replay.
     """
     try:
-        run = PipelineRun.resume()
+        run = PipelineRun.resume(files)
     except FileNotFoundError as err:
         print(f"[mlflow] WARNING: {err}; {stage} not tracked", file=sys.stderr)
         return None

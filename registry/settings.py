@@ -8,9 +8,9 @@ The tracking URI is `MLFLOW_TRACKING_URI` when set, else the project's SQLite da
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field
 
@@ -22,13 +22,20 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
 
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # MLflow's store, not a pipeline file
 LOCAL_ARTIFACTS_DIR = "mlartifacts"  # beside the SQLite database
-# The files the tracking layer keeps in the project (relative to the stage's working directory).
-RUN_FILE = Path("models/mlflow_run.json")  # a DVC out of train: the run later stages log into
-JOURNAL_DIR = Path("models/mlflow-journal")  # unsent records, one file per pipeline run
-DVC_LOCK = Path("dvc.lock")
-SHARD_MANIFEST = Path("data/shards/manifest.json")
+
+
+@dataclass(frozen=True)
+class TrackingFiles:
+    """The project files the tracking layer reads and keeps; the stages name them
+    (`stages.tracking.FILES`, from `stages.paths`)."""
+
+    params: Path  # params.yaml: `register.experiment` when a stage does not say
+    run_file: Path  # a DVC out of train: the run the later stages log into
+    journal_dir: Path  # unsent records, one file per pipeline run
+    lock: Path  # dvc.lock: lineage and the params the data stages ran with
+    manifest: Path  # the shard manifest: the val digest and the dataset profile
 
 
 class RegisterParams(Section):
@@ -41,9 +48,9 @@ class RegisterParams(Section):
     lock_timeout: float = Field(600.0, gt=0)  # seconds to wait for another registration's gate
 
 
-def register_params() -> RegisterParams:
-    """The validated `register` section of the project's params.yaml (ParamsError if invalid)."""
-    return load_section("register", RegisterParams)
+def register_params(params_file: Path) -> RegisterParams:
+    """The validated `register` section of params.yaml (ParamsError if invalid)."""
+    return load_section("register", RegisterParams, params_file)
 
 
 def project_root() -> Path:
@@ -86,13 +93,3 @@ def local_artifact_location() -> str:
     db = sqlite_path(tracking_uri())
     folder = db.parent if db is not None else project_root()
     return (folder / LOCAL_ARTIFACTS_DIR).resolve().as_uri()
-
-
-def redact_uri(uri: str) -> str:
-    """The URI without user:password@, so it can be written to files and logs."""
-    parts = urlsplit(uri)
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        return urlunsplit(parts._replace(netloc=netloc))
-    return uri

@@ -1,9 +1,10 @@
 """Stage `export`: the two towers as MindIR (dynamic batch) + tokenizer + preprocessing spec in
 models/export/, then a parity check of each MindIR graph against the checkpoint on real val samples.
 
-`python -m stages.export`; reads the `export` section. `export.precision` (fp32 | fp16) is the
-bundle's; the parity bar is that precision's (clipms.export.PARITY) unless `export.tolerance` is
-set. Fails (exit 1) when an error exceeds the bar; metrics/export.json holds the errors either way.
+`python -m stages.export`; reads the `export` and `runtime` sections. `export.precision` (fp32 |
+fp16) is the bundle's; the parity bar is that precision's (clipms.export.PARITY) unless
+`export.tolerance` is set. Fails (exit 1) when an error exceeds the bar; metrics/export.json holds
+the errors either way.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+from clipms.runtime import RuntimeConfig, configure
 from stages import paths
 from stages.params import ParamsError, Section, load_section
 
@@ -48,11 +50,13 @@ def main() -> int:
         params = load_section("export", ExportParams)
         if min(params.batch_sizes) < 1:
             raise ParamsError(f"export.batch_sizes = {params.batch_sizes}: sizes must be >= 1")
+        runtime = load_section("runtime", RuntimeConfig)
     except ParamsError as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 1
+    configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
     from clipms.export import ParityError, assert_parity, export_bundle, parity_report
-    from clipms.jsonio import write_json
+    from clipms.jsonio import read_json, write_json
     from clipms.tokenizer import Tokenizer
     from clipms.trained import RunConfig, TrainedModelError, load_clip
 
@@ -67,20 +71,25 @@ def main() -> int:
     except (TrainedModelError, ValueError) as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 1
-    report.update(parity_images=int(images.shape[0]), parity_captions=int(tokens.shape[0]),
+    # An amp-trained checkpoint holds fp32 master weights: the bar is the bundle's precision's
+    # (docs/ascend.md); the training precision is recorded beside it so the two are never confused.
+    trained = (read_json(paths.RUN_CONFIG).get("train") or {}).get("precision", "fp32")
+    report.update(trained_precision=trained, parity_images=int(images.shape[0]),
+                  parity_captions=int(tokens.shape[0]),
                   **{f"{p.stem}_mb": round(p.stat().st_size / 2**20, 3)
                      for p in sorted(paths.BUNDLE.glob("*.mindir"))})
     write_json(paths.EXPORT_METRICS, report)
     from registry.run import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
+    from stages.tracking import FILES
 
-    log_stage("export", params.model_dump(), report)
+    log_stage("export", params.model_dump(), FILES, report)
     try:
         assert_parity(report)
     except ParityError as err:
         print(f"export: FAILED: {err}", file=sys.stderr)
         return 1
     print(f"export: {paths.BUNDLE} written and checked in {time.perf_counter() - started:.1f} s: "
-          f"{params.precision}, {report['gate_metric']} image "
+          f"{params.precision} (trained {trained}), {report['gate_metric']} image "
           f"{report['image_' + report['gate_metric']]:.2e}, text "
           f"{report['text_' + report['gate_metric']]:.2e} (tolerance {report['tolerance']:g}, "
           f"batch sizes {params.batch_sizes})")

@@ -38,6 +38,9 @@ class MetadataParams(Section):
     url_col: str = Field("URL", min_length=1)
     caption_col: str = Field("TEXT", min_length=1)
     id_col: str | None = Field(None, min_length=1)  # an image id column (dedupe.identity: id)
+    # mscoco/local: Karpathy's dataset_coco.json (a path or an http(s) URL); its 5k test images
+    # become the val split (clipms/prep/karpathy.py)
+    karpathy_split: str | None = Field(None, min_length=1)
 
     @field_validator("sha256")
     @classmethod
@@ -51,6 +54,13 @@ class MetadataParams(Section):
     def _http_url(cls, value: str) -> str:
         if not value.startswith(("http://", "https://")):
             raise ValueError("must be an http(s) URL")
+        return value
+
+    @field_validator("karpathy_split")
+    @classmethod
+    def _coco_sources(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("source") == "synthetic":
+            raise ValueError("applies to COCO image URLs: set source to mscoco or local")
         return value
 
     @field_validator("path")

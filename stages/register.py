@@ -12,7 +12,7 @@ import sys
 from stages import paths
 from stages.params import ParamsError
 
-READS = (paths.BUNDLE, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST)
+READS = (paths.BUNDLE, paths.INDEX, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST)
 WRITES = (paths.REGISTER_METRICS,)
 
 
@@ -20,7 +20,7 @@ def main() -> int:
     from registry.settings import register_params
 
     try:
-        params = register_params()
+        params = register_params(paths.PARAMS)
     except ParamsError as err:
         print(f"register: error: {err}", file=sys.stderr)
         return 1
@@ -30,15 +30,18 @@ def main() -> int:
     from registry.lineage import flatten
     from registry.registration import RegistryError, register_version
     from registry.run import PipelineRun, TrackingUnavailable
+    from stages.tracking import FILES
 
     try:
-        run = PipelineRun.resume()
+        run = PipelineRun.resume(FILES)
     except FileNotFoundError as err:  # train ran without tracking: the model still gets a run
         print(f"register: {err}; opening a run here", file=sys.stderr)
-        run = PipelineRun.open("register", {}, run_file=None)
+        run = PipelineRun.open("register", {}, FILES, owns_run_file=False)
     run.log_params(flatten("register", params.model_dump()))
     try:
-        record = register_version(run, paths.BUNDLE, params, read_json(paths.EVAL_METRICS))
+        # The index is logged with the version's run (a test workspace may have none).
+        record = register_version(run, paths.BUNDLE, params, read_json(paths.EVAL_METRICS),
+                                  index_dir=paths.INDEX if paths.INDEX.is_dir() else None)
     except TrackingUnavailable as err:  # the journal keeps everything for the next attempt
         print(f"register: error: {err}", file=sys.stderr)
         return 1

@@ -11,18 +11,16 @@ import pytest
 
 from clipms.prep.captions import (
     MetadataError,
-    assign_splits,
     check_usable,
     comparison_keys,
     dedupe,
-    image_identities,
     normalise_captions,
     read_metadata,
     scheme_array,
-    stable_keys,
     write_images,
 )
 from clipms.prep.download import read_parquet
+from clipms.prep.identity import IdentityError, assign_splits, image_identities, stable_keys
 from clipms.prep.urlguard import allowed_schemes, url_scheme
 from stages.dedupe import DedupeParams
 from stages.download import load_download
@@ -149,7 +147,7 @@ def test_identity_is_the_url_path_by_default():
     assert image_identities(urls, "path").to_pylist() == [
         "/x/1.jpg", "/x/1.jpg", "data/synthetic/000001.png", "", "/y.png"]
     assert image_identities(urls, "url").to_pylist() == urls.to_pylist()
-    with pytest.raises(MetadataError, match="metadata.id_col"):
+    with pytest.raises(IdentityError, match="metadata.id_col"):
         image_identities(urls, "id", None)
 
 
@@ -289,3 +287,20 @@ def test_download_params_and_scheme_policy(tmp_path):
         load_download(write(tmp_path, "metadata:\n  source: web\n"))
     with pytest.raises(ParamsError, match=r"download.resize_mode = 'stretch'"):
         load_download(write(tmp_path, "download:\n  resize_mode: stretch\n"))
+
+
+def test_dedupe_stage_stops_when_nothing_useful_is_left(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.image_site import stage_env
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "params.yaml").write_text("metadata:\n  source: local\n  path: x.parquet\n")
+    for rows, message in (([("ftp://x/1.jpg", "a caption")], "no image left"),
+                          ([("http://x/1.jpg", "a single caption")], "split is empty")):
+        frame(rows).to_parquet(tmp_path / "data/metadata.parquet", index=False)
+        proc = subprocess.run([sys.executable, "-m", "stages.dedupe"], cwd=tmp_path,
+                              env=stage_env(), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and message in proc.stderr, proc.stderr
+        assert not (tmp_path / "data/images.parquet").exists()  # nothing written

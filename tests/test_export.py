@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -50,6 +52,24 @@ def test_bundle_has_every_file_and_describes_dynamic_batch_inputs(exported, trai
     assert bundle["preprocess"] == run.preprocess.to_dict()
     assert (out / "tokenizer.json").read_bytes() == trained["a"]["tokenizer"].read_bytes()
     assert bundle["logit_scale"] == pytest.approx(1 / 0.07, rel=1e-5)
+    # the names MindSpore gave the graphs' inputs, as read back from the files
+    assert bundle["image_encoder"]["input"]["graph_name"].endswith(":images")
+    assert bundle["text_encoder"]["input"]["graph_name"].endswith(":tokens")
+    assert json.loads((out / "bundle.json").read_text()) == bundle
+
+
+def test_lite_config_for_ascend_has_the_dynamic_batch_profiles_and_precision(exported):
+    from clipms.export import lite_ascend_config
+
+    _, bundle, _ = exported
+    cfg = lite_ascend_config(bundle, "image_encoder", [8, 1, 32, 8])
+    name = bundle["image_encoder"]["input"]["graph_name"]
+    assert cfg == (f"[ascend_context]\ninput_shape={name}:[-1,3,32,32]\n"
+                   "dynamic_dims=[1],[8],[32]\nprecision_mode=preferred_fp32\n")
+    assert "precision_mode=enforce_origin" in lite_ascend_config(
+        {**bundle, "precision": "fp16"}, "text_encoder", [1])
+    assert "input_shape=" + bundle["text_encoder"]["input"]["graph_name"] + ":[-1,16]" in (
+        lite_ascend_config(bundle, "text_encoder", [1, 4]))
 
 
 def test_parity_passes_at_every_batch_size(exported, trained):
@@ -87,6 +107,7 @@ def test_fp16_bundle_is_half_the_size_and_meets_its_own_bar_not_the_fp32_one(exp
     bundle = export_bundle(load_clip(paths["checkpoint"], run.model), run.preprocess,
                            paths["tokenizer"], tmp_path / "fp16", precision="fp16")
     assert bundle["precision"] == "fp16" and fp32_bundle["precision"] == "fp32"
+    assert bundle["image_encoder"]["input"]["graph_name"].endswith(":images")
     assert bundle["parity"] == {"metric": "max_abs_error_normalized",
                                 "tolerance": PARITY["fp16"].tolerance}
     assert bundle["logit_scale"] == fp32_bundle["logit_scale"]  # read before the fp16 cast
@@ -129,7 +150,7 @@ def test_stage_exports_checks_and_records_the_errors(tmp_path):
     (tmp_path / "params.yaml").write_text("export:\n  batch_sizes: [1, 4, 16]\n")
     env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT)}
     proc = run(["python", "-m", "stages.export"], cwd=tmp_path, timeout=600, env=env)
-    assert "fp32, max_abs_error image" in proc.stdout
+    assert "fp32 (trained fp32), max_abs_error image" in proc.stdout
     report = json.loads((tmp_path / "metrics" / "export.json").read_text())
     assert report["passed"] is True and report["tolerance"] == 1e-5
     assert (report["precision"], report["gate_metric"]) == ("fp32", "max_abs_error")
@@ -146,6 +167,18 @@ def test_stage_exports_checks_and_records_the_errors(tmp_path):
     (tmp_path / "params.yaml").write_text("export:\n  tolerance: -1\n")
     bad = run(["python", "-m", "stages.export"], cwd=tmp_path, timeout=600, check=False, env=env)
     assert bad.returncode == 1 and "export.tolerance" in bad.stderr
+
+    # An amp-trained checkpoint (fp32 master weights) exported as fp32 meets the fp32 bar, and
+    # the report says which precision trained it and which bar applied.
+    run_config = tmp_path / "models" / "clip.json"
+    run_config.write_text(json.dumps({**json.loads(run_config.read_text()),
+                                      "train": {"precision": "amp"}}))
+    (tmp_path / "params.yaml").write_text("export:\n  batch_sizes: [1, 4]\n")
+    amp = run(["python", "-m", "stages.export"], cwd=tmp_path, timeout=600, env=env)
+    assert "fp32 (trained amp), max_abs_error image" in amp.stdout
+    report = json.loads((tmp_path / "metrics" / "export.json").read_text())
+    assert (report["trained_precision"], report["precision"], report["tolerance"]) == (
+        "amp", "fp32", 1e-5) and report["passed"] is True
 
     # A real parity failure -- an fp16 bundle held to the fp32 bar -- fails the stage (exit 1),
     # after recording the errors, so DVC and Prefect see it.

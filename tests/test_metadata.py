@@ -101,7 +101,7 @@ def test_synthetic_rows_urls_labels_and_bytes_are_deterministic(tmp_path, monkey
     assert Path("data/metadata.parquet").read_bytes() == first
 
     table = pq.read_table("data/metadata.parquet")
-    assert table.schema.names == ["URL", "TEXT", "LABELS", "ID"]
+    assert table.schema.names == ["URL", "TEXT", "LABELS", "ID", "SPLIT"]
     assert table.num_rows == 12 * synthetic.CAPTIONS_PER_IMAGE == summary.rows
     rows = table.to_pylist()
     assert rows[0]["URL"] == "file:data/synthetic/000001.png"  # no checkout path inside
@@ -158,7 +158,7 @@ def test_mscoco_downloads_and_verifies_the_checksum(tmp_path, server):
                             sha256=hashlib.sha256(body).hexdigest(), **FAST)
     assert table.to_pydict() == {"URL": ["http://img/1.jpg"] * 2,
                                  "TEXT": ["A cat.", "A cat on a mat."], "LABELS": [None, None],
-                                 "ID": [None, None]}
+                                 "ID": [None, None], "SPLIT": [None, None]}
     assert (summary.rows, summary.images, summary.labelled_rows) == (2, 1, 0)
     leftovers = [p.name for p in (tmp_path / "data").iterdir()]
     assert sorted(leftovers) == ["metadata.parquet", "synthetic"]  # no temp/partial files
@@ -240,7 +240,7 @@ def test_local_path_with_custom_columns(tmp_path):
                       url_col="image_url", caption_col="caption")
     assert table.to_pydict() == {"URL": ["http://a/1.jpg", "http://a/2.jpg"],
                                  "TEXT": ["one", "two"], "LABELS": [None, None],
-                                 "ID": [None, None]}
+                                 "ID": [None, None], "SPLIT": [None, None]}
     with_ids, _ = _build(tmp_path, source="local", path=str(_local_file(tmp_path)),
                          url_col="image_url", caption_col="caption", id_col="extra")
     assert with_ids["ID"].to_pylist() == ["1", "2"]  # any type, as text (dedupe.identity: id)
@@ -273,6 +273,65 @@ def test_local_checksum_is_checked_when_set(tmp_path):
     with pytest.raises(MetadataError, match="checksum mismatch"):
         _build(tmp_path, source="local", path=str(path), url_col="image_url",
                caption_col="caption", sha256="f" * 64)
+
+
+# --- the Karpathy split ----------------------------------------------------------------------
+
+KARPATHY = {"test": [139, 285], "val": [632], "train": [724], "restval": [776]}
+
+
+def _karpathy_json() -> bytes:
+    images = [{"cocoid": cocoid, "split": split, "filepath": "val2014",
+               "filename": f"COCO_val2014_{cocoid:012d}.jpg", "sentences": []}
+              for split, ids in KARPATHY.items() for cocoid in ids]
+    return json.dumps({"dataset": "coco", "images": images}).encode()
+
+
+def _coco_urls(tmp_path: Path) -> Path:
+    """A local COCO-like parquet: the five images of the split file and one it does not list."""
+    ids = [139, 285, 632, 724, 776, 9999]
+    urls = [f"http://images.cocodataset.org/{'val' if i % 2 else 'train'}2017/{i:012d}.jpg"
+            for i in ids for _ in range(2)]
+    path = tmp_path / "coco.parquet"
+    pq.write_table(pa.table({"URL": urls, "TEXT": [f"caption {n} of an image" for n in
+                                                   range(len(urls))]}), path)
+    return path
+
+
+def test_karpathy_split_file_from_a_loopback_server_picks_exactly_its_test_images(tmp_path,
+                                                                                    server):
+    from clipms.prep.captions import check_usable, dedupe
+
+    server.routes["/dataset_coco.json"] = [(200, _karpathy_json())]
+    table, summary = _build(tmp_path, source="local", path=str(_coco_urls(tmp_path)),
+                            karpathy_split=server.url("/dataset_coco.json"), **FAST)
+    by_id = {int(u.rsplit("/", 1)[1][:-4]): s for u, s in zip(table["URL"].to_pylist(),
+                                                              table["SPLIT"].to_pylist(),
+                                                              strict=True)}
+    assert by_id == {139: "val", 285: "val", 632: "train", 724: "train", 776: "train",
+                     9999: "train"}
+    assert "2 of its 2 test images" in summary.paragraph()
+    result = dedupe(table, frozenset({"http"}), val_fraction=0.5, log=lambda _m: None)
+    val = result.images[result.images["split"] == "val"]["url"].str[-16:-4].astype(int)
+    assert sorted(val) == KARPATHY["test"]  # exactly the listed images, whatever val_fraction
+    check_usable(result.stats)
+
+
+def test_karpathy_split_file_follows_the_url_policy_and_is_checked(tmp_path, server):
+    server.routes["/dataset_coco.json"] = [(200, _karpathy_json())]
+    with pytest.raises(MetadataError, match=r"refused \(loopback_address\)"):
+        _build(tmp_path, FetchPolicy(), source="local", path=str(_coco_urls(tmp_path)),
+               karpathy_split=server.url("/dataset_coco.json"), **FAST)
+    assert server.hits == {}
+    bad = tmp_path / "bad.json"
+    for body, message in ((b"{not json", "not a readable JSON"), (b'{"images": 3}', "'images'"),
+                          (b'{"images": [{"cocoid": 1, "split": "train"}]}', "no image has")):
+        bad.write_bytes(body)
+        with pytest.raises(MetadataError, match=f"metadata.karpathy_split: .*{message}"):
+            _build(tmp_path, source="local", path=str(_coco_urls(tmp_path)),
+                   karpathy_split=str(bad))
+    with pytest.raises(ParamsError, match="metadata.karpathy_split.*mscoco or local"):
+        validate_section("metadata", MetadataParams, {"karpathy_split": "dataset_coco.json"})
 
 
 # --- params and the stage --------------------------------------------------------------------

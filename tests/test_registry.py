@@ -14,8 +14,11 @@ import yaml
 from registry import gate, journal, lineage, run, settings
 from registry.compare import VersionRow, differing_params, render
 from registry.gate import CHALLENGER, CHAMPION, Candidate, decide
+from stages import paths
+from stages.tracking import FILES
 
 DIGEST = "a" * 32
+LOCK, MANIFEST = paths.LOCK, paths.MANIFEST  # relative: the tests chdir into a workspace
 
 
 def test_first_version_becomes_champion() -> None:
@@ -148,10 +151,13 @@ def test_params_are_flattened_and_never_leak_secrets_or_home(monkeypatch) -> Non
         "metadata.path": f"{home}/data/meta.parquet", "tokenizer.kind": "bpe",
     })
     assert safe["metadata.api_key"] == safe["x.password"] == safe["x.hf_token"] == "<redacted>"
-    assert safe["metadata.url"] == "https://example.org/data.parquet"
+    assert safe["metadata.url"] == "https://<redacted>@example.org/data.parquet"
     assert safe["metadata.path"] == "~/data/meta.parquet"
     assert safe["tokenizer.kind"] == "bpe"
-    assert settings.redact_uri("http://u:p@127.0.0.1:5000") == "http://127.0.0.1:5000"
+    presigned = ("https://bucket.s3.amazonaws.com/m.parquet?X-Amz-Credential=AKIA%2F&"
+                 "X-Amz-Signature=SIGSECRET")
+    assert lineage.safe_params({"metadata.path": presigned})["metadata.path"] \
+        == "https://bucket.s3.amazonaws.com/m.parquet?<redacted>"
 
 
 def write_pipeline_state(root: Path, shards_md5: str = "1" * 32, val_sha: str = "f" * 64) -> None:
@@ -188,7 +194,7 @@ def test_lineage_reads_git_dvc_lock_and_manifest(tmp_path: Path, monkeypatch) ->
     subprocess.run([*git, "add", "dvc.lock"], cwd=tmp_path, check=True)
     subprocess.run([*git, "commit", "-qm", "x"], cwd=tmp_path, check=True)
     monkeypatch.chdir(tmp_path)
-    tags = lineage.lineage()
+    tags = lineage.lineage(lineage.read_lock(LOCK), MANIFEST)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True,
                           text=True, check=True).stdout.strip()
     assert tags["lineage.git_commit"] == tags["mlflow.source.git.commit"] == head
@@ -198,18 +204,29 @@ def test_lineage_reads_git_dvc_lock_and_manifest(tmp_path: Path, monkeypatch) ->
     assert tags["lineage.metadata_source"] == "synthetic"
     assert tags["lineage.metadata_md5"] == "2" * 32
     assert len(tags["lineage.val_digest"]) == 32
+    # The pipeline's own writes (dvc.lock, its outputs) and a stray note leave the commit clean
+    # (issue 12.9); code and params do not.
     (tmp_path / "dvc.lock").write_text((tmp_path / "dvc.lock").read_text() + "\n# edited\n")
-    assert lineage.lineage()["lineage.git_dirty"] == "true"
+    (tmp_path / "notes.txt").write_text("a note\n")
+    assert lineage.lineage(lineage.read_lock(LOCK), MANIFEST)["lineage.git_dirty"] == "false"
+    for changed in ("params.yaml", "stages/new_stage.py"):
+        (tmp_path / changed).parent.mkdir(exist_ok=True)
+        (tmp_path / changed).write_text("x: 1\n")
+        assert lineage.lineage(lineage.read_lock(LOCK), MANIFEST)["lineage.git_dirty"] == "true"
+        (tmp_path / changed).unlink()
+    porcelain = " M dvc.lock\n M data/parts/manifest.json\n?? data/parts/val/x.tar\n M a.py\n"
+    assert lineage.changed_code_and_params(porcelain, lineage.read_lock(LOCK)) == ["a.py"]
     write_pipeline_state(tmp_path, val_sha="0" * 64)
-    assert lineage.lineage()["lineage.val_digest"] != tags["lineage.val_digest"]
-    dataset = lineage.dataset_record(tags)
+    again = lineage.lineage(lineage.read_lock(LOCK), MANIFEST)
+    assert again["lineage.val_digest"] != tags["lineage.val_digest"]
+    dataset = lineage.dataset_record(tags, MANIFEST)
     assert dataset is not None and dataset["digest"] == "1" * 32
     assert json.loads(dataset["profile"]) == {"train": 30, "val": 10}
-    combined = lineage.lock_hash(lineage.read_lock(), "data/parts")
+    combined = lineage.lock_hash(lineage.read_lock(LOCK), "data/parts")
     assert combined is not None and len(combined) == 32 and combined not in ("4" * 32, "5" * 32)
-    assert lineage.lock_hash(lineage.read_lock(), "data/parts/val") == "4" * 32
-    assert lineage.lock_hash(lineage.read_lock(), "data/part") is None
-    params = lineage.lock_params(lineage.read_lock(), lineage.DATA_STAGES)
+    assert lineage.lock_hash(lineage.read_lock(LOCK), "data/parts/val") == "4" * 32
+    assert lineage.lock_hash(lineage.read_lock(LOCK), "data/part") is None
+    params = lineage.lock_params(lineage.read_lock(LOCK), lineage.DATA_STAGES)
     assert params["metadata.source"] == "synthetic" and params["tokenizer.vocab_size"] == "400"
 
 
@@ -221,7 +238,7 @@ def test_metric_names_become_names_mlflow_accepts() -> None:
 
 
 def test_training_metrics_are_queued_into_one_batch() -> None:
-    pipeline_run = run.PipelineRun("key", None, "exp")
+    pipeline_run = run.PipelineRun("key", None, "exp", FILES)
     callback = pipeline_run.callback(flush_every_s=3600)
     for step in range(1, 51):
         callback.on_step_end(step, {"loss": 1.0 / step, "lr": 1e-3, "bad": float("nan")})
@@ -263,7 +280,7 @@ def test_register_refuses_a_missing_primary_metric_before_touching_mlflow() -> N
     from registry.registration import register_version
     from registry.settings import RegisterParams
 
-    pipeline_run = run.PipelineRun("key", None, "exp")
+    pipeline_run = run.PipelineRun("key", None, "exp", FILES)
     with pytest.raises(gate.GateError, match=r"'i2t_R@5' is not in.*allowed: mAP@10 \(higher"):
         register_version(pipeline_run, "models/export", RegisterParams(), {"mAP@10": 0.5})
     assert pipeline_run.pending == []

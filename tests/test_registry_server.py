@@ -19,6 +19,7 @@ import pytest
 
 from registry import lineage, settings
 from registry import run as tracking_run
+from stages.tracking import FILES
 from tests import mlflow_server as server_fixtures
 from tests.mlflow_server import MlflowServer, http_get
 from tests.test_registry import write_pipeline_state
@@ -45,7 +46,7 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server: MlflowSer
 
 
 def journals() -> list[Path]:
-    return sorted(settings.JOURNAL_DIR.glob("*.json"))
+    return sorted(FILES.journal_dir.glob("*.json"))
 
 
 def train_like(run: tracking_run.PipelineRun, steps: int, start: int = 1) -> None:
@@ -60,7 +61,7 @@ def test_ui_page_answers(server: MlflowServer) -> None:
 
 
 def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> None:
-    run = tracking_run.PipelineRun.open("train", {"lr": 1e-3, "epochs": 1})
+    run = tracking_run.PipelineRun.open("train", {"lr": 1e-3, "epochs": 1}, FILES)
     assert run.flush() and run.run_id and not run.pending
     run.start_system_metrics(sampling_interval=1.0)
     train_like(run, 20)
@@ -73,7 +74,7 @@ def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> Non
     assert run.close() is True
     assert not journals()
 
-    resumed = tracking_run.log_stage("evaluate", {"batch_size": 16},
+    resumed = tracking_run.log_stage("evaluate", {"batch_size": 16}, FILES,
                                      {"i2t_R@5": 0.5, "mAP@10": 0.25})
     assert resumed is not None and resumed.run_id == run.run_id
 
@@ -96,7 +97,7 @@ def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> Non
     assert [a.path for a in client.list_artifacts(run.run_id, "plots")] == ["plots/train.csv"]
 
     # A rerun of a later stage with a changed param keeps the first value and records the new one.
-    tracking_run.log_stage("evaluate", {"batch_size": 32}, {"i2t_R@5": 0.5})
+    tracking_run.log_stage("evaluate", {"batch_size": 32}, FILES, {"i2t_R@5": 0.5})
     rerun = client.get_run(run.run_id).data
     assert rerun.params["evaluate.batch_size"] == "16"
     assert rerun.tags["rerun_param.evaluate.batch_size"] == "32"
@@ -105,7 +106,7 @@ def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> Non
 def test_server_going_away_mid_run_loses_nothing(workspace: Path, server: MlflowServer,
                                                  tmp_path_factory: pytest.TempPathFactory,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    run = tracking_run.PipelineRun.open("train", {"lr": 1e-3})
+    run = tracking_run.PipelineRun.open("train", {"lr": 1e-3}, FILES)
     train_like(run, 10)
     assert run.flush() and not run.pending  # sent while the server was up
 
@@ -117,26 +118,26 @@ def test_server_going_away_mid_run_loses_nothing(workspace: Path, server: Mlflow
     run.callback().on_train_end({"loss": 0.2})
     assert run.close() is False
     assert time.monotonic() - started < 60
-    assert journals() and settings.RUN_FILE.exists()
-    tracking_run.log_stage("evaluate", {"batch_size": 16}, {"i2t_R@5": 0.75})  # also journaled
+    assert journals() and FILES.run_file.exists()
+    tracking_run.log_stage("evaluate", {"batch_size": 16}, FILES, {"i2t_R@5": 0.75})  # journaled
     with pytest.raises(tracking_run.TrackingUnavailable, match="cannot reach the MLflow tracking"):
-        tracking_run.PipelineRun.resume().require_sent()
+        tracking_run.PipelineRun.resume(FILES).require_sent()
 
     # A second pipeline that starts while the server is down has no run id at all yet.
     other = tmp_path_factory.mktemp("offline-start")
     write_pipeline_state(other)
     (other / "params.yaml").write_text("register:\n  experiment: test-exp\n")
     monkeypatch.chdir(other)
-    offline = tracking_run.PipelineRun.open("train", {"lr": 2e-3})
+    offline = tracking_run.PipelineRun.open("train", {"lr": 2e-3}, FILES)
     train_like(offline, 5)
     assert offline.close() is False and offline.run_id is None
 
     server.start()
-    resumed = tracking_run.PipelineRun.resume()
+    resumed = tracking_run.PipelineRun.resume(FILES)
     resumed.require_sent()  # replays the journal, creating the run first
     assert resumed.run_id and not resumed.pending
     monkeypatch.chdir(workspace)
-    first = tracking_run.PipelineRun.resume()
+    first = tracking_run.PipelineRun.resume(FILES)
     first.require_sent()
     assert first.run_id == run.run_id
 
@@ -182,8 +183,8 @@ def prepare_workspace(root: Path, bundle: Path, eval_metrics: dict, model: str =
     shutil.copytree(bundle, root / "models" / "export")
     write_json(root / "metrics" / "eval.json", eval_metrics)
     with chdir(root):
-        tracking_run.PipelineRun.open("train", train_params or {"lr": 1e-3}).close()
-        tracking_run.log_stage("evaluate", {"batch_size": 16}, eval_metrics)
+        tracking_run.PipelineRun.open("train", train_params or {"lr": 1e-3}, FILES).close()
+        tracking_run.log_stage("evaluate", {"batch_size": 16}, FILES, eval_metrics)
     return root
 
 
@@ -349,7 +350,7 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     train_summary = read_json(ws / "metrics" / "train.json")
     assert record["run_id"] == info["run_id"]
     assert (record["version"], record["alias"]) == (1, "champion")
-    assert not list((ws / settings.JOURNAL_DIR).glob("*.json"))
+    assert not list((ws / FILES.journal_dir).glob("*.json"))
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
     client = settings.client()
@@ -374,9 +375,27 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     assert tags["lineage.tokenizer_md5"] == lineage.lock_hash(lock, "models/tokenizer.json")
     head = run(["git", "rev-parse", "HEAD"], ws).stdout.strip()
     assert tags["lineage.git_commit"] == head
+    assert tags["lineage.git_dirty"] == "false"  # a fresh repro of a clean commit (issue 12.9)
     assert [i.dataset.digest for i in data.inputs.dataset_inputs] == [
         tags["lineage.data_shards_md5"]]
     version = client.get_model_version_by_alias("clip-e2e", "champion")
     assert version.version == "1" and version.run_id == info["run_id"]
     assert float(version.tags["metric.i2t_R_at_5"]) == pytest.approx(evaluation["i2t_R@5"])
     assert train_summary  # train.json exists; its values are logged as train_* metrics
+    # The index stage ran after export; register logged it with the version's run, so the
+    # champion's model and its index come back from MLflow alone and belong together.
+    from clipms.index import ImageIndex, bundle_digest
+    from serving.source import RegistrySource
+
+    indexed = read_json(ws / "metrics" / "index.json")
+    assert indexed["rows"] > 0 and indexed["search"] == "exact"
+    logged = {a.path for a in client.list_artifacts(info["run_id"], "index")}
+    assert {"index/index.json", "index/embeddings.npy", "index/items.parquet"} <= logged
+    source = RegistrySource("models:/clip-e2e@champion", server.uri)
+    fetched = source.fetch(*source.current())
+    try:
+        index = ImageIndex.load(fetched.index_dir, bundle_digest(fetched.bundle_dir))
+        assert len(index) == indexed["rows"]
+        assert index.bundle_digest == bundle_digest(ws / "models" / "export")
+    finally:
+        fetched.cleanup()

@@ -9,7 +9,6 @@ seconds. Rows are removed in a fixed order; each is counted under the first reas
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import unicodedata
@@ -25,12 +24,20 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clipms.atomic import atomic_write
+from clipms.prep.identity import (
+    Identity,
+    IdentityError,
+    assign_splits,
+    image_identities,
+    stable_keys,
+)
 from clipms.prep.urlguard import SCHEME_PATTERN
 
 URL_COL = "URL"
 TEXT_COL = "TEXT"
 LABELS_COL = "LABELS"
 ID_COL = "ID"  # optional: an image id from the source (metadata.id_col), for identity "id"
+SPLIT_COL = "SPLIT"  # optional: train/val from a split file (metadata.karpathy_split)
 REASONS = (
     "missing_url", "disallowed_scheme", "empty_caption", "short_caption",
     "exact_duplicate", "duplicate_caption", "not_first_caption",
@@ -42,12 +49,6 @@ IMAGES_SCHEMA = pa.schema([  # the data/images.parquet contract, also when it is
 ])
 
 KeepMode = Literal["all", "first"]
-# What names an image, for its key and its split: "path" (default) the URL without scheme,
-# user-info, host, port, query and fragment, so a mirror or another port gives the same image the
-# same key and split; "url" the whole URL (images told apart by host or query only); "id" the
-# metadata's ID column.
-Identity = Literal["path", "url", "id"]
-_URL_PATH = r"^[A-Za-z][A-Za-z0-9+.\-]*:(?://[^/?#]*)?(?P<path>[^?#]*)"
 
 
 class MetadataError(ValueError):
@@ -113,50 +114,11 @@ def _to_series(values: pa.Array, index: pd.Index) -> pd.Series:
     return pd.Series(values.to_numpy(zero_copy_only=False), index=index, dtype=object)
 
 
-def image_identities(urls: pa.Array, identity: Identity, ids: pa.Array | None = None) -> pa.Array:
-    """Each image's identity (see `Identity`): `http://a:81/x/1.jpg?s=2#f` -> `/x/1.jpg` and
-    `file:data/synthetic/1.png` -> `data/synthetic/1.png` by path; `ids` is needed for "id"."""
-    if identity == "url":
-        return urls
-    if identity == "id":
-        if ids is None or ids.null_count:
-            raise MetadataError(f"dedupe.identity: id needs an {ID_COL!r} column with a value for "
-                                f"every image (set metadata.id_col to the source's image id "
-                                f"column), or use identity path or url")
-        return ids
-    if identity != "path":
-        raise ValueError(f"identity {identity!r} is not one of path, url, id")
-    return pc.fill_null(pc.struct_field(pc.extract_regex(urls, _URL_PATH), [0]), "")
-
-
 def scheme_array(urls: pa.Array | pa.ChunkedArray) -> pa.Array:
     """Lower-cased URL scheme of each URL ('' when there is none, e.g. ' file://' or '/etc/x'),
     by the download's one scheme rule (`urlguard.SCHEME_PATTERN`), vectorised in Arrow."""
     found = pc.extract_regex(urls, SCHEME_PATTERN)
     return pc.fill_null(pc.utf8_lower(pc.struct_field(found, [0])), "")
-
-
-def stable_keys(identities: Iterable[str]) -> list[str]:
-    """16 hex chars of blake2b(identity): the same image gets the same key on every run, machine
-    and mirror."""
-    return [hashlib.blake2b(u.encode(), digest_size=8).hexdigest() for u in identities]
-
-
-def assign_splits(identities: Iterable[str], val_fraction: float, salt: str) -> list[str]:
-    """'val' when a salted hash of the identity falls in the lowest `val_fraction` of its range.
-
-    Splitting by a hash of the image's identity (not by row order or an RNG) keeps every image in
-    the same split whatever else is added to or removed from the metadata, and wherever it is
-    served from.
-    """
-    threshold = int(val_fraction * 2**64)
-    salt_bytes = salt.encode() + b"\0"
-    return [
-        "val" if int.from_bytes(
-            hashlib.blake2b(salt_bytes + u.encode(), digest_size=8).digest(), "big") < threshold
-        else "train"
-        for u in identities
-    ]
 
 
 def read_metadata(path: Path | str) -> pa.Table:
@@ -213,8 +175,11 @@ def dedupe(
     rows = np.flatnonzero(rules.keep)
     images = _group_by_image(urls.take(rows), captions.take(rows))
     images["labels"] = _first_by_url(images["url"], urls, _labels(metadata))
-    images, same = _by_identity(images, identity, _first_by_url(images["url"], urls, _ids(
-        metadata)) if identity == "id" else None, val_fraction, split_salt)
+    given = _given_splits(images["url"], urls, metadata)
+    images, same = _by_identity(images, identity, _first_by_url(images["url"], urls, _optional(
+        metadata, ID_COL)) if identity == "id" else None, val_fraction, split_salt, given)
+    if given is not None:
+        tick("split from the metadata's SPLIT column (a split file), not by hash")
     if same:
         log(f"dedupe: warning: {same:,} images share their identity (dedupe.identity: "
             f"{identity}) with an earlier image and were dropped as copies; if distinct images "
@@ -225,16 +190,22 @@ def dedupe(
 
 
 def _by_identity(images: pd.DataFrame, identity: Identity, ids: np.ndarray | None,
-                 val_fraction: float, salt: str) -> tuple[pd.DataFrame, int]:
-    """Keys and splits from each image's identity; a later image whose identity was already seen
-    (the same image from another host, with identity path) is dropped. -> (images, dropped)."""
+                 val_fraction: float, salt: str,
+                 given: np.ndarray | None = None) -> tuple[pd.DataFrame, int]:
+    """Keys and splits from each image's identity (the split: `given` per image, when a split
+    file decided it); a later image whose identity was already seen (the same image from another
+    host, with identity path) is dropped. -> (images, dropped)."""
     id_array = None if ids is None else pa.array(ids, type=pa.string(), from_pandas=True)
-    names = image_identities(pa.array(images["url"], type=pa.string()), identity, id_array)
+    try:
+        names = image_identities(pa.array(images["url"], type=pa.string()), identity, id_array)
+    except IdentityError as err:
+        raise MetadataError(str(err)) from err
     names = pd.Series(names.to_numpy(zero_copy_only=False), dtype=object)
     first = ~names.duplicated().to_numpy()
     images, names = images[first].reset_index(drop=True), names[first]
     images["key"] = stable_keys(names)
-    images["split"] = assign_splits(names, val_fraction, salt)
+    images["split"] = (assign_splits(names, val_fraction, salt) if given is None
+                       else given[first])
     return images[IMAGE_COLUMNS], int((~first).sum())
 
 
@@ -298,9 +269,23 @@ def _first_by_url(image_urls: pd.Series, urls: pa.Array, values: pa.Array | None
     return _np(firsts["value_first"].take(where)).astype(object)
 
 
-def _ids(metadata: pd.DataFrame | pa.Table) -> pa.Array | None:
+def _optional(metadata: pd.DataFrame | pa.Table, name: str) -> pa.Array | None:
     names = metadata.column_names if isinstance(metadata, pa.Table) else metadata.columns
-    return _column(metadata, ID_COL) if ID_COL in names else None
+    return _column(metadata, name) if name in names else None
+
+
+def _given_splits(image_urls: pd.Series, urls: pa.Array,
+                  metadata: pd.DataFrame | pa.Table) -> np.ndarray | None:
+    """Each image's split from the SPLIT column, or None when the column is absent or empty."""
+    column = _optional(metadata, SPLIT_COL)
+    if column is None or column.null_count == len(column):
+        return None
+    given = _first_by_url(image_urls, urls, column)
+    bad = sorted({str(v) for v in given if v not in ("train", "val")})
+    if bad:
+        raise MetadataError(f"{SPLIT_COL} column: every image needs 'train' or 'val', found "
+                            f"{bad[:5]}")
+    return given
 
 
 def _column(metadata: pd.DataFrame | pa.Table, name: str) -> pa.Array:

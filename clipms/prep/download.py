@@ -188,7 +188,11 @@ def download_images(
 ) -> dict[str, Any]:
     """images.parquet -> img2dataset webdataset in `output` (a path or an fsspec URL); returns the
     metrics dict."""
-    images_file, output = Path(images_file), str(output)
+    images_file = Path(images_file)
+    # Absolute for a local folder: img2dataset 1.47 means to do it (make_path_absolute) but compares
+    # fsspec's protocol with "file", which is now a tuple, so a Ray worker whose working directory
+    # differs from ours looked for its shards elsewhere.
+    output = str(output) if "://" in str(output) else str(Path(output).resolve())
     started = time.perf_counter()
     allowed, refused = filter_urls(_read_images(images_file), policy)
     if sum(refused.values()):

@@ -72,7 +72,8 @@ def _spark(engine: EngineSettings) -> Iterator[None]:
     builder = (SparkSession.builder.master(master).appName("clipms-download")
                .config("spark.ui.enabled", "false")
                .config("spark.driver.memory", "1g"))
-    if master.startswith("local"):
+    if master.startswith("local"):  # listen on loopback only
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = (builder.config("spark.driver.host", "127.0.0.1")
                    .config("spark.driver.bindAddress", "127.0.0.1"))
     if engine.executors:
@@ -102,6 +103,9 @@ def _ray(engine: EngineSettings) -> Iterator[None]:
         import ray
     except ModuleNotFoundError as err:
         raise _missing("ray") from err
+    # Ray 2.52 warns at every init that a future default about GPU visibility will change; this
+    # pipeline asks for no GPU, so take the future behaviour now (and no warning).
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     if engine.ray_address:
         ray.init(address=engine.ray_address, log_to_driver=False)
     else:

@@ -27,14 +27,17 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clipms.atomic import atomic_write
-from clipms.prep import synthetic
+from clipms.prep import karpathy, synthetic
 from clipms.prep.urlguard import FetchPolicy, RefusedURL, build_opener, check_url
+from clipms.redact import redact_text, redact_url
 
 MSCOCO_URL = ("https://huggingface.co/datasets/ChristophSchuhmann/MS_COCO_2017_URL_TEXT/resolve/"
               "main/mscoco.parquet")
 SOURCES = ("synthetic", "mscoco", "local")
+# SPLIT: train/val from a split file (metadata.karpathy_split), null otherwise (dedupe then
+# splits by a hash of each image's identity).
 SCHEMA = pa.schema([("URL", pa.string()), ("TEXT", pa.string()), ("LABELS", pa.string()),
-                    ("ID", pa.string())])
+                    ("ID", pa.string()), ("SPLIT", pa.string())])
 _CHUNK = 1 << 20
 
 
@@ -58,6 +61,7 @@ class MetadataSpec:
     url_col: str = "URL"
     caption_col: str = "TEXT"
     id_col: str | None = None  # a source column naming each image (for dedupe.identity: id)
+    karpathy_split: str | None = None  # mscoco/local: dataset_coco.json (path or http(s) URL)
 
 
 @dataclass(frozen=True)
@@ -71,13 +75,15 @@ class MetadataSummary:
     labelled_rows: int
     seconds: float
     out_path: str
+    split_note: str = ""  # what a split file decided
 
     def paragraph(self) -> str:
         return (f"metadata: {self.rows} caption rows for {self.images} images from source "
                 f"'{self.source}' written to {self.out_path} in {self.seconds:.1f} s; "
                 f"{self.exact_duplicates} rows are exact duplicates and {self.near_duplicates} "
                 f"near-duplicates (case/spacing/punctuation) of another caption of the same image, "
-                f"left for the dedupe stage; {self.labelled_rows} rows carry LABELS.")
+                f"left for the dedupe stage; {self.labelled_rows} rows carry LABELS."
+                + (f" {self.split_note}" if self.split_note else ""))
 
 
 def build_metadata(spec: MetadataSpec, out_path: Path | str, synthetic_dir: Path | str,
@@ -105,8 +111,39 @@ def build_metadata(spec: MetadataSpec, out_path: Path | str, synthetic_dir: Path
         _reset_dir(synthetic_dir)
     else:
         raise MetadataError(f"metadata.source = {spec.source!r}: expected one of {SOURCES}")
+    note = ""
+    if spec.karpathy_split:
+        table, note = karpathy_table(table, spec, out_path.parent, policy, backoff_seconds)
     write_table(table, out_path)
-    return summarise(table, spec.source, out_path, time.monotonic() - start)
+    return replace(summarise(table, spec.source, out_path, time.monotonic() - start),
+                   split_note=note)
+
+
+def karpathy_table(table: pa.Table, spec: MetadataSpec, work_dir: Path, policy: FetchPolicy,
+                   backoff_seconds: float) -> tuple[pa.Table, str]:
+    """SPLIT from Karpathy's dataset_coco.json (`clipms.prep.karpathy`): its test images `val`."""
+    if spec.source == "synthetic":
+        raise MetadataError("metadata.karpathy_split applies to COCO URLs (source mscoco or "
+                            "local), not to the synthetic source")
+    source = spec.karpathy_split
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix=".metadata-download-") as scratch:
+        if source.startswith(("http://", "https://")):
+            path = Path(scratch) / "dataset_coco.json"
+            download(source, path, policy=policy, timeout=spec.timeout, retries=spec.retries,
+                     backoff_seconds=backoff_seconds)
+        else:
+            path = Path(source)
+        try:
+            test = karpathy.test_ids(path)
+        except ValueError as err:
+            raise MetadataError(f"metadata.karpathy_split: {err}") from err
+    column, found = karpathy.splits(table["URL"], test)
+    note = (f"Split from {source}: {found} of its {len(test)} test images are in the metadata "
+            f"and form the val split; every other image is train.")
+    if found < len(test):
+        print(f"metadata: warning: only {found} of the {len(test)} Karpathy test images are in "
+              f"the metadata (matched by the COCO image id in each URL's file name)", flush=True)
+    return table.set_column(SCHEMA.get_field_index("SPLIT"), "SPLIT", column), note
 
 
 def _reset_dir(path: Path) -> None:
@@ -129,8 +166,9 @@ def synthetic_table(spec: MetadataSpec, image_dir: Path) -> pa.Table:
             urls.append(url)
             texts.append(caption)
             labels.append(record.labels_json)
-    return pa.table({"URL": urls, "TEXT": texts, "LABELS": labels,
-                     "ID": pa.nulls(len(urls), pa.string())}, schema=SCHEMA)
+    nulls = pa.nulls(len(urls), pa.string())
+    return pa.table({"URL": urls, "TEXT": texts, "LABELS": labels, "ID": nulls, "SPLIT": nulls},
+                    schema=SCHEMA)
 
 
 def file_url(path: Path) -> str:
@@ -164,7 +202,7 @@ def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, c
         tmp = Path(scratch) / "download.parquet"
         download(url, tmp, policy=policy, timeout=spec.timeout, retries=spec.retries,
                  sha256=spec.sha256, backoff_seconds=backoff_seconds)
-        return read_captions(tmp, url_col, caption_col, spec.id_col, shown_name=url)
+        return read_captions(tmp, url_col, caption_col, spec.id_col, shown_name=redact_url(url))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,7 +218,8 @@ def download(url: str, dest: Path, *, policy: FetchPolicy, timeout: float, retri
     mismatch fail at once, since retrying cannot fix them.
     """
     last_error: Exception | None = None
-    print(f"metadata: downloading {url}", flush=True)
+    shown = redact_url(url)  # printed and raised: no credentials, signature or token
+    print(f"metadata: downloading {shown}", flush=True)
     opener = build_opener(replace(policy, max_bytes=None))  # streamed to disk, not to memory
     for attempt in range(retries + 1):
         if attempt:
@@ -190,25 +229,25 @@ def download(url: str, dest: Path, *, policy: FetchPolicy, timeout: float, retri
             digest = _download_once(opener, url, dest, timeout)
         except urllib.error.HTTPError as err:
             if err.code < 500 and err.code != 429:
-                raise MetadataError(f"downloading {url}: HTTP {err.code} {err.reason}") from err
+                raise MetadataError(f"downloading {shown}: HTTP {err.code} {err.reason}") from err
             last_error = err
         except (RefusedURL, urllib.error.URLError) as err:
             refused = err if isinstance(err, RefusedURL) else err.reason
             if isinstance(refused, RefusedURL) and refused.reason != "unresolvable_host":
-                raise MetadataError(f"downloading {url}: {refused}") from err
+                raise MetadataError(f"downloading {shown}: {redact_text(str(refused))}") from err
             last_error = err  # DNS may come back: retried like a connection error
         except (OSError, http.client.HTTPException) as err:  # refused, DNS, timeout, cut short
             last_error = err
         else:
             if sha256 and digest != sha256.lower():
                 dest.unlink(missing_ok=True)
-                raise MetadataError(f"checksum mismatch for {url}: sha256 is {digest}, "
+                raise MetadataError(f"checksum mismatch for {shown}: sha256 is {digest}, "
                                     f"metadata.sha256 expects {sha256.lower()}")
             return digest
-        print(f"metadata: download attempt {attempt + 1}/{retries + 1} of {url} failed: "
+        print(f"metadata: download attempt {attempt + 1}/{retries + 1} of {shown} failed: "
               f"{_reason(last_error)}", flush=True)
     raise MetadataError(
-        f"could not download {url} after {retries + 1} attempts (last error: "
+        f"could not download {shown} after {retries + 1} attempts (last error: "
         f"{_reason(last_error)}). Offline or unreachable? Use metadata.source: synthetic, or fetch "
         f"the file elsewhere and set metadata.source: local with metadata.path.")
 
@@ -235,8 +274,8 @@ def _reason(err: Exception | None) -> str:
     if isinstance(err, urllib.error.HTTPError):
         return f"HTTP {err.code} {err.reason}"
     if isinstance(err, urllib.error.URLError):
-        return str(err.reason)
-    return repr(err)
+        return redact_text(str(err.reason))
+    return redact_text(repr(err))
 
 
 def verify_sha256(path: Path, expected: str) -> None:

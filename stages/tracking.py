@@ -1,0 +1,10 @@
+"""The files the tracking layer (`registry.run`) reads and keeps, named by `stages.paths`: what the
+stages that log to MLflow (train, evaluate, export, register) hand to it."""
+
+from __future__ import annotations
+
+from registry.settings import TrackingFiles
+from stages import paths
+
+FILES = TrackingFiles(params=paths.PARAMS, run_file=paths.MLFLOW_RUN,
+                      journal_dir=paths.MLFLOW_JOURNAL, lock=paths.LOCK, manifest=paths.MANIFEST)

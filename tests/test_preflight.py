@@ -1,0 +1,138 @@
+"""`python -m clipms.preflight` on this machine (no Ascend device: it must say so and fail), its
+plan checks against a real manifest, and the Ascend parameter sets in profiles/ validated by the
+stages' own schemas."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from clipms import preflight
+from clipms.params import read_params, validate_section
+from tests.workspace import PROJECT_ROOT, run, tool_env
+
+PROFILES = sorted((PROJECT_ROOT / "profiles").glob("*.yaml"))
+
+
+def _cli(*args: str, cwd: Path = PROJECT_ROOT):
+    env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT)}
+    return run(["python", "-m", "clipms.preflight", "--json", *args], cwd=cwd, check=False,
+               env=env, timeout=300)
+
+
+def _schemas() -> dict[str, type]:
+    from clipms.runtime import RuntimeConfig
+    from stages.evaluate import EvaluateParams
+    from stages.metadata import MetadataParams
+    from stages.tokenizer import TokenizerParams
+    from stages.train import TrainParams
+
+    return {"train": TrainParams, "tokenizer": TokenizerParams, "metadata": MetadataParams,
+            "evaluate": EvaluateParams, "runtime": RuntimeConfig}
+
+
+def test_the_plan_defaults_are_the_train_stages_own():
+    schema, runtime = _schemas()["train"](), _schemas()["runtime"]()
+    plan = preflight.RunPlan()
+    for field in dataclasses.fields(preflight.RunPlan):
+        for section in (schema, runtime):
+            if field.name in type(section).model_fields:
+                assert getattr(plan, field.name) == getattr(section, field.name), field.name
+    dist = schema.distributed
+    assert (plan.ranks, plan.nodes, plan.node_rank, plan.master_addr, plan.master_port) == (
+        dist.workers, dist.nodes, dist.node_rank, dist.master_addr, dist.master_port)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_parameter_count_is_the_models(preset):
+    from clipms.model import CLIP
+
+    cfg = preflight.model_config({"train": {"preset": preset},
+                                  "tokenizer": {"kind": "bpe", "vocab_size": 600}})
+    real = sum(int(p.size) for p in CLIP(cfg).get_parameters())
+    assert preflight.parameter_count(cfg) == real
+
+
+@pytest.mark.parametrize("profile", PROFILES, ids=lambda p: p.stem)
+def test_each_ascend_profile_is_valid_params_and_a_sensible_schedule(profile):
+    overrides = yaml.safe_load(profile.read_text())
+    params = preflight.apply_overrides(read_params(PROJECT_ROOT / "params.yaml"), overrides)
+    sections = {key.split(".")[0] for key in overrides}
+    for name in sections:
+        validate_section(name, _schemas()[name], params[name])  # raises on a bad key or value
+    plan = preflight.RunPlan.from_params(params)
+    assert plan.device_target == "Ascend" and plan.precision == "amp"
+    assert plan.preset == "ViT-B-32" and plan.image_size == 224
+    checks = preflight.check_schedule(plan, None, "no manifest", 0.1)
+    assert all(c.status != preflight.FAIL for c in checks), checks
+    steps = int(checks[-1].detail.split(" of ")[1].split()[0])
+    assert plan.warmup_steps / steps < 0.1  # warmup is a small part of the run
+    assert f"-S 'train.batch_size={plan.batch_size}'" in preflight.dvc_command(overrides)
+
+
+@pytest.mark.skipif(bool(preflight.ascend_devices()), reason="this host has Ascend devices")
+def test_on_this_machine_an_ascend_profile_fails_and_says_no_device_is_present():
+    proc = _cli("--profile", str(PROJECT_ROOT / "profiles" / "vit-b-32-8npu.yaml"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["devices"]["status"] == "FAIL"
+    assert "no Ascend device is present on this host" in checks["devices"]["detail"]
+    assert checks["mindspore.run_check"]["status"] == "ok"  # MindSpore itself runs (on CPU)
+    plan = report["plan"]
+    assert (plan["device"], plan["ranks"], plan["global_batch"]) == ("Ascend", 8, 2048)
+    assert (plan["jit_level"], plan["kernel_fusion"]) == ("O1", False)  # clipms.runtime's Ascend
+    assert "MS_COMPILER_CACHE_ENABLE" in checks["runtime"]["detail"]
+    assert plan["parameters"] == 151_277_313  # open_clip's ViT-B-32
+    assert report["command"].startswith("dvc exp run -S 'metadata.source=mscoco'")
+
+
+def test_the_default_cpu_run_passes_and_the_plan_is_checked_against_the_manifest(tmp_path):
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"splits": {"train": {"samples": 1500, "shards": []}}}))
+    ok = _cli("--manifest", str(manifest), "--checkpoints", str(tmp_path / "ckpt"))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    report = json.loads(ok.stdout.strip().splitlines()[-1])
+    checks = {c["name"]: c for c in report["checks"]}
+    assert "23 steps an epoch of 1500" in checks["global batch"]["detail"]  # 1500 // 64
+    assert report["command"] == "dvc repro" and report["plan"]["device"] == "CPU"
+
+    too_big = _cli("--manifest", str(manifest), "-S", "train.batch_size=1024",
+                   "-S", "train.distributed.workers=2")
+    assert too_big.returncode == 1
+    detail = {c["name"]: c for c in json.loads(too_big.stdout.splitlines()[-1])["checks"]}
+    assert "cannot fill one global batch of 2048" in detail["global batch"]["detail"]
+
+    bad_runtime = _cli("--manifest", str(manifest), "-S", "runtime.jit_level=O3")
+    assert bad_runtime.returncode == 1
+    detail = {c["name"]: c for c in json.loads(bad_runtime.stdout.splitlines()[-1])["checks"]}
+    assert detail["runtime"]["status"] == "FAIL" and "jit_level" in detail["runtime"]["detail"]
+
+    never_warm = _cli("--manifest", str(manifest), "-S", "train.epochs=1",
+                      "-S", "train.warmup_steps=23")
+    assert never_warm.returncode == 1
+    detail = {c["name"]: c for c in json.loads(never_warm.stdout.splitlines()[-1])["checks"]}
+    assert "never leaves warmup" in detail["warmup"]["detail"]
+
+
+def test_a_cluster_whose_master_is_loopback_is_refused():
+    plan = preflight.RunPlan(ranks=16, nodes=2, master_port=8118, device_target="Ascend")
+    checks = {c.name: c for c in preflight.check_launcher(plan)}
+    assert checks["master_addr"].status == preflight.FAIL
+    assert "loopback" in checks["master_addr"].detail
+    remote = dataclasses.replace(plan, master_addr="192.0.2.10")  # a documentation address
+    checks = {c.name: c for c in preflight.check_launcher(remote)}
+    assert checks["master_addr"].status == preflight.OK
+    assert checks["hccl"].status in (preflight.OK, preflight.WARN)
+
+
+def test_shared_memory_estimate_follows_mindsporess_formula():
+    plan = preflight.RunPlan(ranks=8)
+    row = 3 * 224 * 224 * 4
+    check = preflight.check_shared_memory(plan, workers=16, row_bytes=row)
+    # MindSpore: ranks (<= 8) x workers x (max(2, min(16, 16*4 // workers)) + 2) x row size
+    assert f"~{8 * 16 * (4 + 2) * row / 2**20:,.0f} MB" in check.detail

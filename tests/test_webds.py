@@ -1,0 +1,96 @@
+"""clipms.webds, the one owner of the shard format: the key rule, the key format, reading and
+writing samples, the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+
+import pytest
+import webdataset as wds
+
+from clipms import webds
+
+
+@pytest.mark.parametrize(("name", "parts"), [
+    ("000001.jpg", ("000001", "jpg")), ("a/b.c.JPG", ("a/b", "c.jpg")),
+    ("x.seg.png", ("x", "seg.png")), ("dir.d/k.txt", ("dir.d/k", "txt")),
+    ("noext", None), (".hidden", None), ("a/", None),
+])
+def test_the_key_rule_is_webdatasets(name, parts):
+    assert webds.split_name(name) == parts
+
+
+def test_the_key_rule_matches_webdataset_itself(tmp_path):
+    """webdataset's own reader groups these members under the same keys as ours."""
+    path = tmp_path / "x.tar"
+    with tarfile.open(path, "w") as tar:
+        for name in ("k1.jpg", "k1.json", "k2.seg.png", "k2.txt"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+    theirs = [sorted(k for k in s if not k.startswith("__")) for s in
+              wds.WebDataset(str(path), shardshuffle=False)]
+    ours = [sorted(s.files) for s in webds.read_tar(path)]
+    assert ours == theirs == [["jpg", "json"], ["seg.png", "txt"]]
+
+
+@pytest.mark.parametrize(("key", "valid"), [
+    ("0123abcdef012345", True), ("a_b-C9", True), ("x" * 128, True),
+    ("", False), ("x" * 129, False), ("a/b", False), ("../etc", False), ("a.b", False),
+    ("a b", False), ("k\\x", False), (None, False), (7, False),
+])
+def test_the_key_format(key, valid):
+    assert webds.is_valid_key(key) is valid
+
+
+@pytest.mark.parametrize("key", ["../../evil", "a/b", "a.b", ""])
+def test_the_writer_never_names_a_path(tmp_path, key):
+    with pytest.raises(webds.DataError, match="not in the shard key format"):
+        webds.write_tar(tmp_path / "x.tar", [(key, {"jpg": b"x"})])
+    with pytest.raises(webds.DataError, match="extension"):
+        webds.write_tar(tmp_path / "x.tar", [("ok", {"../jpg": b"x"})])
+    assert not (tmp_path / "x.tar").exists()  # nothing half-written (atomic)
+
+
+def test_split_manifest_round_trip(tmp_path):
+    samples = [(f"{i:04d}", {"jpg": bytes([i]) * 10, "json": b"{}", "txt": b"c"}) for i in range(5)]
+    entry = webds.write_split(tmp_path, "val", iter(samples), samples_per_shard=2)
+    assert [s["name"] for s in entry["shards"]] == ["val/000000.tar", "val/000001.tar",
+                                                   "val/000002.tar"]
+    assert [s["samples"] for s in entry["shards"]] == [2, 2, 1] and entry["samples"] == 5
+    for shard in entry["shards"]:
+        data = (tmp_path / shard["name"]).read_bytes()
+        assert shard["sha256"] == hashlib.sha256(data).hexdigest() and shard["bytes"] == len(data)
+    webds.write_manifest(tmp_path, 2, {"val": entry})
+    manifest = webds.read_manifest(tmp_path)
+    assert webds.split_entry(manifest, "val", "m") == entry
+    read = [(s.key, s.files) for shard in entry["shards"]
+            for s in webds.read_tar(tmp_path / shard["name"])]
+    assert read == samples
+    index = webds.index_tar(tmp_path / "val/000001.tar")
+    with open(tmp_path / "val/000001.tar", "rb") as handle:
+        assert webds.read_span(handle, index["0003"]["jpg"]) == bytes([3]) * 10
+    again = webds.write_split(tmp_path / "again", "val", samples, samples_per_shard=2)
+    assert [s["sha256"] for s in again["shards"]] == [s["sha256"] for s in entry["shards"]]
+
+
+def test_truncated_tars_and_bad_manifests_are_named(tmp_path):
+    webds.write_tar(tmp_path / "a.tar", [("k", {"jpg": b"x" * 3000})])
+    data = (tmp_path / "a.tar").read_bytes()
+    (tmp_path / "cut.tar").write_bytes(data[:1024])          # inside the member
+    (tmp_path / "short.tar").write_bytes(data[:512 + 3072])  # cut between members: no end blocks
+    with pytest.raises(webds.DataError, match="cut short|truncated"):
+        webds.read_tar(tmp_path / "cut.tar")
+    with pytest.raises(webds.DataError, match="no end-of-archive marker"):
+        webds.check_complete(tmp_path / "short.tar")
+    webds.check_complete(tmp_path / "a.tar")
+    with pytest.raises(webds.DataError, match="manifest not found"):
+        webds.read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text("{")
+    with pytest.raises(webds.DataError, match="not valid JSON"):
+        webds.read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text('{"splits": {"train": {"shards": []}}}')
+    with pytest.raises(webds.DataError, match="no split 'val'"):
+        webds.split_entry(webds.read_manifest(tmp_path), "val", "manifest")
