@@ -2,8 +2,8 @@
 
 Runs in a separate virtualenv with torch + open_clip_torch (not project dependencies):
 
-    python3.11 -m venv /work/peer-venv
-    /work/peer-venv/bin/pip install torch==2.14.1 torchvision==0.29.1 open_clip_torch==3.3.0 \
+    python3.11 -m venv PEER_VENV
+    PEER_VENV/bin/pip install torch==2.14.1 torchvision==0.29.1 open_clip_torch==3.3.0 \
         numpy==1.26.4 pillow==11.1.0 tokenizers==0.21.1
 
 The model is `open_clip.model.CLIP` built from clipms's preset (`CLIPConfig.to_openclip()`) with

@@ -9,7 +9,7 @@
     #    benchmarks/openclip_fit.py); each appends a JSON line to WORK/results.jsonl
     python benchmarks/quality_vs_openclip.py run --work /tmp/qb --side ours --seed 0
     python benchmarks/quality_vs_openclip.py run --work /tmp/qb --side openclip --seed 0 \\
-        --peer-python /work/peer-venv/bin/python
+        --peer-python PEER_VENV/bin/python
     # 3. the table (mean and per seed; ratios ours / open_clip)
     python benchmarks/quality_vs_openclip.py table --work /tmp/qb
 
@@ -72,7 +72,8 @@ def _parse() -> argparse.Namespace:
     run.add_argument("--wd", type=float, default=0.2)
     run.add_argument("--wd-rule", choices=("openclip", "embeddings"), default="openclip")
     run.add_argument("--grad-clip-norm", type=float, default=1.0)
-    run.add_argument("--peer-python", default="/work/peer-venv/bin/python")
+    run.add_argument("--peer-python", help="--side openclip: the python of a venv with "
+                     "torch + open_clip_torch (see benchmarks/openclip_fit.py)")
     table = sub.add_parser("table", help="markdown table of WORK/results.jsonl")
     table.add_argument("--work", required=True, type=Path)
     return parser.parse_args()
@@ -147,17 +148,10 @@ def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     from clipms.trainer import ShardBatches, TrainConfig, train
 
     cfg, tokenizer = model_config(args)
-    extra = {}
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    if "decay_rule" in fields:
-        extra["decay_rule"] = args.wd_rule
-    elif args.wd_rule != "embeddings":
-        raise SystemExit("this clipms has only the exclude-all-embeddings decay rule: "
-                         "--wd-rule embeddings")
     config = TrainConfig(model=cfg, batch_size=args.batch_size, max_steps=args.steps,
                          lr=args.lr, warmup_steps=args.warmup, weight_decay=args.wd,
                          grad_clip_norm=args.grad_clip_norm or None, seed=args.seed,
-                         log_every=20, **extra)
+                         decay_embeddings=args.wd_rule == "openclip", log_every=20)
     preprocess = PreprocessConfig(image_size=cfg.vision.image_size)
     shards = args.work / "data/shards"
     source = ShardBatches(shards, tokenizer, preprocess, args.batch_size, seed=args.seed)
@@ -174,6 +168,8 @@ def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
 def train_peer(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     import numpy as np
 
+    if not args.peer_python:
+        raise SystemExit("--side openclip needs --peer-python (a venv with open_clip_torch)")
     cfg, _ = model_config(args)
     run_dir = args.work / "runs"
     run_dir.mkdir(exist_ok=True)
