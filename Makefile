@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	# distributed: pyspark + a JDK + ray, so the distributor tests run in `make test` (CI);
 	# serve: the search service's dependencies (serving/, its tests)
-	$(VENV)/bin/python -m pip install -q -e '.[dev,distributed,serve]'
+	# postgres: a PostgreSQL server + driver, so the MLflow-on-PostgreSQL tests run in CI
+	$(VENV)/bin/python -m pip install -q -e '.[dev,distributed,serve,postgres]'
 	# img2dataset drags in the `dataclasses` backport, which shadows the standard module and breaks
 	# Prefect's server on Python 3.11; remove it (pip check then names it, harmlessly).
 	$(VENV)/bin/python -m pip uninstall -y -q dataclasses
