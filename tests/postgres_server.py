@@ -2,9 +2,12 @@
 
 `PostgresServer().start()` runs `initdb` in a fresh temporary folder, starts `postgres` listening on
 127.0.0.1 only (a free port; its Unix socket in the same folder, not /var/run), waits (bounded)
-until it accepts connections and creates the database; `.stop()` always ends it (SIGINT = "fast
-shutdown", then SIGKILL) and `.remove()` deletes the folder. `restart()` lets a test take the
-database away and back. Only pgserver's binaries are used, not its `get_server()`, which listens on a
+until it accepts connections and creates the database. TCP clients must give the password
+(scram-sha-256), as on a production server; the password is never in a URL or a command line:
+clients read it from a libpq password file (`PGPASSFILE`, `client_env()`), which psycopg (libpq)
+and psql read by themselves; `.stop()` always ends it (SIGINT = "fast shutdown", then SIGKILL) and
+`.remove()` deletes the folder. `restart()` lets a test take the database away and back. Only
+pgserver's binaries are used, not its `get_server()`, which listens on a
 Unix socket only and, as root, adds a system user and widens permissions up the path.
 
 PostgreSQL refuses to run as root. When the tests run as root (as CI does here), initdb and postgres
@@ -17,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import subprocess
@@ -41,7 +45,7 @@ def bin_dir() -> Path:
 
 
 class PostgresServer:
-    """One `postgres` process with its data folder, on 127.0.0.1:`port`, trust auth (tests only)."""
+    """One `postgres` process with its data folder, on 127.0.0.1:`port`, password auth over TCP."""
 
     def __init__(self, database: str = "mlflow", port: int | None = None) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="clipms-postgres-"))
@@ -50,6 +54,10 @@ class PostgresServer:
         self.database = database
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.password = secrets.token_urlsafe(18)
+        self.passfile = self.root / "client.pgpass"  # the clients' (root's) copy, mode 0600
+        self.passfile.write_text(f"127.0.0.1:{self.port}:*:postgres:{self.password}\n")
+        self.passfile.chmod(0o600)  # libpq ignores a password file others can read
         self._run_as: dict[str, object] = {}
         if os.geteuid() == 0:
             user = pwd.getpwnam(UNPRIVILEGED_USER)
@@ -57,8 +65,18 @@ class PostgresServer:
             self._run_as = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
 
     def url(self, driver: str = "postgresql") -> str:
-        """The SQLAlchemy URL of the database (SQLAlchemy 2.1 reads `postgresql://` with psycopg 3)."""
+        """The SQLAlchemy URL of the database (SQLAlchemy 2.1 reads `postgresql://` with psycopg 3),
+        without the password (`client_env()` supplies it)."""
         return f"{driver}://postgres@127.0.0.1:{self.port}/{self.database}"
+
+    def client_env(self) -> dict[str, str]:
+        """What a client process needs to log in: the password file, no password itself."""
+        return {"PGPASSFILE": str(self.passfile)}
+
+    def _owner(self) -> tuple[int, int]:
+        if not self._run_as:
+            return os.getuid(), os.getgid()
+        return int(self._run_as["user"]), int(self._run_as["group"])  # type: ignore[call-overload]
 
     def _tool(self, name: str, *args: str, timeout: float = 120) -> str:
         proc = subprocess.run([str(bin_dir() / name), *args], capture_output=True, text=True,
@@ -70,8 +88,18 @@ class PostgresServer:
 
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> PostgresServer:
         if not (self.data / "PG_VERSION").exists():
-            self._tool("initdb", "-D", str(self.data), "--auth=trust", "-U", "postgres",
-                       "--encoding=UTF8", "--no-sync")
+            # The superuser's password, for initdb only (a file postgres' user can read, removed).
+            pwfile = self.root / "initdb.pw"
+            pwfile.write_text(self.password + "\n")
+            shutil.chown(pwfile, *self._owner())
+            try:
+                # TCP (every client here) needs the password; the Unix socket in our private
+                # folder stays trust, as initdb's default.
+                self._tool("initdb", "-D", str(self.data), "-U", "postgres", "--encoding=UTF8",
+                           "--no-sync", "--auth-local=trust", "--auth-host=scram-sha-256",
+                           f"--pwfile={pwfile}")
+            finally:
+                pwfile.unlink(missing_ok=True)
         # -h: TCP on loopback only; -k: the Unix socket in our own folder. fsync off: the data is
         # thrown away, and the machine is shared (a stop is still a clean shutdown).
         cmd = [str(bin_dir() / "postgres"), "-D", str(self.data), "-h", "127.0.0.1",
@@ -95,7 +123,8 @@ class PostgresServer:
                 raise RuntimeError(f"postgres exited {self.proc.returncode}:\n{self.tail()}")
             ready = subprocess.run([str(bin_dir() / "pg_isready"), "-h", "127.0.0.1", "-p",
                                     str(self.port), "-U", "postgres", "-t", "2"],
-                                   capture_output=True, timeout=30)
+                                   capture_output=True, timeout=30,
+                                   env={**os.environ, **self.client_env()})
             if ready.returncode == 0:
                 return
             time.sleep(0.3)
@@ -111,8 +140,8 @@ class PostgresServer:
         """Run `query` with psql; its rows as `a|b` lines (no header)."""
         proc = subprocess.run(
             [str(bin_dir() / "psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
-             "-d", database or self.database, "-tA", "-v", "ON_ERROR_STOP=1", "-c", query],
-            capture_output=True, text=True, timeout=60)
+             "-d", database or self.database, "-tA", "-v", "ON_ERROR_STOP=1", "-w", "-c", query],
+            capture_output=True, text=True, timeout=60, env={**os.environ, **self.client_env()})
         if proc.returncode != 0:
             raise RuntimeError(f"psql {query!r} exited {proc.returncode}: {proc.stderr}")
         return proc.stdout
@@ -152,6 +181,9 @@ class MlflowOnPostgres(MlflowServer):
     def __init__(self, root: Path, postgres: PostgresServer) -> None:
         super().__init__(root)
         self.postgres = postgres
+
+    def environment(self) -> dict[str, str]:
+        return self.postgres.client_env()  # the database password: a file, not the command line
 
     def command(self) -> list[str]:
         mlflow = str(Path(sys.executable).parent / "mlflow")
