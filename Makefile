@@ -17,8 +17,9 @@ env: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	# distributed: pyspark + a JDK + ray, so the distributor tests run in `make test` (CI)
-	$(VENV)/bin/python -m pip install -q -e '.[dev,distributed]'
+	# distributed: pyspark + a JDK + ray, so the distributor tests run in `make test` (CI);
+	# serve: the search service's dependencies (serving/, its tests)
+	$(VENV)/bin/python -m pip install -q -e '.[dev,distributed,serve]'
 	# img2dataset drags in the `dataclasses` backport, which shadows the standard module and breaks
 	# Prefect's server on Python 3.11; remove it (pip check then names it, harmlessly).
 	$(VENV)/bin/python -m pip uninstall -y -q dataclasses
@@ -47,3 +48,10 @@ deploy: env
 
 worker: env
 	prefect worker start --pool clipms --type process
+
+# The search service (docs/serving.md): the default run's champion from the local registry, on
+# loopback, following the `champion` alias (a newly promoted version is swapped in live).
+SERVE_PORT ?= 8000
+.PHONY: serve
+serve: env
+	clipms-serve --follow champion --host 127.0.0.1 --port $(SERVE_PORT)

@@ -51,17 +51,26 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MindSpore runtime threads (default: all cores)")
     parser.add_argument("--kernel-fusion", choices=("on", "off"), default="on",
                         help="graph-kernel fusion on CPU (clipms.runtime; default on)")
+    parser.add_argument("--device", choices=("CPU", "GPU", "Ascend"), default="CPU",
+                        help="device target (clipms.runtime.configure)")
+
+
+def runtime_config(args: argparse.Namespace):  # noqa: ANN201 - clipms.runtime.RuntimeConfig
+    from clipms.runtime import RuntimeConfig
+
+    return RuntimeConfig(device_target=args.device, mode=args.mode,
+                         kernel_fusion=args.kernel_fusion == "on")
 
 
 def setup_mindspore(args: argparse.Namespace) -> None:
-    import mindspore as ms  # after clipms/__init__.py has set MindSpore's environment
+    from clipms.runtime import configure
 
-    from clipms.runtime import enable_kernel_fusion
+    settings = configure(runtime_config(args))  # before MindSpore is imported
+    import mindspore as ms
 
-    mode = ms.GRAPH_MODE if args.mode == "graph" else ms.PYNATIVE_MODE
-    ms.set_context(mode=mode, device_target="CPU", runtime_num_threads=args.threads)
+    ms.set_context(runtime_num_threads=args.threads)
     ms.set_seed(0)
-    args.kernel_fusion_active = args.kernel_fusion == "on" and enable_kernel_fusion()
+    args.kernel_fusion_active = settings.kernel_fusion
 
 
 def time_steps(step: Callable[[], Any], warmup: int, steps: int,
@@ -101,7 +110,8 @@ def random_images(n: int, image_size: int, seed: int = 0) -> np.ndarray:
 
 
 def _base_result(args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
-    return {"mode": args.mode, "threads": args.threads, "batch_size": args.batch_size,
+    return {"device": args.device, "mode": args.mode, "threads": args.threads,
+            "batch_size": args.batch_size,
             "warmup": args.warmup, "steps": args.steps,
             "kernel_fusion": getattr(args, "kernel_fusion_active", False), **extra}
 
@@ -340,7 +350,6 @@ def run_loader(args: argparse.Namespace) -> dict[str, Any]:
 
     import psutil  # a MindSpore dependency
 
-    import clipms  # noqa: F401  (sets MindSpore's environment before its first import)
     from clipms.data import build_train_dataset, steps_per_epoch
     from clipms.preprocess import PreprocessConfig
     from clipms.tokenizer import Tokenizer
@@ -404,7 +413,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     from clipms.trainer import TrainConfig, build_training
 
     cfg = TrainConfig(model=get_preset(args.preset), batch_size=args.batch_size,
-                      precision=args.precision, mode=args.mode, lr=args.lr)
+                      precision=args.precision, runtime=runtime_config(args), lr=args.lr)
     _, step, _ = build_training(cfg)
     images = ms.Tensor(random_images(args.batch_size, cfg.model.vision.image_size))
     tokens = ms.Tensor(random_tokens(args.batch_size, cfg.model.text.context_length,

@@ -6,6 +6,11 @@
     text_vectors = enc.encode_texts(["a red circle", "a blue square"])    # (M, E), unit length
     scores = image_vectors @ text_vectors.T                                # cosine similarities
 
+An Encoder may be called from several threads (a web server's thread pool): its MindIR calls take
+turns through one process-wide lock, because MindSpore graphs run from two threads at once crash the
+process (SIGSEGV; e.g. MLflow's scoring server runs each request's predict in a thread of its own).
+Tokenizing and image decoding stay outside the lock.
+
 Every image goes through the bundle's own decoder limits (preprocess.json: JPEG/PNG/WEBP, at most
 `max_pixels`); a bad one raises PreprocessError naming it. Paths are for local, trusted callers:
 the served model (registry/pyfunc_model.py, serving/) accepts images only as base64
@@ -20,9 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
@@ -31,10 +37,16 @@ from clipms.preprocess import PreprocessConfig, PreprocessError, preprocess_imag
 from clipms.tokenizer import Tokenizer
 from clipms.webds import Sample, iter_samples
 
+if TYPE_CHECKING:
+    from clipms.runtime import RuntimeConfig
+
 BUNDLE_FORMAT = "clipms-mindir-bundle"  # as clipms.export writes it (no MindSpore import here)
 SUPPORTED_VERSIONS = (1,)
 
 ImageInput = str | Path | bytes | Image.Image
+# One MindIR call at a time per process, whichever Encoder makes it: concurrent graph runs (and a
+# graph loaded or compiled while another runs) crash or hang MindSpore. Uncontended, it costs ~1 us.
+_MINDSPORE = threading.Lock()
 
 
 class BundleError(ValueError):
@@ -70,16 +82,18 @@ class Encoder:
     """L2-normalised CLIP embeddings from the two MindIR graphs of an export bundle."""
 
     def __init__(self, bundle_dir: Path | str, batch_size: int = 64,
-                 kernel_fusion: bool = True) -> None:
-        """`kernel_fusion` turns on clipms.runtime's CPU graph-kernel fusion for the process
-        (1.4-1.5x faster on CPU, measured; each new batch size compiles once, cached on disk)."""
-        import mindspore as ms  # clipms is imported first, so MindSpore sees its runtime settings
+                 kernel_fusion: bool = True, device: str | RuntimeConfig = "CPU") -> None:
+        """`device` ("CPU", "GPU", "Ascend" or a whole `clipms.runtime.RuntimeConfig`) configures
+        MindSpore for the process through `clipms.runtime.configure`; `kernel_fusion` is its CPU
+        graph-kernel fusion (each new batch size compiles once, cached on disk)."""
+        from clipms.runtime import RuntimeConfig, configure
+
+        if not isinstance(device, RuntimeConfig):
+            device = RuntimeConfig(device_target=device, kernel_fusion=kernel_fusion)
+        configure(device)  # before MindSpore is imported where possible (import-time settings)
+        import mindspore as ms
         from mindspore import nn
 
-        from clipms.runtime import enable_kernel_fusion
-
-        if kernel_fusion:
-            enable_kernel_fusion()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.bundle_dir = Path(bundle_dir)
@@ -93,10 +107,11 @@ class Encoder:
             raise BundleError(f"{self.bundle_dir}: tokenizer context length "
                               f"{self.tokenizer.context_length} != text encoder's {expected_ctx}")
         self._ms = ms
-        self._image_graph = nn.GraphCell(ms.load(str(self.bundle_dir /
-                                                     self.bundle["image_encoder"]["file"])))
-        self._text_graph = nn.GraphCell(ms.load(str(self.bundle_dir /
-                                                    self.bundle["text_encoder"]["file"])))
+        with _MINDSPORE:
+            self._image_graph = nn.GraphCell(ms.load(str(self.bundle_dir /
+                                                         self.bundle["image_encoder"]["file"])))
+            self._text_graph = nn.GraphCell(ms.load(str(self.bundle_dir /
+                                                        self.bundle["text_encoder"]["file"])))
 
     @property
     def embed_dim(self) -> int:
@@ -131,8 +146,10 @@ class Encoder:
         return self._run(self._text_graph, self.tokenizer.encode(list(texts)))
 
     def _run(self, graph: Any, inputs: np.ndarray) -> np.ndarray:
-        outputs = [graph(self._ms.Tensor(inputs[i:i + self.batch_size])).asnumpy()
-                   for i in range(0, inputs.shape[0], self.batch_size)]
+        outputs = []
+        for i in range(0, inputs.shape[0], self.batch_size):
+            with _MINDSPORE:
+                outputs.append(graph(self._ms.Tensor(inputs[i:i + self.batch_size])).asnumpy())
         if not outputs:
             return np.zeros((0, self.embed_dim), np.float32)
         return l2_normalize(np.concatenate(outputs))

@@ -2,7 +2,7 @@
 
 The function is open_clip's CLIP ViT (same parameters, same maths), so open_clip weights convert
 both ways (`clipms.convert`). Three layout choices differ from open_clip, each because it is faster
-with MindSpore on CPU (../shared/stack-notes.md) and each a pure re-arrangement of the same numbers:
+with MindSpore on CPU (measured; docs/model.md) and each a pure re-arrangement of the same numbers:
 - the patch embedding is a reshape + MatMul (`patch_embed`, a bias-free Dense over flattened
   (channel, row, column) patches) instead of a strided Conv2d;
 - attention has three Dense layers q/k/v instead of one fused in_proj (slicing its output is slow);
@@ -20,9 +20,11 @@ from mindspore.common.initializer import Normal, initializer
 
 from clipms.config import CLIPConfig, TextConfig, VisionConfig
 
-# Added to masked attention scores. Finite (not -inf) so that fp16 casts and Ascend kernels never
-# see inf - inf; exp() of it underflows to exactly 0 in fp32, so the softmax equals open_clip's.
-_MASKED = -1e9
+# Added to masked attention scores. Finite (not -inf) so that Ascend kernels never see inf - inf,
+# and within fp16's range (max 65504): under mixed precision the mask constant is cast to fp16,
+# where -1e9 became -inf. Scores are far smaller, so exp() of a masked score underflows to exactly
+# 0 in fp32 and the softmax equals open_clip's.
+_MASKED = -3.0e4
 
 
 def cast(x: Tensor, dtype: ms.dtype) -> Tensor:
@@ -240,12 +242,21 @@ class CLIP(nn.Cell):
         return image_features, text_features, ops.exp(self.logit_scale)
 
 
-def set_matmul_dtype(net: nn.Cell, dtype: ms.dtype = ms.float16) -> nn.Cell:
-    """Run every Dense (all the big matmuls) in `dtype`; LayerNorm and softmax stay fp32 (they cast
-    internally). For mixed precision on Ascend; on CPU fp32 is faster (stack-notes)."""
+def to_mixed_precision(net: nn.Cell, dtype: ms.dtype = ms.float16) -> nn.Cell:
+    """MindSpore's O2 mixed precision, in place and without renaming anything: every Cell computes
+    in `dtype` (its inputs and parameters are cast when used; the fp32 Parameters stay the master
+    weights), except LayerNorm, which stays fp32. Softmax is fp32 inside `Attention` and the loss
+    runs on fp32 features (`clipms.train_step.ClipWithLoss`).
+
+    `mindspore.amp.auto_mixed_precision(net, "O2")` does the same, but wraps each LayerNorm in a
+    Cell of its own, so the parameters are then named `..._backbone.gamma` and a checkpoint saved
+    from the model no longer loads into `CLIP`. `Cell.to_float` only sets flags, so the Cell tree
+    and the parameter names stay the model's own.
+    """
+    net.to_float(dtype)
     for _, cell in net.cells_and_names():
-        if isinstance(cell, nn.Dense):
-            cell.to_float(dtype)
+        if isinstance(cell, nn.LayerNorm):
+            cell.to_float(ms.float32)
     return net
 
 

@@ -3,8 +3,8 @@
 Why a small AdamW of our own: MindSpore's `nn.AdamWeightDecay` runs a fast fused CPU/Ascend kernel
 but has no bias correction, so its first steps are ~10x smaller than torch's AdamW (and than the
 open_clip recipes tuned for it); `mindspore.experimental.optim.AdamW` is exact but slower here
-(../shared/stack-notes.md). This module keeps the fused kernel and folds the bias correction into
-the three scalars the kernel takes, computed on the host for each step t:
+(docs/training.md, "Optimizer note"). This module keeps the fused kernel and folds the bias
+correction into the three scalars the kernel takes, computed on the host for each step t:
 
     torch:  p <- p - lr*wd*p - lr * (m / c1) / (sqrt(v / c2) + eps),   c1 = 1-b1^t, c2 = 1-b2^t
     kernel: p <- p - lr_t * (m / (sqrt(v) + eps_t) + wd_t * p)
@@ -16,7 +16,6 @@ which is the same update, algebraically exact (tests/test_optim.py checks it aga
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -29,28 +28,29 @@ BETAS = (0.9, 0.98)
 EPS = 1.0e-6
 WEIGHT_DECAY = 0.2
 
-# Parameters that are not weight matrices of a linear map are not decayed: gains and biases
-# (LayerNorm gamma/beta, Dense bias), embeddings (token, positional, class) and the temperature.
-# Shape does most of the work (every gain/bias/class embedding/logit_scale is < 2-D); the name
-# catches the 2-D embedding tables (token_embedding, positional_embedding).
-_NO_DECAY = re.compile(r"embedding|logit_scale")
+# open_clip's rule (open_clip_train/main.py, `exclude`): no weight decay for tensors with fewer than
+# 2 dimensions (gains, biases, the class embedding, logit_scale) or whose name says norm, bias or
+# logit_scale; every other tensor is decayed, the token and positional embedding tables included.
+_NO_DECAY_NAMES = ("bn", "ln", "bias", "logit_scale")
 
 
-def is_decayed(name: str, ndim: int) -> bool:
-    """True for parameters that get weight decay: matrices that are not embeddings.
+def is_decayed(name: str, ndim: int, decay_embeddings: bool = True) -> bool:
+    """True for parameters that get weight decay, by open_clip's rule.
 
-    Everything with fewer than 2 dimensions (gains, biases, class embedding, logit_scale) is
-    excluded as in open_clip; unlike open_clip, the token and positional embeddings are excluded
-    too (the issue asks for it, and it is the common choice outside open_clip).
+    `decay_embeddings=False` also spares the 2-D embedding tables (token and positional), the
+    common choice outside open_clip (`train.decay_embeddings`).
     """
-    return ndim >= 2 and not _NO_DECAY.search(name)
+    if ndim < 2 or any(part in name for part in _NO_DECAY_NAMES):
+        return False
+    return decay_embeddings or "embedding" not in name
 
 
-def split_decay(named_shapes: Iterable[tuple[str, Sequence[int]]]) -> tuple[list[str], list[str]]:
+def split_decay(named_shapes: Iterable[tuple[str, Sequence[int]]],
+                decay_embeddings: bool = True) -> tuple[list[str], list[str]]:
     """(decayed names, not-decayed names) for (name, shape) pairs."""
     decay, no_decay = [], []
     for name, shape in named_shapes:
-        (decay if is_decayed(name, len(shape)) else no_decay).append(name)
+        (decay if is_decayed(name, len(shape), decay_embeddings) else no_decay).append(name)
     return decay, no_decay
 
 
@@ -95,10 +95,10 @@ def folded_hyper(lr: float, t: int, betas: tuple[float, float] = BETAS, eps: flo
 
 
 def build_adamw(named_params: Sequence[tuple[str, ms.Parameter]],
-                betas: tuple[float, float] = BETAS) -> AdamW:
+                betas: tuple[float, float] = BETAS, decay_embeddings: bool = True) -> AdamW:
     """AdamW over (name, Parameter) pairs, decay flags from the names (relative to the model, since
     MindSpore prefixes Parameter.name once a Cell is wrapped) and shapes."""
-    flags = [is_decayed(name, len(p.shape)) for name, p in named_params]
+    flags = [is_decayed(name, len(p.shape), decay_embeddings) for name, p in named_params]
     return AdamW([p for _, p in named_params], flags, betas)
 
 

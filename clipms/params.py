@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from clipms.redact import redact_text
+
 PARAMS_FILE = Path("params.yaml")
 
 
@@ -71,7 +73,7 @@ def _describe(section: str, model: type[BaseModel], error: dict[str, Any]) -> st
         return f"{key}: unknown key (allowed keys here: {allowed})"
     if error["type"] == "missing":
         return f"{key}: required but missing"
-    return f"{key} = {error.get('input')!r}: {error['msg']}"
+    return f"{key} = {redact_text(repr(error.get('input')))}: {error['msg']}"  # a URL's token
 
 
 def _allowed_keys(model: type[BaseModel], parent: tuple[Any, ...]) -> list[str]:

@@ -46,7 +46,8 @@ class Check:
 @dataclass(frozen=True)
 class RunPlan:
     """The training settings a preflight looks at; defaults are stages.train.TrainParams' own
-    (tests/test_preflight.py checks that they agree)."""
+    and (device_target, mode) clipms.runtime.RuntimeConfig's (tests/test_preflight.py checks that
+    they agree)."""
 
     preset: str = "tiny"
     device_target: str = "CPU"
@@ -75,6 +76,8 @@ class RunPlan:
         values = {k: v for k, v in train.items() if k in known}
         values.update(ranks=dist.get("workers", 1), **{k: dist[k] for k in (
             "nodes", "node_rank", "master_addr", "master_port") if k in dist})
+        runtime = params.get("runtime") or {}  # the device and mode: clipms.runtime's section
+        values.update({k: runtime[k] for k in ("device_target", "mode") if k in runtime})
         return cls(**values, image_size=model_config(params).vision.image_size)
 
     @property
@@ -291,12 +294,34 @@ def preflight(params: dict[str, Any], manifest: Path, checkpoints: Path,
               check_disk(checkpoints, plan, count, stale_sets),
               *check_schedule(plan, samples, source,
                               (params.get("dedupe") or {}).get("val_fraction", 0.1))]
+    runtime = runtime_settings(params.get("runtime") or {}, checks)
     summary = {"device": plan.device_target, "mode": plan.mode, "precision": plan.precision,
+               "jit_level": runtime.get("jit_level"), "kernel_fusion": runtime.get("kernel_fusion"),
                "preset": plan.preset, "parameters": count, "image_size": plan.image_size,
                "ranks": plan.ranks, "nodes": plan.nodes, "ranks_per_node": plan.local_ranks,
                "global_batch": plan.global_batch, "loader_workers_per_rank": workers,
                "writes_outputs": plan.node_rank == 0}
     return plan, checks, summary
+
+
+def runtime_settings(section: dict[str, Any], checks: list[Check]) -> dict[str, Any]:
+    """What clipms.runtime would set for the `runtime` section (jit level, fusion, environment);
+    an invalid section becomes a failed check."""
+    from pydantic import ValidationError
+
+    from clipms.runtime import RuntimeConfig, settings_for
+
+    try:
+        settings = settings_for(RuntimeConfig(**section)).to_dict()
+    except ValidationError as err:
+        checks.append(Check("runtime", FAIL, f"invalid runtime section: {err.errors()[0]['msg']} "
+                            f"({err.errors()[0]['loc']})"))
+        return {}
+    checks.append(Check("runtime", OK, f"jit_level {settings['jit_level'] or 'MindSpore default'},"
+                        f" kernel fusion {'on' if settings['kernel_fusion'] else 'off'}, sets "
+                        + (", ".join(sorted({**settings['import_env'], **settings['env']}))
+                           or "nothing")))
+    return settings
 
 
 def dvc_command(overrides: dict[str, Any]) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 from clipms import checkpoint
 from clipms.atomic import atomic_write
 from clipms.config import CLIPConfig
-from clipms.runtime import enable_kernel_fusion
+from clipms.runtime import RuntimeConfig, configure
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ class TrainConfig:
     lr: float = 5.0e-4
     warmup_steps: int = 30
     weight_decay: float = 0.2
+    decay_embeddings: bool = True  # open_clip's rule; False also spares token/positional tables
     betas: tuple[float, float] = (0.9, 0.98)
     eps: float = 1.0e-6
     grad_clip_norm: float | None = 1.0  # None or 0: no clipping
@@ -73,9 +74,7 @@ class TrainConfig:
     lock_image: bool = False
     lock_text: bool = False
     init_from: str | None = None
-    mode: Literal["graph", "pynative"] = "graph"
-    device_target: Literal["CPU", "GPU", "Ascend"] = "CPU"
-    kernel_fusion: bool = True  # CPU graph-kernel fusion (clipms.runtime); no effect elsewhere
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)  # device, mode, fusion
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     log_every: int = 10
@@ -88,6 +87,7 @@ class TrainConfig:
         d = asdict(self)
         d["model"] = self.model.to_dict()
         d["betas"] = list(self.betas)
+        d["runtime"] = self.runtime.model_dump()
         return d
 
     @classmethod
@@ -95,6 +95,7 @@ class TrainConfig:
         d = dict(d)
         d["model"] = CLIPConfig.from_dict(d["model"])
         d["betas"] = tuple(d.get("betas", (0.9, 0.98)))
+        d["runtime"] = RuntimeConfig.model_validate(d.get("runtime", {}))
         return cls(**d)
 
     def fingerprint(self) -> str:
@@ -102,6 +103,7 @@ class TrainConfig:
         d = self.to_dict()
         for key in ("checkpoint_every", "keep_checkpoints", "log_every"):
             d.pop(key)
+        d["runtime"].pop("device_id")  # which device of a host: the same weights
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -277,15 +279,11 @@ def save_model(model: Any, path: Path | str) -> None:
 
 
 def setup_runtime(cfg: TrainConfig, distributed: bool) -> tuple[int, int]:
-    """Mode, device, kernel fusion and seed for `cfg` (before any graph compiles); (rank, size)."""
+    """Device, mode, kernel fusion (clipms.runtime) and seed for `cfg`, before any graph
+    compiles; returns (rank, group size)."""
+    configure(cfg.runtime)
     import mindspore as ms
 
-    mode = ms.GRAPH_MODE if cfg.mode == "graph" else ms.PYNATIVE_MODE
-    ms.set_context(mode=mode)
-    if ms.get_context("device_target") != cfg.device_target:
-        ms.set_device(cfg.device_target)  # may run only once per process, before any kernel
-    if cfg.kernel_fusion:
-        enable_kernel_fusion()  # before the first graph compiles
     ms.set_seed(cfg.seed)  # same seed on every rank: identical initial weights
     return init_distributed() if distributed else (0, 1)
 
@@ -318,10 +316,8 @@ def build_training(cfg: TrainConfig, distributed: bool = False,
 
 
 def _build_model(cfg: TrainConfig) -> tuple[Any, Any, list[tuple[str, Any]]]:
-    """(the CLIP Cell, the Cell to train (its O2 wrapper under amp), trainable (name, param))."""
-    import mindspore as ms
-
-    from clipms.model import CLIP
+    """(the CLIP Cell, the Cell to train, trainable (name, param)); amp sets O2 on the Cell."""
+    from clipms.model import CLIP, to_mixed_precision
 
     model = CLIP(cfg.model)
     if cfg.init_from:
@@ -334,9 +330,7 @@ def _build_model(cfg: TrainConfig) -> tuple[Any, Any, list[tuple[str, Any]]]:
         if not locked:
             named.append((name, param))
     if cfg.precision == "amp":
-        # O2: every Cell in fp16 except the black-listed LayerNorm; the model also keeps softmax in
-        # fp32, and the loss runs on fp32 outputs (ClipWithLoss casts).
-        return model, ms.amp.auto_mixed_precision(model, "O2"), named
+        to_mixed_precision(model)  # O2 in place: the parameter names stay CLIP's own
     return model, model, named
 
 
@@ -368,7 +362,7 @@ def _build_step(cfg: TrainConfig, model: Any, network: Any,
 
     loss = use_cpu_safe_gather(ClipLoss(gather=distributed))
     net_with_loss = ClipWithLoss(network, loss)
-    optimizer = build_adamw(named_trainable, cfg.betas)
+    optimizer = build_adamw(named_trainable, cfg.betas, cfg.decay_embeddings)
     return TrainStep(
         net_with_loss, optimizer, accum_steps=cfg.accum_steps,
         max_grad_norm=cfg.grad_clip_norm or 0.0,

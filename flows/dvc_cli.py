@@ -11,12 +11,14 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from clipms.redact import redact_text
 
 # Lines DVC prints for a stage it executes (repro and repro --dry).
 _RUNNING = re.compile(r"^Running stage '([^']+)'")
@@ -67,15 +69,17 @@ def tool_env() -> dict[str, str]:
     return env
 
 
-def dvc(args: list[str], cwd: Path, on_line: Callable[[str], None] | None = None) -> str:
-    """Run `dvc <args>` in `cwd`, streaming lines to `on_line`; raise DvcError on failure."""
+def dvc(args: list[str], cwd: Path, on_line: Callable[[str], None] | None = None,
+        env: Mapping[str, str] | None = None) -> str:
+    """Run `dvc <args>` in `cwd` (with `env` added to the environment), streaming lines to
+    `on_line`; raise DvcError on failure."""
     cmd = [sys.executable, "-m", "dvc", *args]
     lines: list[str] = []
-    with subprocess.Popen(cmd, cwd=cwd, env=tool_env(), stdout=subprocess.PIPE,
+    with subprocess.Popen(cmd, cwd=cwd, env={**tool_env(), **(env or {})}, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
-            line = line.rstrip("\n")
+            line = redact_text(line.rstrip("\n"))  # no URL secret reaches a log or a notice
             lines.append(line)
             if on_line is not None and line.strip():
                 on_line(line)
@@ -167,14 +171,15 @@ def lock_entry(workdir: Path, stage: str) -> Any:
 
 
 def repro_stage(workdir: Path, stage: str, force: bool = False,
-                on_line: Callable[[str], None] | None = None) -> StageRun:
+                on_line: Callable[[str], None] | None = None,
+                env: Mapping[str, str] | None = None) -> StageRun:
     """`dvc repro --single-item [--force] <stage>`: run one stage if DVC says it changed."""
     import time
 
     before = lock_entry(workdir, stage)
     started = time.monotonic()
     args = ["repro", "--single-item", *(["--force"] if force else []), stage]
-    output = dvc(args, workdir, on_line)
+    output = dvc(args, workdir, on_line, env)
     lines = output.splitlines()
     ran = any(m.group(1) == stage for m in map(_RUNNING.match, lines) if m)
     restored = any(m.group(1) == stage for m in map(_CACHED.match, lines) if m)
@@ -214,11 +219,12 @@ def _hydra_value(value: Any) -> str:
     return str(value)
 
 
-def apply_overrides(workdir: Path, overrides: dict[str, Any]) -> str:
-    """Apply overrides to params.yaml exactly as `dvc exp run -S` does; return the original text.
+def apply_overrides(workdir: Path, overrides: dict[str, Any]) -> None:
+    """Apply overrides to `workdir`'s params.yaml exactly as `dvc exp run -S` does.
 
     This is DVC's own `-S` code path (`dvc.utils.hydra.apply_overrides`), so the syntax and the
-    errors are DVC's; the caller restores the returned text when the run ends.
+    errors are DVC's. The flow calls it on its private workspace only (flows/workspace.py), never
+    on the user's checkout.
     """
     from dvc.utils.hydra import apply_overrides as dvc_apply
 
@@ -234,7 +240,6 @@ def apply_overrides(workdir: Path, overrides: dict[str, Any]) -> str:
     except Exception as err:  # DVC/Hydra raise several types; all mean "bad override"
         params.write_text(original)
         raise ValueError(f"cannot apply overrides {overrides}: {err}") from err
-    return original
 
 
 def save_experiment(workdir: Path, name: str) -> str:

@@ -2,6 +2,8 @@
 
 The webhook URL is a setting: the `CLIPMS_FAILURE_WEBHOOK` environment variable of the worker (or
 serve process), else the Prefect Variable `clipms_failure_webhook`; neither set means log only.
+Its path is usually its secret (Slack/Teams/Mattermost), so it is logged by host only, and the
+notice's message has its URLs redacted (`clipms.redact`).
 The body is JSON with a `text` field, which Slack/Teams/Mattermost incoming webhooks accept.
 """
 
@@ -12,6 +14,8 @@ import logging
 import os
 import urllib.request
 from typing import Any
+
+from clipms.redact import host_only, redact_text
 
 WEBHOOK_ENV = "CLIPMS_FAILURE_WEBHOOK"
 WEBHOOK_VARIABLE = "clipms_failure_webhook"
@@ -40,6 +44,7 @@ def failure_notice(flow_name: str, run_name: str, run_id: str, message: str) -> 
 
     ui = PREFECT_UI_URL.value()
     url = f"{ui.rstrip('/')}/runs/flow-run/{run_id}" if ui else None
+    message = redact_text(message)  # an error may quote a URL with its token
     text = f"Prefect flow run {flow_name}/{run_name} failed: {message}"
     return {"text": text + (f"\n{url}" if url else ""), "flow": flow_name, "flow_run": run_name,
             "flow_run_id": run_id, "message": message, "url": url}
@@ -63,8 +68,10 @@ def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
     url = webhook_url()
     if not url:
         return
+    where = host_only(url)  # a webhook URL's path is its secret: logged by host only
     try:
         status = post(url, notice)
-        logger.info("failure notice POSTed to the webhook (HTTP %s)", status)
+        logger.info("failure notice POSTed to the webhook at %s (HTTP %s)", where, status)
     except Exception as err:  # noqa: BLE001 - report and carry on
-        logger.warning("failure webhook %s did not accept the notice: %s", url, err)
+        reason = redact_text(str(err)).replace(url, where)
+        logger.warning("failure webhook at %s did not accept the notice: %s", where, reason)

@@ -10,8 +10,9 @@ Parameters (all optional):
   force      rerun the selected stages even if DVC says they are up to date
   refresh    stages forced every run (the nightly deployment refreshes `metadata`; when its output
              hash is unchanged DVC skips everything downstream)
-  overrides  {"train.epochs": 3}: params applied with DVC's `-S` code path, saved as a DVC
-             experiment named after the flow run, params.yaml restored afterwards
+  overrides  {"train.epochs": 3}: params applied with DVC's `-S` code path in a private worktree
+             of the checkout (flows/workspace.py: the checkout's files are never written), saved
+             as DVC experiment `clip-<flow run id>`
   dry_run    show what DVC would run (`dvc status`, `dvc repro --dry`), change nothing
 """
 
@@ -30,7 +31,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
-from flows import dvc_cli, summary
+from clipms.redact import redact_text
+from flows import dvc_cli, summary, workspace
 from flows.notify import notify_failure
 
 ARTIFACT_KEY = "clip-pipeline-summary"
@@ -40,6 +42,9 @@ NETWORK_RETRIES = {"metadata": 3, "download": 3}
 RETRY_BACKOFF_SECONDS = float(os.environ.get("CLIPMS_RETRY_BACKOFF_SECONDS", "10"))
 LOCK_LIMIT_PREFIX = "clip-pipeline-workspace"
 LOCK_TIMEOUT_SECONDS = float(os.environ.get("CLIPMS_LOCK_TIMEOUT_SECONDS", str(6 * 3600)))
+# The lock's lease is renewed while the run lives; a crashed worker's slot frees itself this long
+# after the crash (Prefect's default, 300 s, would block the next run for five minutes).
+LOCK_LEASE_SECONDS = float(os.environ.get("CLIPMS_LOCK_LEASE_SECONDS", "60"))
 
 
 def _logger() -> Any:
@@ -75,18 +80,20 @@ def stale_stages(workdir: Path) -> list[str]:
 
 
 @task(name="stage", task_run_name="{stage}", cache_policy=NO_CACHE)
-def run_stage(workdir: Path, stage: str, force: bool = False,
-              known_up_to_date: bool = False) -> dict[str, Any]:
+def run_stage(workdir: Path, stage: str, force: bool = False, known_up_to_date: bool = False,
+              tracking_uri: str | None = None) -> dict[str, Any]:
     """One DVC stage: `dvc repro --single-item [--force] <stage>`, its output streamed to the log.
 
     `known_up_to_date` is set when `dvc status` found the stage clean and nothing upstream changed
     in this run: then there is nothing to ask DVC, and the task records the skip at no cost.
+    `tracking_uri` (a run in a private workspace) keeps MLflow on the checkout's own store.
     """
     logger = _logger()
     if known_up_to_date and not force:
         logger.info("stage '%s' is up to date (dvc status), skipping", stage)
         return {"stage": stage, "outcome": "up to date", "seconds": 0.0, "changed": False}
-    result = dvc_cli.repro_stage(workdir, stage, force=force, on_line=logger.info)
+    env = {"MLFLOW_TRACKING_URI": tracking_uri} if tracking_uri else None
+    result = dvc_cli.repro_stage(workdir, stage, force=force, on_line=logger.info, env=env)
     outcome = "up to date"
     if result.restored:
         outcome = summary.RESTORED
@@ -110,11 +117,11 @@ def stage_task(stage: str) -> Any:
 
 
 @task(name="apply-overrides", cache_policy=NO_CACHE)
-def apply_overrides(workdir: Path, overrides: dict[str, Any]) -> str:
-    """Apply param overrides as `dvc exp run -S` would; return the original params.yaml text."""
-    original = dvc_cli.apply_overrides(workdir, overrides)
-    _logger().info("params overridden for this run: %s", " ".join(dvc_cli.override_args(overrides)))
-    return original
+def apply_overrides(workdir: Path, overrides: dict[str, Any]) -> None:
+    """Apply param overrides as `dvc exp run -S` would, to the run's private workspace."""
+    dvc_cli.apply_overrides(workdir, overrides)
+    _logger().info("params overridden for this run: %s",
+                   redact_text(" ".join(dvc_cli.override_args(overrides))))
 
 
 @task(name="save-experiment", cache_policy=NO_CACHE)
@@ -166,13 +173,14 @@ def workspace_lock(workdir: Path) -> Iterator[None]:
     with get_client(sync_client=True) as client:
         client.upsert_global_concurrency_limit_by_name(name=name, limit=1)
     _logger().info("waiting for the workspace lock '%s' (%s)", name, workdir)
-    with concurrency(name, occupy=1, strict=True, timeout_seconds=LOCK_TIMEOUT_SECONDS):
+    with concurrency(name, occupy=1, strict=True, timeout_seconds=LOCK_TIMEOUT_SECONDS,
+                     lease_duration=LOCK_LEASE_SECONDS):
         _logger().info("workspace lock acquired")
         yield
 
 
 def _run_stages(workdir: Path, order: list[str], force: bool, refresh: set[str],
-                outcomes: list[dict[str, Any]]) -> None:
+                outcomes: list[dict[str, Any]], tracking_uri: str | None = None) -> None:
     """Run the stages one after another into `outcomes`; the first failure raises, later stages
     do not run."""
     stale = set(stale_stages(workdir))
@@ -181,7 +189,7 @@ def _run_stages(workdir: Path, order: list[str], force: bool, refresh: set[str],
         clean = stage not in stale and not upstream_changed
         outcomes.append({"stage": stage, "outcome": "FAILED", "seconds": 0.0, "changed": False})
         outcome = stage_task(stage)(workdir, stage, force=force or stage in refresh,
-                                    known_up_to_date=clean)
+                                    known_up_to_date=clean, tracking_uri=tracking_uri)
         upstream_changed = upstream_changed or outcome["changed"]
         outcomes[-1] = outcome
 
@@ -195,38 +203,64 @@ def clip_pipeline(stages: list[str] | None = None, force: bool = False,
 
     workdir = Path.cwd()
     run_name = flow_run.get_name() or "local"
+    run_id = flow_run.get_id() or run_name
     order = plan_stages(workdir, stages)
     with workspace_lock(workdir):
         if dry_run:
             report = preview(workdir, order, force)
+            publish_summary(workdir, report, run_name)
+        elif overrides:
+            report = _run_experiment(workdir, order, force, set(refresh or []), overrides,
+                                     run_name, f"clip-{run_id}")
         else:
-            report = _run_with_overrides(workdir, order, force, set(refresh or []),
-                                         overrides or {}, run_name)
-        publish_summary(workdir, report, run_name)
+            report = _run(workdir, order, force, set(refresh or []), run_name,
+                          [f"workspace `{workdir}`"])
     return {"headline": report.headline, "stages": report.stages}
 
 
-def _run_with_overrides(workdir: Path, order: list[str], force: bool, refresh: set[str],
-                        overrides: dict[str, Any], run_name: str) -> summary.RunReport:
-    """Run the stages; with overrides, as a DVC experiment whose params are restored afterwards."""
-    original = apply_overrides(workdir, overrides) if overrides else None
-    notes = [f"workspace `{workdir}`"]
+def _run(workdir: Path, order: list[str], force: bool, refresh: set[str], run_name: str,
+         notes: list[str], tracking_uri: str | None = None,
+         experiment: str | None = None) -> summary.RunReport:
+    """Run the stages in `workdir` and publish the summary (a failure too, then re-raised); with
+    `experiment`, save the result as that DVC experiment."""
     outcomes: list[dict[str, Any]] = []
     try:
-        _run_stages(workdir, order, force, refresh, outcomes)
-        if overrides:
-            notes.append(f"overrides `{' '.join(dvc_cli.override_args(overrides))}`")
-            name = save_experiment(workdir, f"clip-{run_name}")
+        _run_stages(workdir, order, force, refresh, outcomes, tracking_uri)
+        if experiment:
+            name = save_experiment(workdir, experiment)
             notes.append(f"DVC experiment `{name}` (reproduce: `dvc exp apply {name}`)" if name
                          else "DVC experiment not saved (see the logs)")
     except Exception as err:
         failed = [o["stage"] for o in outcomes if o["outcome"] == "FAILED"]
         where = f"at stage '{failed[0]}'" if failed else "before the first stage"
-        report = summary.RunReport(headline=f"failed {where}", stages=outcomes, notes=notes,
-                                   details=str(err))
-        publish_summary(workdir, report, run_name)
+        publish_summary(workdir, summary.RunReport(headline=f"failed {where}", stages=outcomes,
+                                                   notes=notes, details=str(err)), run_name)
         raise
-    finally:
-        if original is not None:
-            (workdir / "params.yaml").write_text(original)
-    return summary.RunReport(headline=summary.headline_for(outcomes), stages=outcomes, notes=notes)
+    report = summary.RunReport(headline=summary.headline_for(outcomes), stages=outcomes,
+                               notes=notes)
+    publish_summary(workdir, report, run_name)
+    return report
+
+
+def _run_experiment(checkout: Path, order: list[str], force: bool, refresh: set[str],
+                    overrides: dict[str, Any], run_name: str, name: str) -> summary.RunReport:
+    """A run with param overrides: in a private worktree of the checkout (the checkout's files
+    are never written), saved as DVC experiment `name` (the flow run's id)."""
+    notes = [f"workspace `{checkout}` (a private copy: overrides never touch its files)",
+             f"overrides `{redact_text(' '.join(dvc_cli.override_args(overrides)))}`"]
+    with workspace.experiment_workspace(checkout, name, dvc=dvc_cli.dvc) as private:
+        apply_overrides(private, overrides)
+        return _run(private, order, force, refresh, run_name, notes,
+                    tracking_uri=checkout_tracking_uri(checkout), experiment=name)
+
+
+def checkout_tracking_uri(checkout: Path) -> str | None:
+    """The tracking URI that keeps a private workspace's runs in the checkout's store: its
+    `mlflow.db` by default, a relative SQLite path made absolute; None to keep the environment's
+    (a server)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return f"sqlite:///{(checkout / 'mlflow.db').resolve()}"
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return f"sqlite:///{(checkout / uri.removeprefix('sqlite:///')).resolve()}"
+    return None

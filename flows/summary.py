@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clipms.redact import redact_text
+
 EVAL_METRICS = Path("metrics/eval.json")
 REGISTER_DECISION = Path("metrics/register.json")
 MLFLOW_RUN = Path("models/mlflow_run.json")
@@ -62,7 +64,7 @@ def render(report: RunReport, workdir: Path, run_name: str = "") -> str:
     parts += _section("Evaluation metrics", workdir, EVAL_METRICS, _metric_rows)
     parts += _section("Registry decision", workdir, REGISTER_DECISION, _flat_rows)
     parts += _mlflow_section(workdir)
-    return "\n".join(parts) + "\n"
+    return redact_text("\n".join(parts) + "\n")  # URLs from metrics or errors: no secrets
 
 
 def _mlflow_section(workdir: Path) -> list[str]:

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from clipms.jsonio import read_json
-from registry.settings import redact_uri
+from clipms.redact import redact_text
 
 # Stages that never talk to MLflow: their resolved params are taken from dvc.lock by `open`.
 DATA_STAGES = ("metadata", "dedupe", "download", "shard", "tokenizer")
@@ -39,7 +39,8 @@ def flatten(prefix: str, value: Any) -> dict[str, str]:
 
 
 def safe_params(params: Mapping[str, str]) -> dict[str, str]:
-    """Drop what must never be logged: secrets, credentials in URLs, the user's home directory."""
+    """Drop what must never be logged: secret-looking keys' values, the credentials, query
+    strings and fragments of URLs (presigned signatures, tokens), the user's home directory."""
     home = str(Path.home())
     out = {}
     for key, value in params.items():
@@ -47,7 +48,7 @@ def safe_params(params: Mapping[str, str]) -> dict[str, str]:
         if SECRET_KEY.search(leaf):
             value = "<redacted>"
         elif "://" in value:
-            value = redact_uri(value)
+            value = redact_text(value)
         if home not in ("", "/") and home in value:
             value = value.replace(home, "~")
         out[key] = value[:MAX_PARAM_CHARS]
@@ -115,7 +116,7 @@ def lineage(lock: Mapping[str, Any], manifest: Path) -> dict[str, str]:
     where = {"mscoco": meta.get("url"), "local": meta.get("path")}.get(source)
     tags = {
         "lineage.git_commit": _git("rev-parse", "HEAD"),
-        "lineage.git_dirty": _dirty(),
+        "lineage.git_dirty": _dirty(lock),
         "lineage.data_shards_md5": lock_hash(lock, "data/shards"),
         "lineage.tokenizer_md5": lock_hash(lock, "models/tokenizer.json"),
         "lineage.metadata_source": source,
@@ -135,9 +136,33 @@ def dvc_experiment_tags() -> dict[str, str]:
     return {tag: os.environ[env] for env, tag in names.items() if os.environ.get(env)}
 
 
-def _dirty() -> str | None:
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return None if status is None else str(bool(status)).lower()
+# What makes a run's code or params differ from its commit: Python code, the params and the
+# pipeline definition, the package's assets. Anything else that changed (dvc.lock, metrics/,
+# plots/ - the pipeline's own writes - or a note) leaves the commit honest.
+_LINEAGE_SUFFIXES = (".py",)
+_LINEAGE_NAMES = ("params.yaml", "dvc.yaml", "pyproject.toml")
+_LINEAGE_DIRS = ("clipms/",)
+
+
+def changed_code_and_params(porcelain: str, lock: Mapping[str, Any]) -> list[str]:
+    """The paths of `git status --porcelain` output that change code or params (the pipeline's
+    outputs, as dvc.lock records them, never count)."""
+    outputs = {out.get("path", "") for stage in lock.values() for out in stage.get("outs", [])}
+    changed = []
+    for line in porcelain.splitlines():
+        path = line[3:].split(" -> ")[-1].strip().strip('"')
+        if not path or path == "dvc.lock" or any(
+                path == o or path.startswith(o.rstrip("/") + "/") for o in outputs if o):
+            continue
+        if (path.endswith(_LINEAGE_SUFFIXES) or Path(path).name in _LINEAGE_NAMES
+                or path.startswith(_LINEAGE_DIRS)):
+            changed.append(path)
+    return changed
+
+
+def _dirty(lock: Mapping[str, Any]) -> str | None:
+    status = _git("status", "--porcelain", "--untracked-files=all")
+    return None if status is None else str(bool(changed_code_and_params(status, lock))).lower()
 
 
 def dataset_record(tags: Mapping[str, str], manifest: Path) -> dict[str, str] | None:

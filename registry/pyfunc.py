@@ -21,6 +21,9 @@ CLIPMS_DIR = Path(__file__).resolve().parents[1] / "clipms"
 BUNDLE_FILES = ("image_encoder.mindir", "text_encoder.mindir", "tokenizer.json",
                 "preprocess.json", "bundle.json")
 ALLOWED_SUFFIXES = (".mindir", ".json")
+# The pyfunc's artifact key of the bundle: pyfunc_model.py reads context.artifacts["bundle"], and
+# serving/source.py finds the bundle's folder under it in a downloaded model's MLmodel.
+BUNDLE_ARTIFACT = "bundle"
 # What clipms.infer needs at serving time; versions are pinned to the ones installed here.
 REQUIREMENTS = ("mlflow", "mindspore", "numpy", "pandas", "pillow", "tokenizers", "ftfy", "regex",
                 "pyyaml")
@@ -92,7 +95,7 @@ def log_model(bundle_dir: Path | str, name: str = "clip", run_id: str | None = N
         code = Path(tmp) / "clipms"  # the package without bytecode caches
         shutil.copytree(CLIPMS_DIR, code, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         kwargs: dict[str, Any] = dict(
-            name=name, python_model=str(MODEL_CODE), artifacts={"bundle": str(bundle)},
+            name=name, python_model=str(MODEL_CODE), artifacts={BUNDLE_ARTIFACT: str(bundle)},
             code_paths=[str(code)], signature=signature(), input_example=input_example(),
             pip_requirements=pinned_requirements())
         if run_id is None:

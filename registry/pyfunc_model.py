@@ -63,7 +63,7 @@ class ClipEmbeddingModel(PythonModel):
     def load_context(self, context: Any) -> None:
         from clipms.infer import Encoder
 
-        self.encoder = Encoder(context.artifacts["bundle"])
+        self.encoder = Encoder(context.artifacts["bundle"])  # registry.pyfunc.BUNDLE_ARTIFACT
         self.limits = request_limits()
 
     # `model_input: pd.DataFrame` is the one input hint MLflow 3 derives no schema from (the logged

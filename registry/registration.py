@@ -20,6 +20,7 @@ from registry.run import PipelineRun
 from registry.settings import RegisterParams, client, tracking_uri
 
 MODEL_ARTIFACT = "clip"  # the logged model's name inside the run
+INDEX_ARTIFACT = "index"  # the search index's folder among the run's artifacts (serving/ reads it)
 
 
 class RegistryError(RuntimeError):
@@ -43,9 +44,11 @@ def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterParams,
-                     eval_metrics: Mapping[str, Any]) -> dict[str, Any]:
+                     eval_metrics: Mapping[str, Any],
+                     index_dir: Path | str | None = None) -> dict[str, Any]:
     """Log + register the bundle as a new version of `params.model_name`; returns the gate's
-    record. GateError (before anything is logged) for a primary metric evaluate did not write."""
+    record. GateError (before anything is logged) for a primary metric evaluate did not write.
+    `index_dir` (the index stage's output) is logged beside it: the version's run holds both."""
     import mlflow
 
     metrics = numeric(eval_metrics)
@@ -54,6 +57,8 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
     mlflow_client = client()
     with _step("logging the model"):
         info = pyfunc.log_model(bundle_dir, name=MODEL_ARTIFACT, run_id=run.run_id)
+        if index_dir is not None:
+            mlflow_client.log_artifacts(run.run_id, str(index_dir), INDEX_ARTIFACT)
     with _step(f"registering a new version of '{params.model_name}'"):
         number = str(mlflow.register_model(info.model_uri, params.model_name).version)
     with _step(f"tagging version {number}"):

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from clipms.jsonio import read_json, write_json
+from clipms.redact import redact_text, redact_url
 from registry import journal
 from registry.journal import (
     CreateRun,
@@ -64,7 +65,6 @@ from registry.settings import (
     client,
     is_local_store,
     local_artifact_location,
-    redact_uri,
     register_params,
     tracking_uri,
 )
@@ -302,7 +302,8 @@ class PipelineRun:
                         self._in_flight = None
                 self._progress += 1
         except Exception as err:  # an unreachable server surfaces as many exception types
-            self.last_error = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            first = str(err).splitlines()[0][:300] if str(err) else ""
+            self.last_error = redact_text(f"{type(err).__name__}: {first}")
             return False
         self.last_error = None
         return True
@@ -387,8 +388,8 @@ class PipelineRun:
 
     def fail(self, error: BaseException) -> None:
         """Record why the run failed (type, message, traceback) and end it as FAILED."""
-        message = f"{type(error).__name__}: {error}".strip()
-        trace = "".join(traceback.format_exception(error))[-MAX_ERROR_CHARS:]
+        message = redact_text(f"{type(error).__name__}: {error}".strip())
+        trace = redact_text("".join(traceback.format_exception(error)))[-MAX_ERROR_CHARS:]
         self.set_tags({"error.type": type(error).__name__,
                        "error.message": message[:MAX_ERROR_CHARS],
                        "mlflow.note.content": f"Failed: {message[:MAX_ERROR_CHARS]}\n\n"
@@ -420,7 +421,7 @@ class PipelineRun:
         self.save()
         if not sent:
             print(f"[mlflow] WARNING: could not send to the tracking server "
-                  f"{redact_uri(tracking_uri())} ({self.last_error}); "
+                  f"{redact_url(tracking_uri())} ({self.last_error}); "
                   f"{len(self.pending)} queued record(s) saved to "
                   f"{Journal.path(self.files.journal_dir, self.run_key)}; they are replayed by "
                   "the next stage that reaches the server (register requires it). Model files "
@@ -439,7 +440,7 @@ class PipelineRun:
         uri = tracking_uri()
         info = {"run_key": self.run_key, "run_id": self.run_id, "experiment": self.experiment,
                 # no local paths in a DVC out:
-                "tracking_uri": DEFAULT_TRACKING_URI if is_local_store(uri) else redact_uri(uri)}
+                "tracking_uri": DEFAULT_TRACKING_URI if is_local_store(uri) else redact_url(uri)}
         write_json(self.files.run_file, info)
         if self.resume_record is not None:
             write_json(self.resume_record, info)
@@ -450,7 +451,7 @@ class PipelineRun:
         self.save()
         if not sent or self.run_id is None:
             raise TrackingUnavailable(
-                f"cannot reach the MLflow tracking server at {redact_uri(tracking_uri())} "
+                f"cannot reach the MLflow tracking server at {redact_url(tracking_uri())} "
                 f"({self.last_error}). The trained and exported model is safe in models/; "
                 f"{len(self.pending)} queued record(s) are kept in "
                 f"{Journal.path(self.files.journal_dir, self.run_key)}. Start the server (or fix "

@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field
 
@@ -94,13 +93,3 @@ def local_artifact_location() -> str:
     db = sqlite_path(tracking_uri())
     folder = db.parent if db is not None else project_root()
     return (folder / LOCAL_ARTIFACTS_DIR).resolve().as_uri()
-
-
-def redact_uri(uri: str) -> str:
-    """The URI without user:password@, so it can be written to files and logs."""
-    parts = urlsplit(uri)
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        netloc = f"{host}:{parts.port}" if parts.port else host
-        return urlunsplit(parts._replace(netloc=netloc))
-    return uri

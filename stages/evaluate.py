@@ -1,12 +1,12 @@
 """Stage `evaluate`: retrieval (every caption) and zero-shot classification of the model.
 
-`python -m stages.evaluate`; reads the `evaluate` section (and `metadata.source`, `train.preset`
-for the names in the CLIP_benchmark files). Inputs: models/clip.ckpt, models/clip.json,
-models/tokenizer.json and the evaluated split of data/shards. Outputs: metrics/eval.json (flat keys:
-i2t_R@1/5/10, t2i_R@1/5/10, mAP@10, ranks, zeroshot_*, zeroshot_<field>_* per attribute, counts
-and chance_* levels), metrics/clip_benchmark/ (the same results as CLIP_benchmark JSON files),
-plots/recall_at_k.csv + .png, plots/confusion_matrix.csv (one row per image: actual, predicted) +
-.png, and plots/retrieval_gallery.png.
+`python -m stages.evaluate`; reads the `evaluate` and `runtime` sections (and `metadata.source`,
+`train.preset` for the names in the CLIP_benchmark files). Inputs: models/clip.ckpt,
+models/clip.json, models/tokenizer.json and the evaluated split of data/shards. Outputs:
+metrics/eval.json (flat keys: i2t_R@1/5/10, t2i_R@1/5/10, mAP@10, ranks, zeroshot_*,
+zeroshot_<field>_* per attribute, counts and chance_* levels), metrics/clip_benchmark/ (the same
+results as CLIP_benchmark JSON files), plots/recall_at_k.csv + .png, plots/confusion_matrix.csv (one
+row per image: actual, predicted) + .png, and plots/retrieval_gallery.png.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from clipms.runtime import RuntimeConfig, configure
 from stages import paths
 from stages.params import ParamsError, Section, load_section, read_params
 
@@ -92,9 +93,11 @@ def main() -> int:
     try:
         params = load_section("evaluate", EvaluateParams)
         dataset, model_name = benchmark_names(params)
+        runtime = load_section("runtime", RuntimeConfig)
     except ParamsError as err:
         print(f"evaluate: error: {err}", file=sys.stderr)
         return 1
+    configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
     from clipms.clip_benchmark import BenchmarkFormatError, BenchmarkRun
     from clipms.eval_outputs import (
         EvalOutputs,

@@ -1,9 +1,10 @@
 """Stage `export`: the two towers as MindIR (dynamic batch) + tokenizer + preprocessing spec in
 models/export/, then a parity check of each MindIR graph against the checkpoint on real val samples.
 
-`python -m stages.export`; reads the `export` section. `export.precision` (fp32 | fp16) is the
-bundle's; the parity bar is that precision's (clipms.export.PARITY) unless `export.tolerance` is
-set. Fails (exit 1) when an error exceeds the bar; metrics/export.json holds the errors either way.
+`python -m stages.export`; reads the `export` and `runtime` sections. `export.precision` (fp32 |
+fp16) is the bundle's; the parity bar is that precision's (clipms.export.PARITY) unless
+`export.tolerance` is set. Fails (exit 1) when an error exceeds the bar; metrics/export.json holds
+the errors either way.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+from clipms.runtime import RuntimeConfig, configure
 from stages import paths
 from stages.params import ParamsError, Section, load_section
 
@@ -48,9 +50,11 @@ def main() -> int:
         params = load_section("export", ExportParams)
         if min(params.batch_sizes) < 1:
             raise ParamsError(f"export.batch_sizes = {params.batch_sizes}: sizes must be >= 1")
+        runtime = load_section("runtime", RuntimeConfig)
     except ParamsError as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 1
+    configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
     from clipms.export import ParityError, assert_parity, export_bundle, parity_report
     from clipms.jsonio import read_json, write_json
     from clipms.tokenizer import Tokenizer

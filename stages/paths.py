@@ -33,6 +33,7 @@ CHECKPOINTS = Path("models/checkpoints")
 CHECKPOINTS_RUN = CHECKPOINTS / "mlflow_run.json"  # the MLflow run that wrote the checkpoints
 MSRUN_LOGS = CHECKPOINTS / "msrun"
 BUNDLE = Path("models/export")
+INDEX = Path("models/index")  # the search index of the bundle's embeddings (serving/)
 
 # metrics/ (`dvc metrics show`) and plots/ (`dvc plots show`); cache: false in dvc.yaml
 DEDUPE_METRICS = Path("metrics/dedupe.json")
@@ -42,6 +43,7 @@ TRAIN_METRICS = Path("metrics/train.json")
 EVAL_METRICS = Path("metrics/eval.json")
 CLIP_BENCHMARK = Path("metrics/clip_benchmark")  # the same results as CLIP_benchmark JSON files
 EXPORT_METRICS = Path("metrics/export.json")
+INDEX_METRICS = Path("metrics/index.json")
 REGISTER_METRICS = Path("metrics/register.json")
 TRAIN_CURVE = Path("plots/train.csv")
 RECALL_CURVE = Path("plots/recall_at_k.csv")

@@ -12,7 +12,7 @@ import sys
 from stages import paths
 from stages.params import ParamsError
 
-READS = (paths.BUNDLE, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST)
+READS = (paths.BUNDLE, paths.INDEX, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST)
 WRITES = (paths.REGISTER_METRICS,)
 
 
@@ -39,7 +39,9 @@ def main() -> int:
         run = PipelineRun.open("register", {}, FILES, owns_run_file=False)
     run.log_params(flatten("register", params.model_dump()))
     try:
-        record = register_version(run, paths.BUNDLE, params, read_json(paths.EVAL_METRICS))
+        # The index is logged with the version's run (a test workspace may have none).
+        record = register_version(run, paths.BUNDLE, params, read_json(paths.EVAL_METRICS),
+                                  index_dir=paths.INDEX if paths.INDEX.is_dir() else None)
     except TrackingUnavailable as err:  # the journal keeps everything for the next attempt
         print(f"register: error: {err}", file=sys.stderr)
         return 1

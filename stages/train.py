@@ -1,10 +1,11 @@
 """Stage `train`: data/shards + models/tokenizer.json -> models/clip.ckpt, models/clip.json,
 metrics/train.json, plots/train.csv (checkpoints in models/checkpoints, kept across runs).
 
-`python -m stages.train`; reads the `train` section. The model is a preset with optional
-overrides; its vocabulary size and context length always come from the tokenizer, its image size
-sets the preprocessing. `distributed.workers: N > 1` runs N data-parallel processes via msrun.
-To add metric sinks (MLflow), append objects with `on_step_end`/`on_train_end` to `callbacks()`.
+`python -m stages.train`; reads the `train` and `runtime` sections. The model is a preset with
+optional overrides; its vocabulary size and context length always come from the tokenizer, its
+image size sets the preprocessing. `distributed.workers: N > 1` runs N data-parallel processes
+via msrun. To add metric sinks (MLflow), append objects with `on_step_end`/`on_train_end` to
+`callbacks()`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from clipms.runtime import RuntimeConfig
 from stages import paths
 from stages.params import ParamsError, Section, load_section
 
@@ -43,9 +45,6 @@ class DistributedParams(Section):
 class TrainParams(Section):
     preset: str = "tiny"  # tiny | small | ViT-B-32 | ViT-B-16
     model: dict[str, Any] = Field(default_factory=dict)  # overrides, e.g. {vision: {layers: 2}}
-    device_target: Literal["CPU", "GPU", "Ascend"] = "CPU"
-    mode: Literal["graph", "pynative"] = "graph"
-    kernel_fusion: bool = True  # CPU graph-kernel fusion (clipms.runtime)
     precision: Literal["fp32", "amp"] = "fp32"
     batch_size: int = Field(64, ge=1)  # per device and micro-batch
     accum_steps: int = Field(1, ge=1)  # micro-batches per optimizer step
@@ -54,6 +53,7 @@ class TrainParams(Section):
     lr: float = Field(5.0e-4, ge=0)
     warmup_steps: int = Field(30, ge=0)
     weight_decay: float = Field(0.2, ge=0)
+    decay_embeddings: bool = True  # open_clip: token/positional embedding tables are decayed
     grad_clip_norm: float | None = Field(1.0, ge=0)  # null/0: no clipping
     seed: int = 0
     augment: bool = False  # open_clip's RandomResizedCrop(0.9-1.0) on training images
@@ -74,7 +74,7 @@ def callbacks() -> list[Any]:
     return []
 
 
-def build_job(params: TrainParams) -> Any:
+def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
     from clipms.config import CLIPConfig, get_preset
     from clipms.loader import loader_workers
     from clipms.tokenizer import Tokenizer
@@ -89,10 +89,11 @@ def build_job(params: TrainParams) -> Any:
     config = TrainConfig(
         model=model, batch_size=params.batch_size, epochs=params.epochs,
         max_steps=params.max_steps, lr=params.lr, warmup_steps=params.warmup_steps,
-        weight_decay=params.weight_decay, grad_clip_norm=params.grad_clip_norm or None,
+        weight_decay=params.weight_decay, decay_embeddings=params.decay_embeddings,
+        grad_clip_norm=params.grad_clip_norm or None,
         accum_steps=params.accum_steps, precision=params.precision, seed=params.seed,
         lock_image=params.lock_image, lock_text=params.lock_text, init_from=params.init_from,
-        mode=params.mode, device_target=params.device_target, kernel_fusion=params.kernel_fusion,
+        runtime=runtime,
         checkpoint_every=params.checkpoint_every, keep_checkpoints=params.keep_checkpoints,
         log_every=params.log_every, decode=params.decode,
         data_fingerprint=data_fingerprint(paths.SHARDS, paths.TOKENIZER))
@@ -122,7 +123,7 @@ def main() -> int:
     try:
         params = load_section("train", TrainParams)
         cluster = params.distributed.cluster()  # bad combinations fail here, before any work
-        job = build_job(params)
+        job = build_job(params, load_section("runtime", RuntimeConfig))
     except (ParamsError, ValueError, FileNotFoundError) as err:
         print(f"train: error: {err}", file=sys.stderr)
         return 1

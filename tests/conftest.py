@@ -26,6 +26,13 @@ if "CLIPMS_KERNEL_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["CLIPMS_KERNEL_CACHE"], True)
 os.environ["CLIPMS_KERNEL_FUSION"] = "0"
 
+# The CPU settings clipms.runtime.configure would make, set before any test imports MindSpore (some
+# are read at `import mindspore`); the tests' own configure() calls then find them in place.
+from clipms.runtime import RuntimeConfig, settings_for  # noqa: E402
+
+_cpu = settings_for(RuntimeConfig(kernel_fusion=False))
+os.environ.update({**_cpu.import_env, **_cpu.env})
+
 
 @pytest.fixture(params=["graph", "pynative"])
 def mode(request):

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 LIBRARY = Path(__file__).resolve().parents[1] / "clipms"
-FORBIDDEN = {"dvc", "prefect", "mlflow", "stages", "registry", "flows"}
+FORBIDDEN = {"dvc", "prefect", "mlflow", "stages", "registry", "flows", "serving"}
+SERVICE = LIBRARY.parent / "serving"  # the service: clipms and registry, never the pipeline
 
 
 def imported_roots(source: str) -> set[str]:
@@ -31,3 +32,8 @@ def test_the_checker_sees_forbidden_imports():
 @pytest.mark.parametrize("module", sorted(LIBRARY.rglob("*.py")), ids=lambda p: p.name)
 def test_library_module_imports_no_pipeline_code(module: Path):
     assert not imported_roots(module.read_text()) & FORBIDDEN
+
+
+@pytest.mark.parametrize("module", sorted(SERVICE.rglob("*.py")), ids=lambda p: p.name)
+def test_service_imports_no_stage_or_flow_code(module: Path):
+    assert not imported_roots(module.read_text()) & {"stages", "flows", "dvc", "prefect"}

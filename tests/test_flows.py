@@ -130,8 +130,7 @@ def test_overrides_use_dvc_set_param_syntax(toy: Path) -> None:
     assert dvc_cli.override_args({"a.b": 3, "a.c": "x y", "a.d": True, "a.e": [1, 2],
                                   "a.f": None, "a.g": "bpe"}) == [
         "a.b=3", 'a.c="x y"', "a.d=true", "a.e=[1,2]", "a.f=null", "a.g=bpe"]
-    original = apply_overrides.fn(toy, {"second.y": 5})
-    assert yaml.safe_load(original) == TOY_PARAMS
+    apply_overrides.fn(toy, {"second.y": 5})
     assert yaml.safe_load((toy / "params.yaml").read_text())["second"] == {"y": 5}
     with pytest.raises(ValueError, match="no section 'secnd'"):
         apply_overrides.fn(toy, {"secnd.y": 1})
@@ -153,6 +152,51 @@ def test_experiment_is_saved_and_listed(toy: Path) -> None:
              if e.get("name") == "clip-test-run"]
     metrics = exp["revs"][0]["data"]["metrics"]["m.json"]["data"]
     assert metrics == {"x": 9}  # the untracked metrics file is part of the experiment
+
+
+def test_an_override_run_never_writes_the_checkout(toy: Path) -> None:
+    """Issue 14.7: the overrides, the stages and the experiment happen in a private worktree; the
+    user's uncommitted edit is part of it, and an edit made during the run is left alone."""
+    from flows.workspace import PREFIX, experiment_workspace
+
+    for stage in ("first", "second", "third", "lone"):
+        run_stage.fn(toy, stage)
+    with (toy / ".gitignore").open("a") as ignore:  # an uncached output git ignores, like
+        ignore.write("/m.json\n")                   # models/checkpoints: linked, not copied
+    _commit(toy, "outputs")
+    uncommitted = yaml.safe_dump({**TOY_PARAMS, "lone": {"z": 4}})
+    (toy / "params.yaml").write_text(uncommitted)
+    before = {p: (toy / p).read_bytes() for p in ("params.yaml", "a.txt", "m.json", "dvc.lock")}
+    with experiment_workspace(toy, "clip-0000-run-id", dvc=dvc_cli.dvc) as private:
+        assert private != toy and private.parent.name.startswith(PREFIX + "clip-0000-run-id")
+        assert (private / "params.yaml").read_bytes() == before["params.yaml"]
+        assert (private / "m.json").read_bytes() == before["m.json"]
+        assert (private / "m.json").stat().st_ino == (toy / "m.json").stat().st_ino  # linked
+        assert dvc_cli.changed_stages(private).keys() == {"lone"}  # only the user's edit
+        apply_overrides.fn(private, {"first.x": 9})
+        (toy / "params.yaml").write_text("edited: during the run\n")  # the user, meanwhile
+        for stage in ("first", "second", "third"):
+            run_stage.fn(private, stage)
+        assert (private / "a.txt").read_text().strip() == "9"
+        assert save_experiment.fn(private, "clip-0000-run-id") == "clip-0000-run-id"
+    assert not private.exists()
+    assert (toy / "params.yaml").read_text() == "edited: during the run\n"
+    assert all((toy / p).read_bytes() == before[p] for p in ("a.txt", "m.json", "dvc.lock"))
+    assert run(["git", "worktree", "list"], toy).stdout.count("\n") == 1
+    shown = json.loads(run([PY, "-m", "dvc", "exp", "show", "--no-pager", "--json"], toy).stdout)
+    [exp] = [e for row in shown for e in row.get("experiments") or []
+             if e.get("name") == "clip-0000-run-id"]
+    assert exp["revs"][0]["data"]["metrics"]["m.json"]["data"] == {"x": 9}
+
+
+def test_a_worktree_left_by_a_crashed_run_is_removed(toy: Path, tmp_path: Path) -> None:
+    from flows.workspace import PREFIX, remove_stale
+
+    left = tmp_path / f"{PREFIX}clip-crashed-abc" / "workspace"
+    run(["git", "worktree", "add", "--detach", str(left), "HEAD"], toy)
+    assert remove_stale(toy) == [left]
+    assert not left.parent.exists()
+    assert run(["git", "worktree", "list"], toy).stdout.count("\n") == 1
 
 
 def test_dry_run_reports_stale_stages_without_running(toy: Path) -> None:
@@ -198,8 +242,11 @@ def test_lock_name_is_per_workspace(tmp_path: Path) -> None:
 
 
 def test_flow_module_imports_nothing_heavy() -> None:
-    code = ("import sys, flows.pipeline; heavy = {'mindspore', 'mlflow', 'clipms', 'dvc'}"
-            " & set(m.split('.')[0] for m in sys.modules); assert not heavy, heavy")
+    # clipms.redact (stdlib only) is the one library module the flows use
+    code = ("import sys, flows.pipeline; heavy = {'mindspore', 'mlflow', 'dvc'}"
+            " & set(m.split('.')[0] for m in sys.modules); assert not heavy, heavy; "
+            "lib = {m for m in sys.modules if m.startswith('clipms')}; "
+            "assert lib <= {'clipms', 'clipms.redact'}, lib")
     subprocess.run([PY, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 

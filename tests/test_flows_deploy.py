@@ -20,7 +20,7 @@ import yaml
 
 from flows import dvc_cli
 from flows.pipeline import ARTIFACT_KEY
-from flows.summary import RESTORED, UP_TO_DATE
+from flows.summary import UP_TO_DATE
 from tests import prefect_server
 from tests.prefect_server import PrefectStack
 from tests.workspace import run
@@ -139,10 +139,10 @@ def test_broken_param_fails_with_the_validation_message(prefect_stack: PrefectSt
     STATE["failed_stage"] = stage
 
 
-def test_runs_started_together_do_not_overlap_and_resume_where_dvc_left_off(
-        prefect_stack: PrefectStack) -> None:
-    """A manual and a nightly run at once, after the failed run: they take turns on the workspace;
-    the first resumes at the failed stage, the other finds everything up to date."""
+def test_runs_started_together_do_not_overlap(prefect_stack: PrefectStack) -> None:
+    """A manual and a nightly run at once, after the failed run: they take turns on the workspace,
+    and both find everything up to date - the failed run had overrides, so it ran in a private
+    worktree (flows/workspace.py) and left the checkout exactly as it was."""
     manual = prefect_stack.run_deployment(MANUAL, {"stages": None})
     nightly = prefect_stack.run_deployment("clip-pipeline/nightly")
     runs = {rid: prefect_stack.wait(rid, timeout=600) for rid in (manual, nightly)}
@@ -152,14 +152,9 @@ def test_runs_started_together_do_not_overlap_and_resume_where_dvc_left_off(
     outcomes = {rid: _outcomes(_artifact(prefect_stack, rid)) for rid in runs}
     # the nightly run always refreshes metadata; the synthetic source reproduces the same file
     assert outcomes[nightly]["metadata"] == "ran (forced), outputs unchanged"
-    failed = STATE["failed_stage"]
-    [resumed] = [rid for rid in runs if outcomes[rid][failed] in ("ran", RESTORED)]
-    [idle] = [rid for rid in runs if rid != resumed]
-    finished = STATE["order"][:STATE["order"].index(failed)]
-    assert all(_idle(outcomes[resumed][stage]) for stage in finished), outcomes[resumed]
-    assert all(_idle(outcome) for outcome in outcomes[idle].values()), outcomes[idle]
-    assert _artifact(prefect_stack, idle).splitlines()[0].endswith(f": {UP_TO_DATE}")
-    assert runs[idle]["total_run_time"] < max(60.0, STATE["first_seconds"] / 2), runs[idle]
+    for rid in runs:
+        assert all(_idle(outcome) for outcome in outcomes[rid].values()), outcomes[rid]
+        assert _artifact(prefect_stack, rid).splitlines()[0].endswith(f": {UP_TO_DATE}")
 
 
 def _outcomes(artifact: str) -> dict[str, str]:
@@ -182,7 +177,7 @@ def test_overrides_run_is_its_own_experiment(prefect_stack: PrefectStack) -> Non
     assert flow_run["state_type"] == "COMPLETED", prefect_stack.logs(run_id)[-4000:]
     artifact = _artifact(prefect_stack, run_id)
     assert f": updated {stage}" in artifact.splitlines()[0], artifact
-    name = f"clip-{flow_run['name']}"
+    name = f"clip-{run_id}"  # the flow run's id: unique, unlike its generated name
     assert f"DVC experiment `{name}`" in artifact
     shown = run(["dvc", "exp", "show", "--no-pager", "--json"], prefect_stack.workspace).stdout
     assert name in shown

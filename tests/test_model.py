@@ -14,7 +14,7 @@ import mindspore as ms
 
 from clipms.config import PRESETS, CLIPConfig, TextConfig, get_preset
 from clipms.convert import openclip_shapes
-from clipms.model import CLIP, GELU, count_parameters, l2_normalize, set_matmul_dtype
+from clipms.model import CLIP, GELU, count_parameters, l2_normalize, to_mixed_precision
 
 MODES = {"graph": ms.GRAPH_MODE, "pynative": ms.PYNATIVE_MODE}
 
@@ -131,15 +131,18 @@ def test_quick_gelu_changes_the_function(pynative):
                   - quick.encode_image(images).asnumpy()).max() > 1e-6
 
 
-def test_matmul_dtype_can_be_lowered(pynative):
+def test_mixed_precision_keeps_the_parameter_names_and_fp32_master_weights(pynative):
     cfg = _micro()
     ms.set_seed(4)
     net = CLIP(cfg)
+    names = [name for name, _ in net.parameters_and_names()]
     images, tokens = ms.Tensor(_images(cfg, 2)), ms.Tensor(_tokens(cfg.text, [3, 3]))
     reference = net.encode_image(images).asnumpy()
-    set_matmul_dtype(net, ms.float16)
+    to_mixed_precision(net)
+    assert [name for name, _ in net.parameters_and_names()] == names  # no O2 wrapper cells
+    assert all(p.dtype == ms.float32 for p in net.get_parameters())
     lowered = net.encode_image(images)
-    assert lowered.dtype == ms.float16
+    assert lowered.dtype == ms.float16  # the towers compute in fp16
     assert np.abs(lowered.asnumpy().astype(np.float32) - reference).max() < 0.05
     assert net.encode_text(tokens).shape == (2, cfg.embed_dim)
 

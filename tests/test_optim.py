@@ -90,7 +90,7 @@ def test_folded_hyper_is_torch_adamw_step_one():
         optim.folded_hyper(1e-3, 0)
 
 
-def test_decay_groups_exclude_gains_biases_embeddings_logit_scale():
+def test_decay_groups_follow_open_clip_and_can_spare_the_embeddings():
     shapes = {
         "visual.conv1.weight": (256, 192),
         "visual.class_embedding": (256,),
@@ -105,11 +105,31 @@ def test_decay_groups_exclude_gains_biases_embeddings_logit_scale():
         "text_projection": (256, 256),
         "logit_scale": (),
     }
-    decay, no_decay = optim.split_decay(shapes.items())
-    assert sorted(decay) == sorted([
-        "visual.conv1.weight", "visual.transformer.resblocks.0.attn.q_proj.weight",
-        "visual.proj", "text_projection"])
-    assert "logit_scale" in no_decay and "token_embedding.embedding_table" in no_decay
+    matrices = ["visual.conv1.weight", "visual.transformer.resblocks.0.attn.q_proj.weight",
+                "visual.proj", "text_projection"]
+    embeddings = ["visual.positional_embedding", "token_embedding.embedding_table",
+                  "positional_embedding"]
+    decay, no_decay = optim.split_decay(shapes.items())  # open_clip: embedding tables decayed
+    assert sorted(decay) == sorted(matrices + embeddings)
+    assert sorted(no_decay) == sorted(["visual.class_embedding", "visual.ln_pre.gamma",
+                                       "visual.ln_pre.beta", "logit_scale",
+                                       "visual.transformer.resblocks.0.attn.q_proj.bias"])
+    decay, no_decay = optim.split_decay(shapes.items(), decay_embeddings=False)
+    assert sorted(decay) == sorted(matrices)
+    assert set(embeddings) <= set(no_decay)
+
+
+def test_the_real_model_decays_its_embedding_tables_by_default():
+    from clipms.model import CLIP
+    from tests.tiny_model import tiny_config
+
+    named = list(CLIP(tiny_config(vocab_size=50)).parameters_and_names())
+    flags = dict(zip([n for n, _ in named], optim.build_adamw(named).decay_flags, strict=True))
+    assert flags["text.token_embedding.embedding_table"] and flags["visual.positional_embedding"]
+    assert not flags["visual.class_embedding"] and not flags["logit_scale"]
+    assert not any(flag for name, flag in flags.items() if name.endswith((".gamma", ".beta")))
+    spared = optim.build_adamw(named, decay_embeddings=False).decay_flags
+    assert sum(spared) == sum(flags.values()) - 3  # token + 2 positional tables
 
 
 def test_clip_by_global_norm_matches_numpy():

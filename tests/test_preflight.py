@@ -25,21 +25,23 @@ def _cli(*args: str, cwd: Path = PROJECT_ROOT):
 
 
 def _schemas() -> dict[str, type]:
+    from clipms.runtime import RuntimeConfig
     from stages.evaluate import EvaluateParams
     from stages.metadata import MetadataParams
     from stages.tokenizer import TokenizerParams
     from stages.train import TrainParams
 
     return {"train": TrainParams, "tokenizer": TokenizerParams, "metadata": MetadataParams,
-            "evaluate": EvaluateParams}
+            "evaluate": EvaluateParams, "runtime": RuntimeConfig}
 
 
 def test_the_plan_defaults_are_the_train_stages_own():
-    schema = _schemas()["train"]()
+    schema, runtime = _schemas()["train"](), _schemas()["runtime"]()
     plan = preflight.RunPlan()
     for field in dataclasses.fields(preflight.RunPlan):
-        if field.name in schema.model_fields:
-            assert getattr(plan, field.name) == getattr(schema, field.name), field.name
+        for section in (schema, runtime):
+            if field.name in type(section).model_fields:
+                assert getattr(plan, field.name) == getattr(section, field.name), field.name
     dist = schema.distributed
     assert (plan.ranks, plan.nodes, plan.node_rank, plan.master_addr, plan.master_port) == (
         dist.workers, dist.nodes, dist.node_rank, dist.master_addr, dist.master_port)
@@ -83,6 +85,8 @@ def test_on_this_machine_an_ascend_profile_fails_and_says_no_device_is_present()
     assert checks["mindspore.run_check"]["status"] == "ok"  # MindSpore itself runs (on CPU)
     plan = report["plan"]
     assert (plan["device"], plan["ranks"], plan["global_batch"]) == ("Ascend", 8, 2048)
+    assert (plan["jit_level"], plan["kernel_fusion"]) == ("O1", False)  # clipms.runtime's Ascend
+    assert "MS_COMPILER_CACHE_ENABLE" in checks["runtime"]["detail"]
     assert plan["parameters"] == 151_277_313  # open_clip's ViT-B-32
     assert report["command"].startswith("dvc exp run -S 'metadata.source=mscoco'")
 
@@ -102,6 +106,11 @@ def test_the_default_cpu_run_passes_and_the_plan_is_checked_against_the_manifest
     assert too_big.returncode == 1
     detail = {c["name"]: c for c in json.loads(too_big.stdout.splitlines()[-1])["checks"]}
     assert "cannot fill one global batch of 2048" in detail["global batch"]["detail"]
+
+    bad_runtime = _cli("--manifest", str(manifest), "-S", "runtime.jit_level=O3")
+    assert bad_runtime.returncode == 1
+    detail = {c["name"]: c for c in json.loads(bad_runtime.stdout.splitlines()[-1])["checks"]}
+    assert detail["runtime"]["status"] == "FAIL" and "jit_level" in detail["runtime"]["detail"]
 
     never_warm = _cli("--manifest", str(manifest), "-S", "train.epochs=1",
                       "-S", "train.warmup_steps=23")

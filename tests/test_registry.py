@@ -151,10 +151,13 @@ def test_params_are_flattened_and_never_leak_secrets_or_home(monkeypatch) -> Non
         "metadata.path": f"{home}/data/meta.parquet", "tokenizer.kind": "bpe",
     })
     assert safe["metadata.api_key"] == safe["x.password"] == safe["x.hf_token"] == "<redacted>"
-    assert safe["metadata.url"] == "https://example.org/data.parquet"
+    assert safe["metadata.url"] == "https://<redacted>@example.org/data.parquet"
     assert safe["metadata.path"] == "~/data/meta.parquet"
     assert safe["tokenizer.kind"] == "bpe"
-    assert settings.redact_uri("http://u:p@127.0.0.1:5000") == "http://127.0.0.1:5000"
+    presigned = ("https://bucket.s3.amazonaws.com/m.parquet?X-Amz-Credential=AKIA%2F&"
+                 "X-Amz-Signature=SIGSECRET")
+    assert lineage.safe_params({"metadata.path": presigned})["metadata.path"] \
+        == "https://bucket.s3.amazonaws.com/m.parquet?<redacted>"
 
 
 def write_pipeline_state(root: Path, shards_md5: str = "1" * 32, val_sha: str = "f" * 64) -> None:
@@ -201,8 +204,18 @@ def test_lineage_reads_git_dvc_lock_and_manifest(tmp_path: Path, monkeypatch) ->
     assert tags["lineage.metadata_source"] == "synthetic"
     assert tags["lineage.metadata_md5"] == "2" * 32
     assert len(tags["lineage.val_digest"]) == 32
+    # The pipeline's own writes (dvc.lock, its outputs) and a stray note leave the commit clean
+    # (issue 12.9); code and params do not.
     (tmp_path / "dvc.lock").write_text((tmp_path / "dvc.lock").read_text() + "\n# edited\n")
-    assert lineage.lineage(lineage.read_lock(LOCK), MANIFEST)["lineage.git_dirty"] == "true"
+    (tmp_path / "notes.txt").write_text("a note\n")
+    assert lineage.lineage(lineage.read_lock(LOCK), MANIFEST)["lineage.git_dirty"] == "false"
+    for changed in ("params.yaml", "stages/new_stage.py"):
+        (tmp_path / changed).parent.mkdir(exist_ok=True)
+        (tmp_path / changed).write_text("x: 1\n")
+        assert lineage.lineage(lineage.read_lock(LOCK), MANIFEST)["lineage.git_dirty"] == "true"
+        (tmp_path / changed).unlink()
+    porcelain = " M dvc.lock\n M data/parts/manifest.json\n?? data/parts/val/x.tar\n M a.py\n"
+    assert lineage.changed_code_and_params(porcelain, lineage.read_lock(LOCK)) == ["a.py"]
     write_pipeline_state(tmp_path, val_sha="0" * 64)
     again = lineage.lineage(lineage.read_lock(LOCK), MANIFEST)
     assert again["lineage.val_digest"] != tags["lineage.val_digest"]

@@ -375,9 +375,27 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     assert tags["lineage.tokenizer_md5"] == lineage.lock_hash(lock, "models/tokenizer.json")
     head = run(["git", "rev-parse", "HEAD"], ws).stdout.strip()
     assert tags["lineage.git_commit"] == head
+    assert tags["lineage.git_dirty"] == "false"  # a fresh repro of a clean commit (issue 12.9)
     assert [i.dataset.digest for i in data.inputs.dataset_inputs] == [
         tags["lineage.data_shards_md5"]]
     version = client.get_model_version_by_alias("clip-e2e", "champion")
     assert version.version == "1" and version.run_id == info["run_id"]
     assert float(version.tags["metric.i2t_R_at_5"]) == pytest.approx(evaluation["i2t_R@5"])
     assert train_summary  # train.json exists; its values are logged as train_* metrics
+    # The index stage ran after export; register logged it with the version's run, so the
+    # champion's model and its index come back from MLflow alone and belong together.
+    from clipms.index import ImageIndex, bundle_digest
+    from serving.source import RegistrySource
+
+    indexed = read_json(ws / "metrics" / "index.json")
+    assert indexed["rows"] > 0 and indexed["search"] == "exact"
+    logged = {a.path for a in client.list_artifacts(info["run_id"], "index")}
+    assert {"index/index.json", "index/embeddings.npy", "index/items.parquet"} <= logged
+    source = RegistrySource("models:/clip-e2e@champion", server.uri)
+    fetched = source.fetch(*source.current())
+    try:
+        index = ImageIndex.load(fetched.index_dir, bundle_digest(fetched.bundle_dir))
+        assert len(index) == indexed["rows"]
+        assert index.bundle_digest == bundle_digest(ws / "models" / "export")
+    finally:
+        fetched.cleanup()

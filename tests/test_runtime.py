@@ -1,27 +1,122 @@
-"""clipms.runtime: CPU graph-kernel fusion is really applied (AKG compiles fused kernels into the
-cache), changes no result beyond fp32 rounding, and its switches do what they say. The fused and
-unfused runs are separate processes: MindSpore reads the fusion flags process-wide."""
+"""clipms.runtime: the settings computed for each device, as data (CPU tuning only on CPU; O1 and
+the compile cache on Ascend; the user's own values win); and real CPU runs: fusion is applied (AKG
+compiles fused kernels into the cache), changes no result beyond fp32 rounding, and the import-time
+settings are in place. Fused and unfused runs are separate processes: MindSpore reads the fusion
+flags process-wide."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from clipms.runtime import FUSION_FLAGS, SWITCH, enable_kernel_fusion, kernel_cache_dir
+from clipms.runtime import (
+    FUSION_FLAGS,
+    SWITCH,
+    RuntimeConfig,
+    configure,
+    kernel_cache_dir,
+    settings_for,
+)
+from stages.params import ParamsError, validate_section
 from tests.workspace import PROJECT_ROOT
 
-FUSION_ENV = ("MS_DEV_GRAPH_KERNEL_FLAGS", "MS_COMPILER_CACHE_PATH", "CLIPMS_KERNEL_CACHE", SWITCH)
+MS_DIR = Path("/opt/ms")  # settings_for takes the installed package as an argument
+HOME = {"HOME": "/home/u"}
+CPU_TUNING = ("OMP_WAIT_POLICY", "MS_DEV_HOST_BLOCKING_RUN", "MS_DEV_GRAPH_KERNEL_FLAGS",
+              "AKG_WHITE_LIST_PATH")
+RUNTIME_ENV = (*CPU_TUNING, "MS_COMPILER_CACHE_PATH", "MS_COMPILER_CACHE_ENABLE",
+               "CLIPMS_KERNEL_CACHE", SWITCH)
+
+
+def test_cpu_settings_tune_the_host_and_fuse_kernels():
+    s = settings_for(RuntimeConfig(), HOME, MS_DIR)
+    assert (s.device_target, s.device_id, s.mode, s.jit_level, s.kernel_fusion) == (
+        "CPU", None, "graph", None, True)
+    assert s.import_env == {"OMP_WAIT_POLICY": "PASSIVE"}  # libgomp reads it when loaded
+    assert s.env == {"MS_DEV_HOST_BLOCKING_RUN": "1", "MS_DEV_GRAPH_KERNEL_FLAGS": FUSION_FLAGS,
+                     "AKG_WHITE_LIST_PATH": "/opt/ms/_akg",
+                     "MS_COMPILER_CACHE_PATH": "/home/u/.cache/clipms/mindspore-kernels"}
+    unfused = settings_for(RuntimeConfig(kernel_fusion=False), HOME, MS_DIR)
+    assert not unfused.kernel_fusion and unfused.env == {"MS_DEV_HOST_BLOCKING_RUN": "1"}
+
+
+def test_ascend_settings_select_o1_and_the_compile_cache_and_no_cpu_tuning():
+    s = settings_for(RuntimeConfig(device_target="Ascend", device_id=3), HOME, MS_DIR)
+    assert (s.device_target, s.device_id, s.jit_level, s.kernel_fusion) == ("Ascend", 3, "O1",
+                                                                            False)
+    assert s.import_env == {}
+    assert s.env == {"MS_COMPILER_CACHE_ENABLE": "1",
+                     "MS_COMPILER_CACHE_PATH": "/home/u/.cache/clipms/mindspore-kernels"}
+    assert settings_for(RuntimeConfig(device_target="Ascend", jit_level="O0"), HOME,
+                        MS_DIR).jit_level == "O0"  # an explicit level wins
+    gpu = settings_for(RuntimeConfig(device_target="GPU"), HOME, MS_DIR)
+    assert gpu.jit_level is None and not set(CPU_TUNING) & set({**gpu.import_env, **gpu.env})
+
+
+def test_the_switch_the_cache_variable_and_the_users_own_values_win():
+    environ = {**HOME, SWITCH: "0"}
+    assert not settings_for(RuntimeConfig(), environ, MS_DIR).kernel_fusion
+    environ = {"CLIPMS_KERNEL_CACHE": "/scratch/k", "MS_DEV_GRAPH_KERNEL_FLAGS": "--opt_level=1",
+               "OMP_WAIT_POLICY": "ACTIVE"}
+    s = settings_for(RuntimeConfig(), environ, MS_DIR)
+    assert s.env["MS_DEV_GRAPH_KERNEL_FLAGS"] == "--opt_level=1"
+    assert s.env["MS_COMPILER_CACHE_PATH"] == "/scratch/k"
+    assert s.import_env["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_the_kernel_cache_is_never_the_working_directory():
+    assert kernel_cache_dir({"CLIPMS_KERNEL_CACHE": "/k"}) == Path("/k")
+    assert kernel_cache_dir({"XDG_CACHE_HOME": "/x", "HOME": "/h"}) == Path(
+        "/x/clipms/mindspore-kernels")
+    assert kernel_cache_dir({"HOME": "/h"}) == Path("/h/.cache/clipms/mindspore-kernels")
+
+
+def test_the_runtime_section_rejects_unknown_devices_and_keys():
+    with pytest.raises(ParamsError, match=r"runtime.device_target = 'TPU'"):
+        validate_section("runtime", RuntimeConfig, {"device_target": "TPU"})
+    with pytest.raises(ParamsError, match=r"runtime.jit_level = 'O2'"):
+        validate_section("runtime", RuntimeConfig, {"jit_level": "O2"})
+    with pytest.raises(ParamsError, match=r"runtime.fusion: unknown key"):
+        validate_section("runtime", RuntimeConfig, {"fusion": True})
+
+
+def test_the_command_line_prints_the_settings_of_a_device():
+    out = subprocess.run([sys.executable, "-m", "clipms.runtime", "--device", "Ascend"],
+                         capture_output=True, text=True, check=True, cwd=PROJECT_ROOT).stdout
+    printed = json.loads(out)
+    assert printed["jit_level"] == "O1" and printed["env"]["MS_COMPILER_CACHE_ENABLE"] == "1"
+
+
+def test_a_process_cannot_switch_devices():
+    configure(RuntimeConfig(kernel_fusion=False))  # this process: CPU
+    with pytest.raises(RuntimeError, match="needs a process of its own"):
+        configure(RuntimeConfig(device_target="Ascend"))
+
+
+# ---- real CPU runs, each in a process of its own -------------------------------------------
+
+PROBE = """
+import json, os, sys
+from clipms.runtime import RuntimeConfig, configure
+settings = configure(RuntimeConfig(kernel_fusion=sys.argv[1] == "on"))
+import mindspore as ms
+print(json.dumps({"env": {k: os.environ.get(k) for k in json.loads(sys.argv[2])},
+                  "fusion": settings.kernel_fusion, "mode": ms.get_context("mode"),
+                  "device": ms.get_context("device_target")}))
+"""
 
 ENCODE = """
 import sys
 import numpy as np
 from clipms.infer import Encoder
 from tests.tiny_model import CAPTIONS, random_images
-encoder = Encoder(sys.argv[1], batch_size=4)  # 6 inputs: batches of 4 and 2
+encoder = Encoder(sys.argv[1], batch_size=4, kernel_fusion=sys.argv[3] == "on")
 np.savez(sys.argv[2], images=encoder.encode_images(random_images(6, seed=5)),
          texts=encoder.encode_texts(CAPTIONS[:6]))
 """
@@ -32,11 +127,12 @@ import numpy as np
 import mindspore as ms
 from clipms.bench import random_images, random_tokens
 from clipms.optim import folded_hyper
+from clipms.runtime import RuntimeConfig
 from clipms.trainer import TrainConfig, build_training, setup_runtime
 from tests.tiny_model import tiny_config
 cfg = TrainConfig(model=tiny_config(vocab_size=100), batch_size=8, lr=1e-3,
-                  kernel_fusion=sys.argv[2] == "on")
-setup_runtime(cfg, distributed=False)  # mode, device, fusion (if cfg asks), seed
+                  runtime=RuntimeConfig(kernel_fusion=sys.argv[2] == "on"))
+setup_runtime(cfg, distributed=False)  # clipms.runtime.configure + seed
 _, step, _ = build_training(cfg)
 images = ms.Tensor(random_images(8, 32))
 tokens = ms.Tensor(random_tokens(8, 16, 100))
@@ -46,17 +142,29 @@ np.save(sys.argv[1], np.array(losses))
 """
 
 
-def fused_kernels(cache) -> list[str]:
+def run_python(code: str, args: list[str], cache: Path) -> str:
+    """Run `code` in a fresh interpreter with none of the runtime's variables inherited."""
+    env = {k: v for k, v in os.environ.items() if k not in RUNTIME_ENV}
+    env.update({"CLIPMS_KERNEL_CACHE": str(cache), "PYTHONPATH": str(PROJECT_ROOT)})
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cache.parent, env=env,
+                          check=True, timeout=600, capture_output=True, text=True).stdout
+
+
+def fused_kernels(cache: Path) -> list[str]:
     meta = cache / "akg_kernel_meta"
     return sorted(p.name for p in meta.glob("*.so")) if meta.is_dir() else []
 
 
-def run_python(code: str, args: list[str], cache, fusion: bool) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in FUSION_ENV}
-    env.update({"CLIPMS_KERNEL_CACHE": str(cache), SWITCH: "1" if fusion else "0",
-                "PYTHONPATH": str(PROJECT_ROOT)})
-    subprocess.run([sys.executable, "-c", code, *args], cwd=cache.parent, env=env, check=True,
-                   timeout=600)
+def test_configure_sets_the_cpu_environment_before_mindspore_is_imported(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    out = run_python(PROBE, ["on", json.dumps(RUNTIME_ENV[:4])], cache)
+    probe = json.loads(out.strip().splitlines()[-1])
+    assert probe["fusion"] and probe["device"] == "CPU" and probe["mode"] == 0  # GRAPH_MODE
+    assert probe["env"] == {"OMP_WAIT_POLICY": "PASSIVE", "MS_DEV_HOST_BLOCKING_RUN": "1",
+                            "MS_DEV_GRAPH_KERNEL_FLAGS": FUSION_FLAGS,
+                            "AKG_WHITE_LIST_PATH": probe["env"]["AKG_WHITE_LIST_PATH"]}
+    assert Path(probe["env"]["AKG_WHITE_LIST_PATH"]).is_dir()
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +176,12 @@ def bundle(tmp_path_factory):
 
 def test_fused_encoder_compiles_fused_kernels_and_matches_the_unfused_one(bundle, tmp_path):
     results = {}
-    for fusion in (True, False):
+    for fusion in ("on", "off"):
         cache = tmp_path / f"fusion-{fusion}" / "cache"
         cache.mkdir(parents=True)
-        run_python(ENCODE, [str(bundle), str(cache.parent / "out.npz")], cache, fusion)
+        run_python(ENCODE, [str(bundle), str(cache.parent / "out.npz"), fusion], cache)
         results[fusion] = (np.load(cache.parent / "out.npz"), fused_kernels(cache))
-    (fused, kernels), (plain, none) = results[True], results[False]
+    (fused, kernels), (plain, none) = results["on"], results["off"]
     # The Erf of the exact GELU and the LayerNorms were expanded and fused; nothing when off.
     assert any("Erf" in name for name in kernels), kernels
     assert none == []
@@ -87,35 +195,9 @@ def test_fused_training_steps_follow_the_unfused_losses(tmp_path):
         cache = tmp_path / f"fusion-{fusion}" / "cache"
         cache.mkdir(parents=True)
         out = cache.parent / "losses.npy"
-        run_python(TRAIN, [str(out), fusion], cache, fusion=True)  # TrainConfig decides
+        run_python(TRAIN, [str(out), fusion], cache)  # the TrainConfig's runtime decides
         losses[fusion] = (np.load(out), fused_kernels(cache))
     assert any("LayerNorm" in name or "Erf" in name for name in losses["on"][1])
     assert losses["off"][1] == []
     assert losses["on"][0][2] < losses["on"][0][0]  # it trains
     np.testing.assert_allclose(losses["on"][0], losses["off"][0], rtol=1e-4)
-
-
-def test_the_switch_and_a_users_own_flags_win(monkeypatch, tmp_path):
-    monkeypatch.setenv("CLIPMS_KERNEL_CACHE", str(tmp_path))
-    monkeypatch.delenv("MS_COMPILER_CACHE_PATH", raising=False)  # restored after the test
-    monkeypatch.delenv("MS_DEV_GRAPH_KERNEL_FLAGS", raising=False)
-    monkeypatch.setenv(SWITCH, "0")
-    assert enable_kernel_fusion() is False
-    assert "MS_DEV_GRAPH_KERNEL_FLAGS" not in os.environ
-
-    monkeypatch.setenv(SWITCH, "1")
-    monkeypatch.setenv("MS_DEV_GRAPH_KERNEL_FLAGS", "--opt_level=1")
-    assert enable_kernel_fusion() is True
-    assert os.environ["MS_DEV_GRAPH_KERNEL_FLAGS"] == "--opt_level=1"
-
-    monkeypatch.delenv("MS_DEV_GRAPH_KERNEL_FLAGS")
-    assert enable_kernel_fusion() is True
-    assert os.environ["MS_DEV_GRAPH_KERNEL_FLAGS"] == FUSION_FLAGS
-
-
-def test_the_kernel_cache_is_never_the_working_directory(monkeypatch, tmp_path):
-    monkeypatch.setenv("CLIPMS_KERNEL_CACHE", str(tmp_path / "explicit"))
-    assert kernel_cache_dir() == tmp_path / "explicit"
-    monkeypatch.delenv("CLIPMS_KERNEL_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert kernel_cache_dir() == tmp_path / "xdg" / "clipms" / "mindspore-kernels"

@@ -140,6 +140,9 @@ def test_amp_runs_on_cpu_with_a_dynamic_loss_scale():
     losses = [row["loss"] for row in result.history]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert result.model.logit_scale.dtype == ms.float32  # master weights stay fp32
+    names = [name for name, _ in result.model.parameters_and_names()]
+    ms.set_seed(0)
+    assert names == [name for name, _ in CLIP(MICRO).parameters_and_names()]  # CLIP's own names
 
 
 def test_checkpoints_of_another_config_are_discarded_not_resumed(tmp_path, caplog):

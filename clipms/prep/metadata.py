@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from clipms.atomic import atomic_write
 from clipms.prep import karpathy, synthetic
 from clipms.prep.urlguard import FetchPolicy, RefusedURL, build_opener, check_url
+from clipms.redact import redact_text, redact_url
 
 MSCOCO_URL = ("https://huggingface.co/datasets/ChristophSchuhmann/MS_COCO_2017_URL_TEXT/resolve/"
               "main/mscoco.parquet")
@@ -201,7 +202,7 @@ def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, c
         tmp = Path(scratch) / "download.parquet"
         download(url, tmp, policy=policy, timeout=spec.timeout, retries=spec.retries,
                  sha256=spec.sha256, backoff_seconds=backoff_seconds)
-        return read_captions(tmp, url_col, caption_col, spec.id_col, shown_name=url)
+        return read_captions(tmp, url_col, caption_col, spec.id_col, shown_name=redact_url(url))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +218,8 @@ def download(url: str, dest: Path, *, policy: FetchPolicy, timeout: float, retri
     mismatch fail at once, since retrying cannot fix them.
     """
     last_error: Exception | None = None
-    print(f"metadata: downloading {url}", flush=True)
+    shown = redact_url(url)  # printed and raised: no credentials, signature or token
+    print(f"metadata: downloading {shown}", flush=True)
     opener = build_opener(replace(policy, max_bytes=None))  # streamed to disk, not to memory
     for attempt in range(retries + 1):
         if attempt:
@@ -227,25 +229,25 @@ def download(url: str, dest: Path, *, policy: FetchPolicy, timeout: float, retri
             digest = _download_once(opener, url, dest, timeout)
         except urllib.error.HTTPError as err:
             if err.code < 500 and err.code != 429:
-                raise MetadataError(f"downloading {url}: HTTP {err.code} {err.reason}") from err
+                raise MetadataError(f"downloading {shown}: HTTP {err.code} {err.reason}") from err
             last_error = err
         except (RefusedURL, urllib.error.URLError) as err:
             refused = err if isinstance(err, RefusedURL) else err.reason
             if isinstance(refused, RefusedURL) and refused.reason != "unresolvable_host":
-                raise MetadataError(f"downloading {url}: {refused}") from err
+                raise MetadataError(f"downloading {shown}: {redact_text(str(refused))}") from err
             last_error = err  # DNS may come back: retried like a connection error
         except (OSError, http.client.HTTPException) as err:  # refused, DNS, timeout, cut short
             last_error = err
         else:
             if sha256 and digest != sha256.lower():
                 dest.unlink(missing_ok=True)
-                raise MetadataError(f"checksum mismatch for {url}: sha256 is {digest}, "
+                raise MetadataError(f"checksum mismatch for {shown}: sha256 is {digest}, "
                                     f"metadata.sha256 expects {sha256.lower()}")
             return digest
-        print(f"metadata: download attempt {attempt + 1}/{retries + 1} of {url} failed: "
+        print(f"metadata: download attempt {attempt + 1}/{retries + 1} of {shown} failed: "
               f"{_reason(last_error)}", flush=True)
     raise MetadataError(
-        f"could not download {url} after {retries + 1} attempts (last error: "
+        f"could not download {shown} after {retries + 1} attempts (last error: "
         f"{_reason(last_error)}). Offline or unreachable? Use metadata.source: synthetic, or fetch "
         f"the file elsewhere and set metadata.source: local with metadata.path.")
 
@@ -272,8 +274,8 @@ def _reason(err: Exception | None) -> str:
     if isinstance(err, urllib.error.HTTPError):
         return f"HTTP {err.code} {err.reason}"
     if isinstance(err, urllib.error.URLError):
-        return str(err.reason)
-    return repr(err)
+        return redact_text(str(err.reason))
+    return redact_text(repr(err))
 
 
 def verify_sha256(path: Path, expected: str) -> None:

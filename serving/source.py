@@ -1,0 +1,127 @@
+"""Where the served model comes from: a local bundle + index, or the MLflow registry.
+
+`models:/NAME@ALIAS` (or `models:/NAME/VERSION`) resolves to a model version; its pyfunc artifacts
+hold the export bundle (`artifacts/bundle/`), and the version's run holds the index the `register`
+stage logged beside it (registry.registration.INDEX_ARTIFACT). Both are downloaded into a folder of
+their own per version, so any machine serves the champion from MLflow alone.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from serving.engine import ModelInfo
+
+MODEL_URI = re.compile(r"^models:/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)"
+                       r"(?:@(?P<alias>[A-Za-z0-9_-]+)|/(?P<version>\d+))$")
+
+
+class SourceError(RuntimeError):
+    """The version has no bundle or no index: it can never be served (not a transient error)."""
+
+
+@dataclass
+class Fetched:
+    """A model version on local disk; `cleanup()` removes what was downloaded for it."""
+
+    info: ModelInfo
+    bundle_dir: Path
+    index_dir: Path
+    download_dir: Path | None = None
+
+    def cleanup(self) -> None:
+        if self.download_dir is not None:
+            shutil.rmtree(self.download_dir, ignore_errors=True)
+
+
+def local_model(bundle_dir: Path | str, index_dir: Path | str | None = None) -> Fetched:
+    """A bundle folder (models/export) and its index (default: the sibling models/index)."""
+    from clipms.index import bundle_digest
+
+    bundle = Path(bundle_dir)
+    index = Path(index_dir) if index_dir is not None else bundle.parent / "index"
+    info = ModelInfo(name=f"local:{bundle.name}", version=bundle_digest(bundle)[:12])
+    return Fetched(info, bundle, index)
+
+
+def bundle_folder(model_dir: Path) -> Path | None:
+    """The bundle's folder in a downloaded pyfunc model, as its MLmodel file names it (MLflow
+    keeps the source folder's name: artifacts/export for the pipeline's models/export)."""
+    import yaml
+
+    from registry.pyfunc import BUNDLE_ARTIFACT
+
+    try:
+        mlmodel = yaml.safe_load((model_dir / "MLmodel").read_text())
+        relative = mlmodel["flavors"]["python_function"]["artifacts"][BUNDLE_ARTIFACT]["path"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return None
+    folder = (model_dir / relative).resolve()
+    return folder if folder.is_relative_to(model_dir.resolve()) else None
+
+
+class RegistrySource:
+    """A registered model, by alias (followed) or by version number (fixed)."""
+
+    def __init__(self, uri: str, tracking_uri: str | None = None,
+                 cache_dir: Path | str | None = None) -> None:
+        match = MODEL_URI.match(uri)
+        if match is None:
+            raise SourceError(f"{uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+        self.uri = uri
+        self.name = match["name"]
+        self.alias = match["alias"]
+        self.fixed_version = match["version"]
+        self.tracking_uri = tracking_uri
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+
+    def _client(self):  # noqa: ANN202 - mlflow is imported lazily
+        from mlflow import MlflowClient
+
+        from registry.settings import tracking_uri
+
+        return MlflowClient(tracking_uri=self.tracking_uri or tracking_uri())
+
+    def current(self) -> tuple[str, str | None]:
+        """(version, run_id) the URI names now (the alias may have moved since the last call)."""
+        client = self._client()
+        if self.alias is None:
+            version = client.get_model_version(self.name, self.fixed_version)
+        else:
+            version = client.get_model_version_by_alias(self.name, self.alias)
+        return str(version.version), version.run_id
+
+    def fetch(self, version: str, run_id: str | None) -> Fetched:
+        """Download version `version`'s bundle and its run's index into a new folder."""
+        import mlflow
+
+        from registry.registration import INDEX_ARTIFACT
+
+        if self.cache_dir is not None:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=f"clipms-serve-{self.name}-v{version}-",
+                                       dir=self.cache_dir))
+        info = ModelInfo(self.name, version, self.alias, run_id)
+        try:
+            uri = self.tracking_uri or None
+            model = Path(mlflow.artifacts.download_artifacts(
+                f"models:/{self.name}/{version}", dst_path=str(folder / "model"),
+                tracking_uri=uri))
+            bundle = bundle_folder(model)
+            if bundle is None or not (bundle / "bundle.json").is_file():
+                raise SourceError(f"{self.name} v{version}: no export bundle in the model's "
+                                  "artifacts (not logged by registry.pyfunc?)")
+            if not run_id or not self._client().list_artifacts(run_id, INDEX_ARTIFACT):
+                raise SourceError(f"{self.name} v{version}: its run {run_id} has no "
+                                  f"'{INDEX_ARTIFACT}' artifact (registered without an index?)")
+            index = Path(mlflow.artifacts.download_artifacts(
+                run_id=run_id, artifact_path=INDEX_ARTIFACT, dst_path=str(folder / "run"),
+                tracking_uri=uri))
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return Fetched(info, bundle, index, folder)

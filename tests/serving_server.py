@@ -1,0 +1,106 @@
+"""The project's search service for tests: `python -m serving` on a free 127.0.0.1 port.
+
+`ServingServer(root, args).start()` launches it, waits (bounded) for `/readyz`, and `.stop()` always
+ends it and everything it started. The service runs with CPU kernel fusion off: a fused graph
+compiles for ~10 s per batch shape on a loaded 2-core machine, and the warm-up compiles every
+shape; fusion changes the speed of the same graphs, not what the service does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.mlflow_server import free_port
+from tests.workspace import tool_env
+
+STARTUP_TIMEOUT_S = 300.0
+
+
+class ServingServer:
+    def __init__(self, root: Path, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.args = args
+        self.env = {**tool_env(), "CLIPMS_KERNEL_FUSION": "0", **(env or {})}
+        self.log = self.root / f"serve-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = STARTUP_TIMEOUT_S) -> ServingServer:
+        cmd = [sys.executable, "-m", "serving", "--host", "127.0.0.1", "--port", str(self.port),
+               *self.args]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         cwd=self.root, start_new_session=True)
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"service exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if request(f"{self.url}/readyz", timeout=2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"service not ready after {timeout:.0f} s:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = None
+            return
+        pgid = os.getpgid(self.proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(timeout=15)
+        self.proc = None
+
+    def tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+    def __enter__(self) -> ServingServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def request(url: str, body: Any = None, timeout: float = 30.0, raw: bytes | None = None,
+            headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
+    """(status, body, headers) of a GET, or a POST of `body` as JSON (or `raw` bytes)."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                          **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as response:
+            return response.status, response.read(), dict(response.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, err.read(), dict(err.headers)
+
+
+def post_json(url: str, body: Any, **kwargs: Any) -> tuple[int, dict[str, Any]]:
+    status, payload, _ = request(url, body, **kwargs)
+    return status, json.loads(payload)

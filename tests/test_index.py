@@ -1,0 +1,137 @@
+"""The search index (clipms.index, clipms.search) and the `index` stage, on a real tiny bundle."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from clipms.index import EMBEDDINGS, ImageIndex, ImageIndexError, Item, build_index, bundle_digest
+from clipms.search import ExactSearch, FaissSearch, SearchOptions
+from tests.hostile_images import encoded, png_bomb
+from tests.tiny_model import jpeg_bytes, make_val_shards, random_images
+from tests.workspace import run, tool_env
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_model import export_tiny_bundle
+
+    return export_tiny_bundle(tmp_path_factory.mktemp("index-bundle"))
+
+
+@pytest.fixture(scope="module")
+def encoder(bundle: Path):
+    from clipms.infer import Encoder
+
+    return Encoder(bundle, batch_size=4, kernel_fusion=False)
+
+
+def collection(n: int = 9) -> list[Item]:
+    images = random_images(n, seed=3, size=(48, 40))
+    return [Item(f"k{i:03d}", jpeg_bytes(im), f"caption {i}", "val" if i % 3 else "train")
+            for i, im in enumerate(images)]
+
+
+def unit_rows(n: int, dim: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_build_and_load_round_trip(encoder, bundle, tmp_path) -> None:
+    items = collection()
+    hostile = [Item("bomb", png_bomb(), "a bomb", "val"), Item("gif", encoded("GIF"), "", "val"),
+               Item("k001", items[0].image, "a repeated key", "val")]
+    digest = bundle_digest(bundle)
+    report = build_index(encoder, [*items[:5], *hostile, *items[5:]], tmp_path / "index", digest,
+                         SearchOptions(), thumbnail_size=16, batch_size=4)
+    assert report == {"rows": 9, "dim": 32, "skipped": {"undecodable_image": 2,
+                                                        "duplicate_key": 1}, "search": "exact"}
+    index = ImageIndex.load(tmp_path / "index", bundle_digest=digest)
+    assert index.keys == [item.key for item in items] and index.captions[4] == "caption 4"
+    want = encoder.encode_images([item.image for item in items])
+    np.testing.assert_allclose(index.embeddings, want, atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(index.embeddings, axis=1), 1.0, atol=1e-5)
+    thumb = Image.open(io.BytesIO(index.thumbnail("k002")))
+    assert thumb.format == "JPEG" and thumb.size == (16, 13)  # 48x40 shrunk to fit 16x16
+    assert index.thumbnail("nope") is None
+    # The planted neighbour: an item's own embedding finds it first, with cosine 1.
+    row, score = index.search(want[6], 3)[0]
+    assert index.keys[row] == "k006" and score == pytest.approx(1.0, abs=1e-5)
+
+
+def test_an_index_of_another_bundle_or_with_a_changed_file_is_refused(encoder, bundle,
+                                                                       tmp_path) -> None:
+    folder = tmp_path / "index"
+    build_index(encoder, collection(4), folder, bundle_digest(bundle), SearchOptions())
+    with pytest.raises(ImageIndexError, match="made by bundle .* not by the bundle being served"):
+        ImageIndex.load(folder, bundle_digest="0" * 64)
+    other = tmp_path / "other-bundle"
+    shutil.copytree(bundle, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    tokenizer["padding"] = None  # any byte of any bundle file changes the digest
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert bundle_digest(other) != bundle_digest(bundle)
+    with pytest.raises(ImageIndexError, match="made by bundle"):
+        ImageIndex.load(folder, bundle_digest=bundle_digest(other))
+    np.save(folder / EMBEDDINGS, -np.load(folder / EMBEDDINGS))
+    with pytest.raises(ImageIndexError, match="embeddings.npy is missing or does not match"):
+        ImageIndex.load(folder, bundle_digest=bundle_digest(bundle))
+    (folder / "index.json").unlink()
+    with pytest.raises(ImageIndexError, match="no readable index.json"):
+        ImageIndex.load(folder)
+
+
+def test_exact_search_is_the_brute_force_answer_in_chunks() -> None:
+    vectors, queries = unit_rows(1000, 16, 0), unit_rows(5, 16, 1)
+    scores, ids = ExactSearch(vectors, chunk_rows=64).search(queries, 10)
+    brute = queries @ vectors.T
+    want = np.argsort(-brute, axis=1, kind="stable")[:, :10]
+    np.testing.assert_array_equal(ids, want)
+    np.testing.assert_allclose(scores, np.take_along_axis(brute, want, axis=1), atol=1e-6)
+    assert ExactSearch(vectors[:3]).search(queries, 10)[1].shape == (5, 3)  # k cut to N
+
+
+@pytest.mark.parametrize(("kind", "min_recall"), [("hnsw", 0.9), ("ivf", 0.999)])
+def test_faiss_indexes_agree_with_exact_search(kind, min_recall, tmp_path) -> None:
+    # Random vectors are the hard case for approximate search (benchmarks/bench_index.py
+    # measures it at scale); here: HNSW close to exact, IVF scanning every cell exactly equal.
+    pytest.importorskip("faiss")
+    vectors, queries = unit_rows(2000, 32, 2), unit_rows(50, 32, 3)
+    _, exact = ExactSearch(vectors).search(queries, 10)
+    options = SearchOptions(kind=kind, ivf_nlist=20, ivf_nprobe=20)
+    approx = FaissSearch.build(vectors, options)
+    approx.save(tmp_path / "faiss.index")
+    _, found = FaissSearch.load(tmp_path / "faiss.index", options).search(queries, 10)
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(found, exact, strict=True)])
+    assert recall >= min_recall, recall
+    _, own = approx.search(vectors[:20], 1)
+    assert (own[:, 0] == np.arange(20)).mean() >= 0.95  # each vector finds itself
+
+
+@pytest.mark.slow
+def test_index_stage_writes_its_declared_outputs(bundle, tmp_path) -> None:
+    from clipms.jsonio import read_json
+
+    ws = tmp_path / "ws"
+    make_val_shards(ws / "data" / "shards", n_images=11, per_shard=4)
+    shutil.copytree(bundle, ws / "models" / "export")
+    (ws / "params.yaml").write_text("index:\n  splits: [val]\n  thumbnail_size: 32\n"
+                                    "  batch_size: 4\n")
+    out = run([sys.executable, "-m", "stages.index"], ws, env=tool_env(), timeout=600)
+    assert "index: 11 images of ['val']" in out.stdout
+    index = ImageIndex.load(ws / "models" / "index", bundle_digest(ws / "models" / "export"))
+    assert index.keys[:3] == ["000000", "000001", "000002"] and len(index) == 11
+    assert read_json(ws / "metrics" / "index.json")["rows"] == 11
+    (ws / "params.yaml").write_text("index:\n  search: annoy\n")
+    bad = run([sys.executable, "-m", "stages.index"], ws, env=tool_env(), check=False)
+    assert bad.returncode == 1 and "index.search = 'annoy'" in bad.stderr
+    (ws / "params.yaml").write_text("runtime:\n  device_target: TPU\n")  # it reads `runtime`
+    bad = run([sys.executable, "-m", "stages.index"], ws, env=tool_env(), check=False)
+    assert bad.returncode == 1 and "runtime.device_target = 'TPU'" in bad.stderr
