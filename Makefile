@@ -3,7 +3,8 @@
 PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
-# Offline-friendly defaults for the whole stack (see ../shared/stack-notes.md).
+# Offline, quiet defaults for the whole stack: no DVC analytics, no albumentations update check,
+# no W&B, MindSpore logs errors only.
 export DVC_NO_ANALYTICS := 1
 export NO_ALBUMENTATIONS_UPDATE := 1
 export WANDB_MODE := disabled
