@@ -29,8 +29,9 @@ $(STAMP): pyproject.toml
 run: env
 	dvc repro
 
+# Two xdist workers, one test module each at a time (module fixtures stay in one process).
 test: env
-	pytest -q
+	pytest -q -n 2 --dist loadfile
 
 lint: env
 	ruff check .
