@@ -3,7 +3,8 @@
 PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
-# Offline-friendly defaults for the whole stack (see ../shared/stack-notes.md).
+# Offline, quiet defaults for the whole stack: no DVC analytics, no albumentations update check,
+# no W&B, MindSpore logs errors only.
 export DVC_NO_ANALYTICS := 1
 export NO_ALBUMENTATIONS_UPDATE := 1
 export WANDB_MODE := disabled
@@ -29,8 +30,9 @@ $(STAMP): pyproject.toml
 run: env
 	dvc repro
 
+# Two xdist workers, one test module each at a time (module fixtures stay in one process).
 test: env
-	pytest -q
+	pytest -q -n 2 --dist loadfile
 
 lint: env
 	ruff check .
