@@ -1,10 +1,10 @@
 """Does clipms's training recipe learn as well as open_clip's? Both train on the same real shards.
 
     # 1. shards + OpenAI BPE tokenizer from any parquet of URL/TEXT, through the project's own data
-    #    stages (metadata -> dedupe -> download -> shard -> tokenizer) in WORK/, e.g. the emoji set
-    #    that ../shared/datasets/build_emoji_coco.py builds (--url-mode http --port 8123):
+    #    stages (metadata -> dedupe -> download -> shard -> tokenizer) in WORK/, e.g. a folder of
+    #    images with its metadata.parquet whose URLs point at http://127.0.0.1:8123/:
     python benchmarks/quality_vs_openclip.py prepare --work /tmp/qb \\
-        --parquet ../emoji-work/coco/metadata.parquet --serve ../emoji-work/coco/images --port 8123
+        --parquet DATA/metadata.parquet --serve DATA/images --port 8123
     # 2. one training run per side and seed (ours in this process; open_clip in the peer venv,
     #    benchmarks/openclip_fit.py); each appends a JSON line to WORK/results.jsonl
     python benchmarks/quality_vs_openclip.py run --work /tmp/qb --side ours --seed 0
