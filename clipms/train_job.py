@@ -79,14 +79,14 @@ def run(job: TrainJob, callbacks: Sequence[Callback] = (),
         distributed: bool = False) -> TrainResult:
     """Train as `job` says and (on rank 0) write its outputs."""
     from clipms.preprocess import PreprocessConfig
-    from clipms.runtime import configure
+    from clipms.runtime import configure, for_precision
     from clipms.tokenizer import Tokenizer
     from clipms.trainer import ShardBatches, init_distributed, train
 
     tokenizer = Tokenizer.load(job.tokenizer)
     preprocess = PreprocessConfig(image_size=job.config.model.vision.image_size)
     if distributed:
-        configure(job.config.runtime)  # before init(): it binds the device
+        configure(for_precision(job.config.runtime, job.config.precision))  # before init()
         rank, group_size = init_distributed()
     else:
         rank, group_size = 0, 1

@@ -31,7 +31,7 @@ from clipms import checkpoint
 from clipms.atomic import atomic_write
 from clipms.batches import BatchSource, RandomBatches, ShardBatches
 from clipms.preprocess import PreprocessConfig
-from clipms.runtime import configure
+from clipms.runtime import configure, for_precision
 from clipms.schedule import cosine_lr
 from clipms.train_config import TrainConfig
 
@@ -312,7 +312,7 @@ def save_model(model: Any, path: Path | str) -> None:
 def setup_runtime(cfg: TrainConfig, distributed: bool) -> tuple[int, int]:
     """Device, mode, kernel fusion (clipms.runtime) and seed for `cfg`, before any graph
     compiles; returns (rank, group size)."""
-    configure(cfg.runtime)
+    configure(for_precision(cfg.runtime, cfg.precision))
     import mindspore as ms
 
     ms.set_seed(cfg.seed)  # same seed on every rank: identical initial weights

@@ -20,6 +20,7 @@ from clipms.runtime import (
     SWITCH,
     RuntimeConfig,
     configure,
+    for_precision,
     kernel_cache_dir,
     settings_for,
 )
@@ -68,6 +69,14 @@ def test_the_switch_the_cache_variable_and_the_users_own_values_win():
     assert s.env["MS_DEV_GRAPH_KERNEL_FLAGS"] == "--opt_level=1"
     assert s.env["MS_COMPILER_CACHE_PATH"] == "/scratch/k"
     assert s.import_env["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_amp_training_on_cpu_runs_unfused_and_nothing_else_changes():
+    cpu = RuntimeConfig()
+    assert for_precision(cpu, "amp") == RuntimeConfig(kernel_fusion=False)
+    assert for_precision(cpu, "fp32") is cpu
+    ascend = RuntimeConfig(device_target="Ascend")
+    assert for_precision(ascend, "amp") is ascend  # fusion there is jit_level's, untouched
 
 
 def test_the_kernel_cache_is_never_the_working_directory():
