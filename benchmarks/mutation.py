@@ -36,7 +36,8 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "captions": ("clipms/prep/captions.py", ("clipms.prep.captions.*",)),
     "metrics": ("clipms/metrics.py", ("clipms.metrics.*",)),
     # the pure decision; current_champion/apply talk to MLflow (tests/test_registry_gate.py, slow)
-    "gate": ("registry/gate.py", ("registry.gate.x_decide__*", "registry.gate.x_primary_direction__*",
+    "gate": ("registry/gate.py", ("registry.gate.x_decide__*",
+                                  "registry.gate.x_primary_direction__*",
                                   "registry.gate.x_decision_tags__*",
                                   "registry.gate.x_candidate_from_version__*")),
     "params": ("clipms/params.py", ("clipms.params.*",)),
@@ -45,7 +46,8 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "shards": ("clipms/prep/shards.py", ("clipms.prep.shards.*",)),
     "checkpoint": ("clipms/checkpoint.py", ("clipms.checkpoint.*",)),
     # the parity part of export: the report, its error measure and the pass/fail decision
-    "export": ("clipms/export.py", ("clipms.export.x_parity_report__*", "clipms.export.x__errors__*",
+    "export": ("clipms/export.py", ("clipms.export.x_parity_report__*",
+                                    "clipms.export.x__errors__*",
                                     "clipms.export.x_assert_parity__*",
                                     "clipms.export.x__cycle_rows__*")),
 }
@@ -96,8 +98,10 @@ def score_table(labels: list[str]) -> str:
 def run_module(label: str, children: int) -> int:
     _, globs = MODULES[label]
     print(f"== mutmut run {label}", flush=True)
+    # tokenizers' thread pool and mutmut's fork per mutant do not mix (it warns, may deadlock)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children),
-                           *globs], cwd=ROOT).returncode
+                           *globs], cwd=ROOT, env=env).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
