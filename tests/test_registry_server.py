@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from registry import lineage, settings
+from registry import gate, lineage, settings
 from registry import run as tracking_run
 from stages.tracking import FILES
 from tests import mlflow_server as server_fixtures
@@ -224,7 +224,8 @@ def test_gate_sequence_on_real_registered_models(workspace: Path, bundle: Path) 
     assert client.get_model_version_by_alias(MODEL, "champion").version == "3"
     assert client.get_model_version_by_alias(MODEL, "challenger").version == "4"
     v2 = client.get_model_version(MODEL, "2")
-    assert v2.tags["gate.alias"] == "challenger" and v2.tags["metric.i2t_R_at_5"] == "0.4"
+    assert gate.decided_alias(v2.description) == "challenger"
+    assert v2.tags["metric.i2t_R_at_5"] == "0.4"
     assert v2.tags["lineage.data_shards_md5"] == "1" * 32
     assert v2.run_id == worse["run_id"]
     run = client.get_run(worse["run_id"])
