@@ -4,16 +4,23 @@
         --concurrency 1 8 32 64 --seconds 10 --out benchmarks/serving.json
 
 Starts, on free 127.0.0.1 ports, three servers of the same bundle: the service with dynamic
-batching (`--max-batch 32`), the same service with batching off (`--max-batch 1`) and
-`mlflow models serve` of the bundle's pyfunc (logged into a temporary SQLite registry unless
-`--mlflow-model` names one). For each workload (text embeddings, image embeddings, text search; the
-pyfunc has no search) and each concurrency, every server gets the same load in turn, in an order
-that rotates per round: C clients each sending one request after the other for `--seconds` (and
-at most `--max-requests`). Reported per cell: QPS, p50/p95/p99 latency, errors, and for the service
-the mean batch size (from its /metrics). Then `clipms-bench encode --bundle` measures what the
-model itself does at the batched service's mean text batch size at concurrency 32: the limit, so
-the service's own overhead shows. The client runs in this process (asyncio + aiohttp) and its CPU
-time is reported, since it shares the machine with the servers. Every server is stopped at the end.
+batching (`--max-batch 32`), the same service with batching off (`--max-batch 1`) and `mlflow
+models serve` of the bundle's pyfunc (logged into a temporary SQLite registry unless
+`--mlflow-model` names one) with `--workers` = the machine's cores (`--mlflow-workers`: MLflow's
+own knob for serving requests in parallel; one worker runs one predict at a time). For each
+workload (text embeddings, image embeddings, text search; the pyfunc has no search) and each
+concurrency, every server gets the same load in turn, in an order that rotates per round: C clients
+each sending one request after the other for `--seconds` (and at most `--max-requests`). Every
+target gets the same client: one aiohttp session per cell with a pool of at most C keep-alive
+connections (one per client). Before its first cell each server gets `--warmup-s` of untimed load
+per workload (graph compiles, worker start-up); the warm-up's errors are reported too. Reported per
+cell: QPS, p50/p95/p99 latency, errors and the first error, the server's exit code if it died
+during the cell, the server's CPU time per answered request (all its processes; the figure a shared
+machine distorts least), and for the service the mean batch size (from its /metrics). Then
+`clipms-bench encode --bundle` measures what the model itself does at the batched service's mean
+text batch size at concurrency 32: the limit, so the service's own overhead shows. The client runs
+in this process (asyncio + aiohttp) and its CPU time is reported, since it shares the machine with
+the servers. Every server is stopped at the end.
 """
 
 from __future__ import annotations
@@ -51,8 +58,9 @@ class Server:
     """One server process in its own session; `stop()` ends it and its children."""
 
     def __init__(self, name: str, cmd: list[str], ready_path: str, env: dict[str, str],
-                 log_dir: Path) -> None:
+                 log_dir: Path, processes: int = 1) -> None:
         self.name, self.port = name, free_port()
+        self.processes = processes  # uvicorn workers: each logs its start-up when its app loaded
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready = self.url + ready_path
         self.log = log_dir / f"{name}.log"
@@ -70,11 +78,36 @@ class Server:
                 raise RuntimeError(f"{self.name} exited:\n{self.log.read_text()[-3000:]}")
             try:
                 with urllib.request.urlopen(self.ready, timeout=2) as response:
-                    if response.status == 200:
+                    started = self.log.read_text(errors="replace").count(
+                        "Application startup complete")
+                    if response.status == 200 and started >= self.processes:
                         return
             except OSError:
-                time.sleep(1)
+                pass
+            time.sleep(1)
         raise TimeoutError(f"{self.name} not ready after {timeout} s")
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) used so far by the server and every process under it."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        total = 0.0
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
+
+    def exit_code(self) -> int | None:
+        """None while it runs; else its exit code (negative: killed by that signal)."""
+        return self.proc.poll()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -106,28 +139,32 @@ def log_pyfunc(bundle: Path, folder: Path) -> tuple[str, str]:
     return uri, f"models:/bench-clip/{version}"
 
 
-def start_servers(args: argparse.Namespace, work: Path) -> dict[str, Server]:
+def start_servers(args: argparse.Namespace, work: Path, servers: dict[str, Server]) -> None:
+    """Start the chosen targets into `servers` (filled as they start, so the caller stops every
+    one that started even when a later one fails) and wait until all are ready."""
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
     serve = [str(BIN / "python"), "-m", "serving", "--model", str(args.bundle), "--index",
              str(args.index), "--port", "{port}", "--max-wait-ms", str(args.max_wait_ms),
-             "--max-queue", "4096", "--log-level", "warning"]
-    servers = {
-        "service": Server("service", [*serve, "--max-batch", str(args.max_batch)], "/readyz",
-                          env, work),
-        "service_b1": Server("service_b1", [*serve, "--max-batch", "1"], "/readyz", env, work),
-    }
-    if args.mlflow_model:
-        tracking, model = args.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""), \
-            args.mlflow_model
-    else:
-        tracking, model = log_pyfunc(args.bundle, work)
-    servers["mlflow"] = Server("mlflow", [
-        str(BIN / "mlflow"), "models", "serve", "-m", model, "--env-manager", "local", "--host",
-        "127.0.0.1", "--port", "{port}", "--workers", "1"], "/ping",
-        {**env, "MLFLOW_TRACKING_URI": tracking}, work)
+             "--max-queue", "4096", "--log-level", "info"]
+    if "service" in args.targets:
+        servers["service"] = Server("service", [*serve, "--max-batch", str(args.max_batch)],
+                                    "/readyz", env, work)
+    if "service_b1" in args.targets:
+        servers["service_b1"] = Server("service_b1", [*serve, "--max-batch", "1"], "/readyz", env,
+                                       work)
+    if "mlflow" in args.targets:
+        if args.mlflow_model:
+            tracking = args.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+            model = args.mlflow_model
+        else:
+            tracking, model = log_pyfunc(args.bundle, work)
+        servers["mlflow"] = Server("mlflow", [
+            str(BIN / "mlflow"), "models", "serve", "-m", model, "--env-manager", "local",
+            "--host", "127.0.0.1", "--port", "{port}", "--workers", str(args.mlflow_workers)],
+            "/ping", {**env, "MLFLOW_TRACKING_URI": tracking}, work,
+            processes=args.mlflow_workers)
     for server in servers.values():
         server.wait(args.startup_timeout)
-    return servers
 
 
 def sample_image() -> str:
@@ -210,26 +247,60 @@ def batch_totals(url: str, tower: str) -> tuple[float, float]:
     return values.get("clipms_batch_size_count", 0.0), values.get("clipms_batch_size_sum", 0.0)
 
 
-def run_cells(args: argparse.Namespace, servers: dict[str, Server]) -> list[dict[str, Any]]:
-    image, cells = sample_image(), []
+def measure(servers: dict[str, Server], target: str, workload: str, concurrency: int,
+            seconds: float, max_requests: int, image: str) -> dict[str, Any]:
+    """One cell: the load, the server's mean batch size over it, and whether the server died."""
+    server = servers[target]
+    tower = "image" if workload == "image_embed" else "text"
+    alive = server.exit_code() is None
+    before = batch_totals(server.url, tower) if target != "mlflow" and alive else None
+    cpu_before = server.cpu_seconds()
+    cell = asyncio.run(load(server.url, target, workload, concurrency, seconds, max_requests,
+                            image))
+    if cell["requests"]:  # CPU per answer: what a shared machine distorts least
+        cell["server_cpu_ms_per_request"] = round(
+            (server.cpu_seconds() - cpu_before) * 1000 / cell["requests"], 2)
+    if server.exit_code() is not None:  # counted and named, never hidden
+        cell["server_exit"] = server.exit_code()
+        print(f"{target} exited with {server.exit_code()}; its log ends:\n"
+              f"{server.log.read_text(errors='replace')[-2000:]}", file=sys.stderr)
+    elif before is not None:
+        calls, items = (a - b for a, b in zip(batch_totals(server.url, tower), before,
+                                               strict=True))
+        cell["mean_batch"] = round(items / calls, 2) if calls else None
+    cell.update(target=target, workload=workload, concurrency=concurrency,
+                load_avg_1min=round(os.getloadavg()[0], 2))
+    return cell
+
+
+def warm_up(args: argparse.Namespace, servers: dict[str, Server],
+            image: str) -> list[dict[str, Any]]:
+    """Untimed load on every server and workload (compiles, lazy start-up); errors kept."""
+    cells = []
     for workload in args.workloads:
-        tower = "image" if workload == "image_embed" else "text"
+        for target in servers:
+            if args.warmup_s > 0 and request_for(target, workload, 0, image) is not None:
+                cell = measure(servers, target, workload, max(args.concurrency), args.warmup_s,
+                               args.max_requests, image)
+                cells.append(cell)
+                print(json.dumps({"warmup": True, **cell}), flush=True)
+    return cells
+
+
+def run_cells(args: argparse.Namespace, servers: dict[str, Server],
+              image: str) -> list[dict[str, Any]]:
+    cells = []
+    targets = [t for t in TARGETS if t in servers]
+    for workload in args.workloads:
         for concurrency in args.concurrency:
             for rnd in range(args.rounds):
-                order = TARGETS[rnd % 3:] + TARGETS[:rnd % 3]  # alternate who goes first
-                for target in order:
+                shift = rnd % len(targets)
+                for target in targets[shift:] + targets[:shift]:  # alternate who goes first
                     if request_for(target, workload, 0, image) is None:
                         continue
-                    url = servers[target].url
-                    before = batch_totals(url, tower) if target != "mlflow" else None
-                    cell = asyncio.run(load(url, target, workload, concurrency, args.seconds,
-                                            args.max_requests, image))
-                    if before is not None:
-                        calls, items = (a - b for a, b in zip(batch_totals(url, tower), before,
-                                                               strict=True))
-                        cell["mean_batch"] = round(items / calls, 2) if calls else None
-                    cell.update(target=target, workload=workload, concurrency=concurrency,
-                                round=rnd, load_avg_1min=round(os.getloadavg()[0], 2))
+                    cell = measure(servers, target, workload, concurrency, args.seconds,
+                                   args.max_requests, image)
+                    cell["round"] = rnd
                     cells.append(cell)
                     print(json.dumps(cell), flush=True)
     return cells
@@ -242,7 +313,8 @@ def model_limit(args: argparse.Namespace, batch: int) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def summarize(cells: list[dict[str, Any]], limit: dict[str, Any] | None) -> dict[str, Any]:
+def summarize(cells: list[dict[str, Any]], warmup: list[dict[str, Any]],
+              limit: dict[str, Any] | None) -> dict[str, Any]:
     def median(target: str, workload: str, concurrency: int, key: str) -> float | None:
         values = [c[key] for c in cells if (c["target"], c["workload"], c["concurrency"]) ==
                   (target, workload, concurrency) and c.get(key) is not None]
@@ -251,11 +323,14 @@ def summarize(cells: list[dict[str, Any]], limit: dict[str, Any] | None) -> dict
     qps = {t: median(t, "text_embed", 32, "qps") for t in TARGETS}
     summary = {
         "text_qps_c32": qps,
-        "vs_mlflow": round(qps["service"] / qps["mlflow"], 2) if qps["mlflow"] else None,
+        "vs_mlflow": round(qps["service"] / qps["mlflow"], 2)
+        if qps["service"] and qps["mlflow"] else None,
         "vs_batching_off": round(qps["service"] / qps["service_b1"], 2)
-        if qps["service_b1"] else None,
+        if qps["service"] and qps["service_b1"] else None,
         "p99_ms_c8_text": median("service", "text_embed", 8, "p99_ms"),
         "errors": sum(c["errors"] for c in cells),
+        "servers_died": sorted({c["target"] for c in cells if "server_exit" in c}),
+        "warmup_errors": sum(c["errors"] for c in warmup),
     }
     if limit is not None and qps["service"]:
         summary.update(model_texts_per_s=limit["texts_per_s"], limit_batch=limit["batch_size"],
@@ -265,11 +340,15 @@ def summarize(cells: list[dict[str, Any]], limit: dict[str, Any] | None) -> dict
 
 def markdown(cells: list[dict[str, Any]]) -> str:
     rows = ["| workload | concurrency | server | QPS | p50 ms | p95 ms | p99 ms | mean batch "
-            "| errors |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+            "| server CPU ms/request | errors | load |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
+        died = f" (server died: {c['server_exit']})" if "server_exit" in c else ""
         rows.append(f"| {c['workload']} | {c['concurrency']} | {c['target']} | {c['qps']} | "
                     f"{c['p50_ms']} | {c['p95_ms']} | {c['p99_ms']} | "
-                    f"{c.get('mean_batch', '-')} | {c['errors']} |")
+                    f"{c.get('mean_batch', '-')} | {c.get('server_cpu_ms_per_request', '-')} | "
+                    f"{c['errors']}{died} | "
+                    f"{c['load_avg_1min']} |")
     return "\n".join(rows)
 
 
@@ -285,6 +364,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, help="repeats of every cell; medians kept")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-wait-ms", type=float, default=5.0)
+    p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
+    p.add_argument("--warmup-s", type=float, default=3.0,
+                   help="untimed load per server and workload before the cells")
+    p.add_argument("--mlflow-workers", type=int, default=os.cpu_count() or 1,
+                   help="uvicorn workers of mlflow models serve (default: the cores)")
     p.add_argument("--mlflow-model", help="model URI for `mlflow models serve` (default: the "
                    "bundle's pyfunc in a temporary registry)")
     p.add_argument("--mlflow-tracking-uri")
@@ -298,8 +382,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="clipms-bench-serving-") as tmp:
         servers: dict[str, Server] = {}
         try:
-            servers = start_servers(args, Path(tmp))
-            cells = run_cells(args, servers)
+            start_servers(args, Path(tmp), servers)
+            image = sample_image()
+            warmup = warm_up(args, servers, image)
+            cells = run_cells(args, servers, image)
         finally:
             for server in servers.values():
                 server.stop()
@@ -309,7 +395,8 @@ def main() -> int:
     limit = None
     if batches and not args.no_limit:
         limit = model_limit(args, max(1, round(statistics.median(batches))))
-    result = {"cells": cells, "summary": summarize(cells, limit), "limit": limit,
+    result = {"cells": cells, "warmup": warmup, "summary": summarize(cells, warmup, limit),
+              "limit": limit, "mlflow_workers": args.mlflow_workers,
               "client_cpu_s": round(client_cpu_s, 1), "cpus": os.cpu_count(),
               "load_avg_before": [round(x, 2) for x in load_before],
               "load_avg_after": [round(x, 2) for x in os.getloadavg()]}

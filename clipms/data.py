@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 import zlib
@@ -75,6 +76,7 @@ from clipms.preprocess import (
 from clipms.tokenizer import Tokenizer
 from clipms.webds import DataError  # the shard format's error type, raised for loader errors too
 
+log = logging.getLogger(__name__)
 RRC_SCALE = (0.9, 1.0)  # open_clip's default RandomResizedCrop for training
 RRC_RATIO = (3 / 4, 4 / 3)
 
@@ -373,9 +375,12 @@ class EvalBatch:
 
 
 def iter_eval_batches(shards_dir: Path | str, preprocess: PreprocessConfig, batch_size: int,
-                      split: str = "val", workers: int = 2) -> Iterator[EvalBatch]:
-    """Every sample of `split` once, in manifest/shard order, decoded in `workers` threads
-    (PIL releases the GIL while decoding and resizing)."""
+                      split: str = "val", workers: int = 2,
+                      skipped: list[str] | None = None) -> Iterator[EvalBatch]:
+    """Every decodable sample of `split` once, in manifest/shard order, decoded in `workers`
+    threads (PIL releases the GIL while decoding and resizing). An image the decoder refuses
+    (another format, over the pixel limit, broken data) is a bad sample, not a crash: it is left
+    out, logged, and its key appended to `skipped` when a list is given."""
     if batch_size < 1:
         raise DataError(f"batch_size must be >= 1, got {batch_size}")
     index = index_shards(shards_dir, split)
@@ -383,19 +388,27 @@ def iter_eval_batches(shards_dir: Path | str, preprocess: PreprocessConfig, batc
         for start in range(0, len(index), batch_size):
             ids = range(start, min(start + batch_size, len(index)))
             items = list(pool.map(lambda i: _eval_item(index, i, preprocess), ids))
-            yield EvalBatch(images=np.stack([item[0] for item in items]),
-                            keys=[index.keys[i] for i in ids],
-                            captions=[item[1] for item in items],
-                            labels=[item[2] for item in items])
+            good = [(i, item) for i, item in zip(ids, items, strict=True) if item is not None]
+            if skipped is not None:
+                skipped.extend(index.keys[i] for i, item in zip(ids, items, strict=True)
+                               if item is None)
+            if not good:
+                continue
+            yield EvalBatch(images=np.stack([item[0] for _, item in good]),
+                            keys=[index.keys[i] for i, _ in good],
+                            captions=[item[1] for _, item in good],
+                            labels=[item[2] for _, item in good])
 
 
-def _eval_item(index: ShardIndex, i: int,
-               preprocess: PreprocessConfig) -> tuple[np.ndarray, list[str], dict | None]:
+def _eval_item(index: ShardIndex, i: int, preprocess: PreprocessConfig
+               ) -> tuple[np.ndarray, list[str], dict | None] | None:
+    """(image, captions, labels), or None for an image the decoder refuses (issue 14.1)."""
     image_bytes, meta = index.read(i)
     key = index.keys[i]
     try:
         image = preprocess_image(image_bytes, preprocess, name=key)
     except PreprocessError as err:
-        raise DataError(f"{index.shards[index.shard_of[i]]}: {err}") from err
+        log.warning("%s: %s: bad sample, skipped", index.shards[index.shard_of[i]], err)
+        return None
     labels = meta.get("labels")
     return image, captions_of(meta, key), labels if isinstance(labels, dict) else None

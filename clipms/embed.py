@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ class ValEmbeddings:
     keys: list[str]
     labels: list[dict[str, Any] | None]
     captions: list[str]  # caption j, described by image text_to_image[j]
+    skipped: list[str] = field(default_factory=list)  # keys of images the decoder refused
 
 
 def encode_images(net: CLIP, images: np.ndarray) -> np.ndarray:
@@ -62,9 +63,10 @@ def _progress(total: int, unit: str, desc: str) -> Any:
 def embed_split(net: CLIP, tokenizer: Tokenizer, preprocess: PreprocessConfig,
                 shards_dir: Path | str, batch_size: int, split: str) -> ValEmbeddings:
     """Every image and every caption of `split`, embedded once in batches (with a progress bar)."""
-    images, keys, labels, captions, owners = [], [], [], [], []
+    images, keys, labels, captions, owners, skipped = [], [], [], [], [], []
     with _progress(eval_sample_count(shards_dir, split), "img", f"embed {split} images") as bar:
-        for batch in iter_eval_batches(shards_dir, preprocess, batch_size, split=split):
+        for batch in iter_eval_batches(shards_dir, preprocess, batch_size, split=split,
+                                       skipped=skipped):
             for key, caption_list in zip(batch.keys, batch.captions, strict=True):
                 owners.extend([len(keys)] * len(caption_list))  # this image's row
                 captions.extend(caption_list)
@@ -73,7 +75,11 @@ def embed_split(net: CLIP, tokenizer: Tokenizer, preprocess: PreprocessConfig,
             images.append(encode_images(net, batch.images))
             bar.update(len(batch.keys))
     if not images:
-        raise EvaluationError(f"{shards_dir}: split {split!r} has no samples")
+        raise EvaluationError(f"{shards_dir}: split {split!r} has no decodable samples "
+                              f"({len(skipped)} bad)")
+    if skipped:
+        print(f"embed {split}: {len(skipped)} undecodable image(s) skipped as bad samples: "
+              f"{skipped[:5]}", file=sys.stderr)
     texts = []
     with _progress(len(captions), "caption", f"embed {split} captions") as bar:
         for start in range(0, len(captions), batch_size):
@@ -82,4 +88,4 @@ def embed_split(net: CLIP, tokenizer: Tokenizer, preprocess: PreprocessConfig,
             bar.update(len(texts[-1]))
     return ValEmbeddings(image_features=np.concatenate(images), text_features=np.concatenate(texts),
                          text_to_image=np.asarray(owners, dtype=np.int64), keys=keys,
-                         labels=labels, captions=captions)
+                         labels=labels, captions=captions, skipped=skipped)

@@ -41,7 +41,7 @@ from mindspore import nn
 
 from clipms.config import CLIPConfig
 from clipms.jsonio import write_json
-from clipms.model import CLIP, cast
+from clipms.model import CLIP, cast, to_mixed_precision
 from clipms.preprocess import PreprocessConfig
 
 BUNDLE_FORMAT = "clipms-mindir-bundle"
@@ -101,10 +101,9 @@ class TextEncoder(nn.Cell):
 def to_fp16(net: CLIP) -> CLIP:
     """`net` computing and storing its weights in fp16, except LayerNorm (fp32), in place: amp
     training's O2 (`clipms.model.to_mixed_precision`) plus fp16 storage of what is cast anyway."""
-    net.to_float(ms.float16)
+    to_mixed_precision(net, ms.float16)
     for _, cell in net.cells_and_names():
         if isinstance(cell, nn.LayerNorm):
-            cell.to_float(ms.float32)
             continue
         for _, param in cell.parameters_and_names(expand=False):
             if param.dtype == ms.float32:

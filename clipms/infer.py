@@ -6,6 +6,11 @@
     text_vectors = enc.encode_texts(["a red circle", "a blue square"])    # (M, E), unit length
     scores = image_vectors @ text_vectors.T                                # cosine similarities
 
+An Encoder may be called from several threads (a web server's thread pool): its MindIR calls take
+turns through one process-wide lock, because MindSpore graphs run from two threads at once crash the
+process (SIGSEGV; e.g. MLflow's scoring server runs each request's predict in a thread of its own).
+Tokenizing and image decoding stay outside the lock.
+
 Every image goes through the bundle's own decoder limits (preprocess.json: JPEG/PNG/WEBP, at most
 `max_pixels`); a bad one raises PreprocessError naming it. Paths are for local, trusted callers:
 the served model (registry/pyfunc_model.py, serving/) accepts images only as base64
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +44,9 @@ BUNDLE_FORMAT = "clipms-mindir-bundle"  # as clipms.export writes it (no MindSpo
 SUPPORTED_VERSIONS = (1,)
 
 ImageInput = str | Path | bytes | Image.Image
+# One MindIR call at a time per process, whichever Encoder makes it: concurrent graph runs (and a
+# graph loaded or compiled while another runs) crash or hang MindSpore. Uncontended, it costs ~1 us.
+_MINDSPORE = threading.Lock()
 
 
 class BundleError(ValueError):
@@ -98,10 +107,11 @@ class Encoder:
             raise BundleError(f"{self.bundle_dir}: tokenizer context length "
                               f"{self.tokenizer.context_length} != text encoder's {expected_ctx}")
         self._ms = ms
-        self._image_graph = nn.GraphCell(ms.load(str(self.bundle_dir /
-                                                     self.bundle["image_encoder"]["file"])))
-        self._text_graph = nn.GraphCell(ms.load(str(self.bundle_dir /
-                                                    self.bundle["text_encoder"]["file"])))
+        with _MINDSPORE:
+            self._image_graph = nn.GraphCell(ms.load(str(self.bundle_dir /
+                                                         self.bundle["image_encoder"]["file"])))
+            self._text_graph = nn.GraphCell(ms.load(str(self.bundle_dir /
+                                                        self.bundle["text_encoder"]["file"])))
 
     @property
     def embed_dim(self) -> int:
@@ -136,8 +146,10 @@ class Encoder:
         return self._run(self._text_graph, self.tokenizer.encode(list(texts)))
 
     def _run(self, graph: Any, inputs: np.ndarray) -> np.ndarray:
-        outputs = [graph(self._ms.Tensor(inputs[i:i + self.batch_size])).asnumpy()
-                   for i in range(0, inputs.shape[0], self.batch_size)]
+        outputs = []
+        for i in range(0, inputs.shape[0], self.batch_size):
+            with _MINDSPORE:
+                outputs.append(graph(self._ms.Tensor(inputs[i:i + self.batch_size])).asnumpy())
         if not outputs:
             return np.zeros((0, self.embed_dim), np.float32)
         return l2_normalize(np.concatenate(outputs))

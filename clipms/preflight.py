@@ -294,12 +294,34 @@ def preflight(params: dict[str, Any], manifest: Path, checkpoints: Path,
               check_disk(checkpoints, plan, count, stale_sets),
               *check_schedule(plan, samples, source,
                               (params.get("dedupe") or {}).get("val_fraction", 0.1))]
+    runtime = runtime_settings(params.get("runtime") or {}, checks)
     summary = {"device": plan.device_target, "mode": plan.mode, "precision": plan.precision,
+               "jit_level": runtime.get("jit_level"), "kernel_fusion": runtime.get("kernel_fusion"),
                "preset": plan.preset, "parameters": count, "image_size": plan.image_size,
                "ranks": plan.ranks, "nodes": plan.nodes, "ranks_per_node": plan.local_ranks,
                "global_batch": plan.global_batch, "loader_workers_per_rank": workers,
                "writes_outputs": plan.node_rank == 0}
     return plan, checks, summary
+
+
+def runtime_settings(section: dict[str, Any], checks: list[Check]) -> dict[str, Any]:
+    """What clipms.runtime would set for the `runtime` section (jit level, fusion, environment);
+    an invalid section becomes a failed check."""
+    from pydantic import ValidationError
+
+    from clipms.runtime import RuntimeConfig, settings_for
+
+    try:
+        settings = settings_for(RuntimeConfig(**section)).to_dict()
+    except ValidationError as err:
+        checks.append(Check("runtime", FAIL, f"invalid runtime section: {err.errors()[0]['msg']} "
+                            f"({err.errors()[0]['loc']})"))
+        return {}
+    checks.append(Check("runtime", OK, f"jit_level {settings['jit_level'] or 'MindSpore default'},"
+                        f" kernel fusion {'on' if settings['kernel_fusion'] else 'off'}, sets "
+                        + (", ".join(sorted({**settings['import_env'], **settings['env']}))
+                           or "nothing")))
+    return settings
 
 
 def dvc_command(overrides: dict[str, Any]) -> str:

@@ -52,6 +52,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="texts + images per request")
     p.add_argument("--max-bytes", type=int, default=limits.max_bytes,
                    help="bytes of texts and base64 images per request")
+    p.add_argument("--device", choices=("CPU", "GPU", "Ascend"), help="MindSpore device (default: "
+                   "runtime.device_target of ./params.yaml, whose whole `runtime` section - mode, "
+                   "jit_level, kernel_fusion - the service applies; CPU without one)")
     p.add_argument("--cache-dir", type=Path, help="where registry downloads go (default: temp)")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
@@ -88,6 +91,22 @@ def default_model_name() -> str:
         return RegisterParams().model_name
 
 
+def runtime_config(args: argparse.Namespace) -> Any:
+    """The `runtime` section of the project's params.yaml (defaults outside a project checkout),
+    with --device over its device_target: the service runs MindSpore as the stages do."""
+    from clipms.params import PARAMS_FILE, ParamsError, load_section
+    from clipms.runtime import RuntimeConfig
+
+    try:
+        config = load_section("runtime", RuntimeConfig) if PARAMS_FILE.is_file() else \
+            RuntimeConfig()
+    except ParamsError as err:
+        raise SystemExit(f"clipms-serve: {err}") from None
+    if args.device:
+        config = RuntimeConfig(**{**config.model_dump(), "device_target": args.device})
+    return config
+
+
 def model_source(args: argparse.Namespace) -> tuple[Any, Any]:
     """(fetch() for the first load, the RegistrySource to follow or None)."""
     from serving.source import MODEL_URI, RegistrySource, SourceError, local_model
@@ -115,6 +134,7 @@ def model_source(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def build(args: argparse.Namespace) -> Any:
+    from clipms.runtime import configure
     from serving.app import create_app
     from serving.engine import BatchSettings
     from serving.metrics import ServiceMetrics
@@ -124,7 +144,9 @@ def build(args: argparse.Namespace) -> Any:
     check_bind(args.host, token)
     limits = RequestLimits(max_rows=args.max_rows, max_bytes=args.max_bytes)
     batching = BatchSettings(args.max_batch, args.max_wait_ms, args.max_queue)
-    state = ServiceState(batching, ServiceMetrics())
+    runtime = runtime_config(args)
+    configure(runtime)  # before MindSpore is imported: some of its settings are read at import
+    state = ServiceState(batching, ServiceMetrics(), runtime)
     first, follow = model_source(args)
 
     @asynccontextmanager

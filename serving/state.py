@@ -39,12 +39,13 @@ def open_index(fetched: Fetched) -> tuple[str, Any]:
     return digest, ImageIndex.load(fetched.index_dir, bundle_digest=digest)
 
 
-def open_encoder(fetched: Fetched, index: Any, max_batch: int) -> Any:
-    """The bundle's Encoder; MindSpore, so run in the model thread."""
+def open_encoder(fetched: Fetched, index: Any, max_batch: int, runtime: Any = None) -> Any:
+    """The bundle's Encoder on `runtime` (a clipms.runtime.RuntimeConfig; None: CPU defaults);
+    MindSpore, so run in the model thread."""
     from clipms.index import ImageIndexError
     from clipms.infer import Encoder
 
-    encoder = Encoder(fetched.bundle_dir, batch_size=max_batch)
+    encoder = Encoder(fetched.bundle_dir, batch_size=max_batch, device=runtime or "CPU")
     if index.meta["dim"] != encoder.embed_dim:
         raise ImageIndexError(f"index dim {index.meta['dim']} != model's {encoder.embed_dim}")
     return encoder
@@ -61,9 +62,11 @@ def broken_version(err: Exception) -> bool:
 
 
 class ServiceState:
-    def __init__(self, batching: BatchSettings, metrics: ServiceMetrics) -> None:
+    def __init__(self, batching: BatchSettings, metrics: ServiceMetrics,
+                 runtime: Any = None) -> None:
         self.batching = batching
         self.metrics = metrics
+        self.runtime = runtime  # clipms.runtime.RuntimeConfig of every model loaded
         # One thread runs every MindIR call (and model loads): MindSpore graphs are not shared
         # between threads, and on a small machine one call at a time uses all cores anyway.
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
@@ -89,7 +92,7 @@ class ServiceState:
         try:
             digest, index = await asyncio.to_thread(open_index, fetched)
             encoder = await loop.run_in_executor(self.model_thread, open_encoder, fetched, index,
-                                                 self.batching.max_batch)
+                                                 self.batching.max_batch, self.runtime)
             engine = Engine(fetched.info, encoder, index, fetched.bundle_dir, digest)
             for step in engine.warm_up_steps(self.batching.max_batch):
                 await loop.run_in_executor(self.model_thread, step)

@@ -1,8 +1,9 @@
 """Stage `index`: embed the shards' images with the exported bundle and write the search index.
 
-`python -m stages.index`; reads the `index` section. Writes models/index/ (clipms.index: unit-length
-embeddings, keys, captions, thumbnails, the bundle's digest; a FAISS index when `index.search` is
-hnsw or ivf) and metrics/index.json. Images the bundle's decoder refuses are skipped and counted.
+`python -m stages.index`; reads the `index` and `runtime` sections. Writes models/index/
+(clipms.index: unit-length embeddings, keys, captions, thumbnails, the bundle's digest; a FAISS
+index when `index.search` is hnsw or ivf) and metrics/index.json. Images the bundle's decoder
+refuses are skipped and counted.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from clipms.runtime import RuntimeConfig, configure
 from stages import paths
 from stages.params import ParamsError, Section, load_section
 
@@ -49,9 +51,11 @@ def main() -> int:
     started = time.perf_counter()
     try:
         params = load_section("index", IndexParams)
+        runtime = load_section("runtime", RuntimeConfig)
     except ParamsError as err:
         print(f"index: error: {err}", file=sys.stderr)
         return 1
+    configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
     from clipms.index import ImageIndexError, build_index, bundle_digest
     from clipms.infer import BundleError, Encoder
     from clipms.jsonio import write_json
@@ -62,7 +66,7 @@ def main() -> int:
                             hnsw_ef_search=params.hnsw_ef_search, ivf_nlist=params.ivf_nlist,
                             ivf_nprobe=params.ivf_nprobe)
     try:
-        encoder = Encoder(paths.BUNDLE, batch_size=params.batch_size)
+        encoder = Encoder(paths.BUNDLE, batch_size=params.batch_size, device=runtime)
         report = build_index(encoder, items(params.splits), paths.INDEX,
                              bundle_digest(paths.BUNDLE), options, params.thumbnail_size,
                              params.batch_size)

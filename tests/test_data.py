@@ -217,3 +217,24 @@ def test_loader_benchmark_command_runs_on_generated_shards(capsys) -> None:
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["bench"] == "loader" and result["batches"] == 4 and result["samples_per_s"] > 0
     assert result["cpu_ms_per_sample"] > 0 and result["image_size"] == 32
+
+
+def test_eval_reader_counts_bombs_and_broken_images_as_bad_samples(tmp_path: Path) -> None:
+    """Issue 14.1: evaluate and zero-shot on labels read the val split through this reader; an
+    image the decoder refuses is left out and named, never a crash."""
+    from tests.hostile_images import png_bomb
+
+    broken = jpeg(3)
+    broken = broken[:len(broken) * 2 // 3]  # cut inside the image data, not the header
+    files = [sample_files(n, "val") for n in range(6)]
+    files[1] = (files[1][0], {**{k: v for k, v in files[1][1].items() if k != "jpg"},
+                              "png": png_bomb()})  # 64 MP: over the pixel limit
+    files[3] = (files[3][0], {**files[3][1], "jpg": broken})
+    root = tmp_path / "s"
+    webds.write_manifest(root, 6, {"val": webds.write_split(root, "val", files, 6)})
+    skipped: list[str] = []
+    batches = list(iter_eval_batches(root, PRE, batch_size=2, skipped=skipped))
+    assert skipped == ["000000001", "000000003"]
+    assert [b.keys for b in batches] == [["000000000"], ["000000002"], ["000000004", "000000005"]]
+    assert [decode_colour(im) for b in batches for im in b.images] == [0, 2, 4, 5]
+    assert batches[2].captions[1] == [f"sample 5 caption {c}" for c in range(CAPTIONS)]

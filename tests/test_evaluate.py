@@ -215,3 +215,23 @@ def test_stage_writes_its_declared_outputs(workspace):
     (root / "params.yaml").write_text("evaluate:\n  zeroshot:\n    source: imagenet\n")
     bad = run(["python", "-m", "stages.evaluate"], cwd=root, timeout=600, check=False, env=env)
     assert bad.returncode == 1 and "evaluate.zeroshot.source" in bad.stderr
+
+
+def test_an_undecodable_val_image_is_a_bad_sample_not_a_crash(workspace, tmp_path):
+    """Issue 14.1: a decompression bomb among the val images is left out and named; retrieval
+    and zero-shot on labels run on the other images."""
+    from clipms.evaluation import ZeroShotSpec, evaluate
+
+    ws = workspace
+    files = [(key, {"jpg": data, "json": json.dumps({"captions": captions, "key": key,
+                                                     "split": "val", "labels": labels}).encode()})
+             for key, data, captions, labels in ws["samples"]]
+    bomb_meta = {"captions": ["a bomb"], "key": "000099", "split": "val",
+                 "labels": {"colour": "red", "shape": "circle"}}
+    files.insert(2, ("000099", {"png": png_bomb(), "json": json.dumps(bomb_meta).encode()}))
+    webds.write_manifest(tmp_path, 4, {"val": webds.write_split(tmp_path, "val", files, 4)})
+    report = evaluate(ws["net"], ws["tokenizer"], ws["run"].preprocess, tmp_path, batch_size=3,
+                      zeroshot=ZeroShotSpec(), split="val")
+    assert report.embeddings.skipped == ["000099"]
+    assert report.metrics["num_images"] == 11 and "000099" not in report.embeddings.keys
+    assert report.metrics["zeroshot_images"] == 10

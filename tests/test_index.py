@@ -132,3 +132,6 @@ def test_index_stage_writes_its_declared_outputs(bundle, tmp_path) -> None:
     (ws / "params.yaml").write_text("index:\n  search: annoy\n")
     bad = run([sys.executable, "-m", "stages.index"], ws, env=tool_env(), check=False)
     assert bad.returncode == 1 and "index.search = 'annoy'" in bad.stderr
+    (ws / "params.yaml").write_text("runtime:\n  device_target: TPU\n")  # it reads `runtime`
+    bad = run([sys.executable, "-m", "stages.index"], ws, env=tool_env(), check=False)
+    assert bad.returncode == 1 and "runtime.device_target = 'TPU'" in bad.stderr

@@ -85,6 +85,8 @@ def test_on_this_machine_an_ascend_profile_fails_and_says_no_device_is_present()
     assert checks["mindspore.run_check"]["status"] == "ok"  # MindSpore itself runs (on CPU)
     plan = report["plan"]
     assert (plan["device"], plan["ranks"], plan["global_batch"]) == ("Ascend", 8, 2048)
+    assert (plan["jit_level"], plan["kernel_fusion"]) == ("O1", False)  # clipms.runtime's Ascend
+    assert "MS_COMPILER_CACHE_ENABLE" in checks["runtime"]["detail"]
     assert plan["parameters"] == 151_277_313  # open_clip's ViT-B-32
     assert report["command"].startswith("dvc exp run -S 'metadata.source=mscoco'")
 
@@ -104,6 +106,11 @@ def test_the_default_cpu_run_passes_and_the_plan_is_checked_against_the_manifest
     assert too_big.returncode == 1
     detail = {c["name"]: c for c in json.loads(too_big.stdout.splitlines()[-1])["checks"]}
     assert "cannot fill one global batch of 2048" in detail["global batch"]["detail"]
+
+    bad_runtime = _cli("--manifest", str(manifest), "-S", "runtime.jit_level=O3")
+    assert bad_runtime.returncode == 1
+    detail = {c["name"]: c for c in json.loads(bad_runtime.stdout.splitlines()[-1])["checks"]}
+    assert detail["runtime"]["status"] == "FAIL" and "jit_level" in detail["runtime"]["detail"]
 
     never_warm = _cli("--manifest", str(manifest), "-S", "train.epochs=1",
                       "-S", "train.warmup_steps=23")

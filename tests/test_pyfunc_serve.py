@@ -174,3 +174,30 @@ def test_hostile_inputs_are_400s_and_the_server_keeps_answering(served) -> None:
     paths = ("path to a real image", "path to an existing non-image", "path to a missing file")
     assert len({messages[name] for name in paths}) == 1, {name: messages[name] for name in paths}
     assert messages["too many rows"].startswith(f"{MAX_ROWS + 1} rows")
+
+
+def test_concurrent_requests_are_all_answered(served) -> None:
+    """MLflow's scoring server runs each request's predict in a thread of its own; MindSpore
+    graphs run from two threads at once killed the server (SIGSEGV), so every client but the
+    first lost its connection. clipms.infer.Encoder serialises its graph calls."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from clipms.infer import Encoder
+
+    url, _, bundle = served
+    image = encoded("PNG", size=(40, 32))
+    encoder = Encoder(bundle, kernel_fusion=False)
+    want_text, want_image = encoder.encode_texts(["a red circle"])[0], \
+        encoder.encode_images([image])[0]
+
+    def call(i: int) -> tuple[int, list[float]]:
+        column, value = ("text", "a red circle") if i % 2 else ("image", b64(image))
+        status, body, _ = invoke(url, [column], [[value]])
+        return status, body["predictions"][0][f"{column}_embedding"] if status == 200 else body
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = list(pool.map(call, range(32)))
+    for i, (status, embedding) in enumerate(answers):
+        assert status == 200, (i, embedding)
+        np.testing.assert_allclose(embedding, want_text if i % 2 else want_image, atol=1e-5)
+    assert http_get(f"{url}/ping", timeout=5)[0] == 200

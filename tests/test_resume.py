@@ -203,12 +203,14 @@ def restore_mode():
 
 def test_checkpoints_of_other_data_are_moved_aside_after_the_new_config_is_validated(
         tmp_path, caplog, restore_mode):
+    from clipms.runtime import RuntimeConfig
     from clipms.trainer import RandomBatches, TrainConfig, train
 
     micro, folder = _micro(), tmp_path / "ckpt"
     # PyNative: four short runs, no graph to compile for each
     first = TrainConfig(model=micro, batch_size=4, epochs=1, lr=1e-3, warmup_steps=1,
-                        checkpoint_every=1, data_fingerprint="0123456789abcdef", mode="pynative")
+                        checkpoint_every=1, data_fingerprint="0123456789abcdef",
+                        runtime=RuntimeConfig(mode="pynative"))
     train(first, RandomBatches(micro, 4, 2), folder)
     before = _digests(folder)
     assert list(before) == ["step-00000001.ckpt", "step-00000002.ckpt"]

@@ -276,3 +276,21 @@ def test_search_page_in_headless_chromium(world, tmp_path) -> None:
         assert "images like" in browser.text(browser.find("#status"))
         browser.screenshot(tmp_path / "page.png")
         assert (tmp_path / "page.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_service_runs_mindspore_as_the_runtime_section_says(tmp_path, monkeypatch) -> None:
+    """The `runtime` section of ./params.yaml (as the stages read it), --device over its device;
+    a bad section stops the start with the stages' message, before any model is loaded."""
+    from clipms.runtime import RuntimeConfig
+    from serving.cli import parse_args, runtime_config
+
+    monkeypatch.chdir(tmp_path)
+    assert runtime_config(parse_args([])) == RuntimeConfig()  # no project: MindSpore on CPU
+    (tmp_path / "params.yaml").write_text("runtime:\n  mode: pynative\n  kernel_fusion: false\n")
+    config = runtime_config(parse_args(["--device", "Ascend"]))
+    assert (config.device_target, config.mode, config.kernel_fusion) == ("Ascend", "pynative",
+                                                                         False)
+    (tmp_path / "params.yaml").write_text("runtime:\n  device_target: TPU\n")
+    refused = subprocess.run([sys.executable, "-m", "serving", "--model", "unused"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "runtime.device_target = 'TPU'" in refused.stderr
