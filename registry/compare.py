@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from registry.gate import decided_alias
+from registry.gate import decided_alias, logged_metrics
 from registry.journal import mlflow_key
 
 DEFAULT_METRICS = ("i2t_R@1", "i2t_R@5", "t2i_R@1", "t2i_R@5", "mAP@10", "zeroshot_top1")
@@ -56,13 +56,10 @@ def collect(mlflow_client: Any, name: str, limit: int = 20) -> list[VersionRow]:
 
 
 def _model_metrics(mlflow_client: Any, version: Any) -> dict[str, float]:
-    if not getattr(version, "model_id", None):
-        return {}
     try:
-        logged = mlflow_client.get_logged_model(version.model_id).metrics or []
+        return logged_metrics(mlflow_client, version)
     except Exception:  # the model may have been deleted; the version still lists
         return {}
-    return {m.key: float(m.value) for m in logged}
 
 
 def _aliases(mlflow_client: Any, name: str) -> dict[str, list[str]]:

@@ -141,6 +141,24 @@ def metric_tag(primary_metric: str) -> str:
     return f"metric.{mlflow_key(primary_metric)}"
 
 
+def logged_model_id(version: Any) -> str | None:
+    """The id of the logged model a version was registered from. MLflow's SQL registry leaves the
+    version's `model_id` empty and keeps the id in its source, `models:/<model_id>`."""
+    if getattr(version, "model_id", None):
+        return str(version.model_id)
+    rest = (getattr(version, "source", None) or "").removeprefix("models:/")
+    return rest if rest != version.source and rest and "/" not in rest else None
+
+
+def logged_metrics(mlflow_client: Any, version: Any) -> dict[str, float]:
+    """The metrics on the version's logged model (MLflow names; the last value of each), {} for a
+    version without one. Registry errors propagate."""
+    model_id = logged_model_id(version)
+    if model_id is None:
+        return {}
+    return {m.key: float(m.value) for m in mlflow_client.get_logged_model(model_id).metrics or []}
+
+
 def candidate_from_version(version: Any, primary_metric: str,
                            mlflow_client: Any | None = None) -> Candidate:
     """The version's value of `primary_metric`: its tag, else (a version registered while another
@@ -150,10 +168,8 @@ def candidate_from_version(version: Any, primary_metric: str,
     tags = version.tags or {}
     raw = tags.get(metric_tag(primary_metric))
     value = float(raw) if raw not in (None, "") else None
-    if value is None and mlflow_client is not None and getattr(version, "model_id", None):
-        logged = mlflow_client.get_logged_model(version.model_id).metrics or []
-        values = [m.value for m in logged if m.key == mlflow_key(primary_metric)]
-        value = float(values[-1]) if values else None
+    if value is None and mlflow_client is not None:
+        value = logged_metrics(mlflow_client, version).get(mlflow_key(primary_metric))
     return Candidate(str(version.version), value, tags.get("lineage.val_digest") or None)
 
 

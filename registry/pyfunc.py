@@ -83,8 +83,10 @@ def signature() -> Any:
     return ModelSignature(inputs=inputs, outputs=outputs)
 
 
-def log_model(bundle_dir: Path | str, name: str = "clip", run_id: str | None = None) -> Any:
-    """Log the bundle as a pyfunc into run `run_id` (or the active run); returns its ModelInfo."""
+def log_model(bundle_dir: Path | str, name: str = "clip", run_id: str | None = None,
+              step: int = 0) -> Any:
+    """Log the bundle as a pyfunc into run `run_id` (or the active run) at `step` (MLflow links
+    the run's metrics of that step to the logged model); returns its ModelInfo."""
     import mlflow
 
     from registry.settings import tracking_uri
@@ -97,7 +99,7 @@ def log_model(bundle_dir: Path | str, name: str = "clip", run_id: str | None = N
         kwargs: dict[str, Any] = dict(
             name=name, python_model=str(MODEL_CODE), artifacts={BUNDLE_ARTIFACT: str(bundle)},
             code_paths=[str(code)], signature=signature(), input_example=input_example(),
-            pip_requirements=pinned_requirements())
+            pip_requirements=pinned_requirements(), step=step)
         if run_id is None:
             return mlflow.pyfunc.log_model(**kwargs)
         with mlflow.start_run(run_id=run_id):

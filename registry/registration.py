@@ -22,6 +22,10 @@ from registry.settings import RegisterParams, client, tracking_uri
 
 MODEL_ARTIFACT = "clip"  # the logged model's name inside the run
 INDEX_ARTIFACT = "index"  # the search index's folder among the run's artifacts (serving/ reads it)
+# MLflow's log_model links every run metric of the model's step to the logged model. Step 0 holds
+# every stage's summary (counts, chance levels, train and export figures), so the model is logged
+# at a step no stage uses and only the quality metrics are linked to it, at that step.
+MODEL_STEP = -1
 
 
 MODEL_DESCRIPTION_START = "CLIP image-text embedding model (MindSpore, exported MindIR)"
@@ -67,7 +71,7 @@ def link_metrics(mlflow_client: Any, run_id: str, model_id: str,
 
     now = now_ms()
     mlflow_client.log_batch(run_id, metrics=[
-        Metric(key, value, now, 0, model_id=model_id)
+        Metric(key, value, now, MODEL_STEP, model_id=model_id)
         for key, value in quality_metrics(metrics).items()])
 
 
@@ -104,7 +108,8 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
     run.require_sent()  # replays anything earlier stages could not send; raises if unreachable
     mlflow_client = client()
     with _step("logging the model"):
-        info = pyfunc.log_model(bundle_dir, name=MODEL_ARTIFACT, run_id=run.run_id)
+        info = pyfunc.log_model(bundle_dir, name=MODEL_ARTIFACT, run_id=run.run_id,
+                                step=MODEL_STEP)
         if index_dir is not None:
             mlflow_client.log_artifacts(run.run_id, str(index_dir), INDEX_ARTIFACT)
         link_metrics(mlflow_client, run.run_id, info.model_id, metrics)

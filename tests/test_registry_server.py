@@ -382,6 +382,11 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     version = client.get_model_version_by_alias("clip-e2e", "champion")
     assert version.version == "1" and version.run_id == info["run_id"]
     assert float(version.tags["metric.i2t_R_at_5"]) == pytest.approx(evaluation["i2t_R@5"])
+    # The logged model carries the quality metrics only (the Models view's columns), not every
+    # step-0 summary of the run (train_steps, counts, chance levels) that log_model would link.
+    linked = {m.key for m in client.get_logged_model(gate.logged_model_id(version)).metrics}
+    assert {"i2t_R_at_5", "mAP_at_10"} <= linked and "train_steps" not in linked, linked
+    assert not any(k.startswith("chance_") for k in linked), linked
     assert train_summary  # train.json exists; its values are logged as train_* metrics
     # The index stage ran after export; register logged it with the version's run, so the
     # champion's model and its index come back from MLflow alone and belong together.

@@ -1,7 +1,8 @@
 """What the MLflow UI shows of the registry, checked through the client API of a real server: the
 experiment is a model-training one, the evaluation metrics are on each version's logged model (the
 Models view's columns), version tags are only lineage and the gate's inputs, each version's
-description is the gate's decision, and the registered model has a description."""
+description is the gate's decision, and the registered model has a description; and the UI
+itself, in headless Chromium, shows them (tests/mlflow_screenshots.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from registry import settings
+from registry import gate, settings
 from registry.registration import MODEL_DESCRIPTION_START
+from tests import mlflow_screenshots
 from tests import mlflow_server as server_fixtures
 from tests import test_registry_server as server_tests
 from tests.mlflow_server import MlflowServer
@@ -48,7 +50,8 @@ def register(root: Path, exported: Path, r5: float, primary: str = "i2t_R@5") ->
     return record
 
 
-def test_registered_versions_read_at_a_glance(workspace: Path, bundle: Path) -> None:
+def test_registered_versions_read_at_a_glance(workspace: Path, bundle: Path,
+                                              mlflow_server: MlflowServer) -> None:
     first = register(workspace / "v1", bundle, 0.50)
     second = register(workspace / "v2", bundle, 0.75)
     assert (first["alias"], second["alias"]) == ("champion", "champion")
@@ -73,11 +76,13 @@ def test_registered_versions_read_at_a_glance(workspace: Path, bundle: Path) -> 
         assert float(tags["metric.i2t_R_at_5"]) == r5
         assert tags["lineage.val_digest"] and tags["lineage.data_shards_md5"] == "1" * 32
         # Metrics: every model-quality metric on the version's logged model, nothing else.
-        logged = client.get_logged_model(version.model_id)
+        model_id = gate.logged_model_id(version)
+        assert version.source == f"models:/{model_id}"
+        logged = client.get_logged_model(model_id)
         metrics = {m.key: m.value for m in logged.metrics}
         assert set(metrics) == QUALITY, metrics
         assert metrics["i2t_R_at_5"] == r5 and metrics["mAP_at_10"] == pytest.approx(r5 / 3)
-        assert {m.model_id for m in logged.metrics} == {version.model_id}
+        assert {m.model_id for m in logged.metrics} == {model_id}
         assert {m.run_id for m in logged.metrics} == {record["run_id"]}
 
     # The Models view's query: the experiment's models ordered by a metric column.
@@ -85,9 +90,16 @@ def test_registered_versions_read_at_a_glance(workspace: Path, bundle: Path) -> 
         experiment_ids=[experiment.experiment_id],
         order_by=[{"field_name": "metrics.i2t_R_at_5", "ascending": False}])
     ids = [m.model_id for m in found]
-    v1, v2 = (client.get_model_version(MODEL, str(r["version"])).model_id
+    v1, v2 = (gate.logged_model_id(client.get_model_version(MODEL, str(r["version"])))
               for r in (first, second))
     assert ids.index(v2) < ids.index(v1)
+
+    # The UI itself, in headless Chromium: both pages render the versions, aliases and a metric
+    # column (the screenshot tool waits for them, else it fails), and are saved as PNGs.
+    shots = mlflow_screenshots.take(client, mlflow_server.uri, MODEL, "i2t_R_at_5",
+                                    workspace / "shots", window=(1280, 800))
+    assert [p.name for p in shots] == ["mlflow-registry.png", "mlflow-compare.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in shots)
 
     # A new primary metric: the champion has no tag for it, so the gate reads its logged model.
     third = register(workspace / "v3", bundle, 0.60, primary="mAP@10")
