@@ -3,7 +3,8 @@
 PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
-# Offline-friendly defaults for the whole stack (see ../shared/stack-notes.md).
+# Offline, quiet defaults for the whole stack: no DVC analytics, no albumentations update check,
+# no W&B, MindSpore logs errors only.
 export DVC_NO_ANALYTICS := 1
 export NO_ALBUMENTATIONS_UPDATE := 1
 export WANDB_MODE := disabled
@@ -19,7 +20,8 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	# distributed: pyspark + a JDK + ray, so the distributor tests run in `make test` (CI);
 	# serve: the search service's dependencies (serving/, its tests)
-	$(VENV)/bin/python -m pip install -q -e '.[dev,distributed,serve]'
+	# postgres: a PostgreSQL server + driver, so the MLflow-on-PostgreSQL tests run in CI
+	$(VENV)/bin/python -m pip install -q -e '.[dev,distributed,serve,postgres]'
 	# img2dataset drags in the `dataclasses` backport, which shadows the standard module and breaks
 	# Prefect's server on Python 3.11; remove it (pip check then names it, harmlessly).
 	$(VENV)/bin/python -m pip uninstall -y -q dataclasses
@@ -28,8 +30,9 @@ $(STAMP): pyproject.toml
 run: env
 	dvc repro
 
+# Two xdist workers, one test module each at a time (module fixtures stay in one process).
 test: env
-	pytest -q
+	pytest -q -n 2 --dist loadfile
 
 lint: env
 	ruff check .

@@ -23,7 +23,7 @@ outputs and of the L2-normalised ones (what retrieval compares). Each precision 
 (`PARITY`): fp32 is gated on the raw error, fp16 -- which keeps about three significant digits --
 on the normalised one, where the size of the embeddings does not matter. The bar depends on the
 bundle's precision only: an amp-trained checkpoint holds fp32 master weights, so its fp32 export
-meets the fp32 bar. docs/ascend.md gives the measured errors behind the fp16 bar.
+meets the fp32 bar. docs/ascend.md gives the errors measured for the half-precision bar.
 """
 
 from __future__ import annotations

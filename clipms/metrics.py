@@ -1,6 +1,6 @@
 """Retrieval and zero-shot metrics for CLIP embeddings, in numpy only (no MindSpore import).
 
-Definitions (the field's, see ../shared/design.md section 4):
+Definitions (the field's: CLIP_benchmark's and open_clip's; docs/evaluation-and-export.md):
 
 - Scores are cosine similarities: every feature row is L2-normalised here, so callers may pass
   raw embeddings. Scores are computed in float32, chunk by chunk, so 5,000 images x 25,000

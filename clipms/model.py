@@ -29,7 +29,7 @@ _MASKED = -3.0e4
 
 def cast(x: Tensor, dtype: ms.dtype) -> Tensor:
     """x in dtype. Skips the Cast when the dtype already matches: a same-dtype Cast is not free
-    (it made fp32 LayerNorm ~30% slower on CPU). dtypes are static, so graphs fold the test."""
+    on CPU (docs/model.md, "What differs"). dtypes are static, so graphs fold the test."""
     return x if x.dtype == dtype else x.astype(dtype)
 
 
@@ -56,8 +56,8 @@ class GELU(nn.Cell):
     """Exact (erf) GELU, open_clip's default: x * (0.5 + 0.5 erf(x / sqrt 2)).
 
     Same function as nn.GELU(approximate=False) (nn.GELU() would be the tanh approximation), but
-    ~20% faster on CPU: MindSpore composes that one with a Div and two extra passes over the
-    (N, L, 4D) activations, the largest tensors of the block."""
+    faster on CPU (docs/model.md): MindSpore composes that one with a Div and two extra passes over
+    the (N, L, 4D) activations, the largest tensors of the block."""
 
     def construct(self, x: Tensor) -> Tensor:
         return x * (0.5 + 0.5 * ops.erf(x * 0.7071067811865476))

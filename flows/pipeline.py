@@ -34,6 +34,7 @@ from prefect.tasks import exponential_backoff
 from clipms.redact import redact_text
 from flows import dvc_cli, summary, workspace
 from flows.notify import notify_failure
+from registry.gatelock import ensure_one_slot_limit
 
 ARTIFACT_KEY = "clip-pipeline-summary"
 # Network-bound stages get retries with exponential backoff (10 s, 20 s, 40 s, +-50% jitter).
@@ -166,12 +167,10 @@ def lock_name(workdir: Path) -> str:
 @contextmanager
 def workspace_lock(workdir: Path) -> Iterator[None]:
     """Hold the workspace's 1-slot global concurrency limit (created on first use)."""
-    from prefect.client.orchestration import get_client
     from prefect.concurrency.sync import concurrency
 
     name = lock_name(workdir)
-    with get_client(sync_client=True) as client:
-        client.upsert_global_concurrency_limit_by_name(name=name, limit=1)
+    ensure_one_slot_limit(name)  # race-safe: two workers may start runs on it at once
     _logger().info("waiting for the workspace lock '%s' (%s)", name, workdir)
     with concurrency(name, occupy=1, strict=True, timeout_seconds=LOCK_TIMEOUT_SECONDS,
                      lease_duration=LOCK_LEASE_SECONDS):

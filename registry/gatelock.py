@@ -103,13 +103,29 @@ def _file_lock(path: Path, timeout_s: float) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-@contextmanager
-def _prefect_lock(name: str, timeout_s: float) -> Iterator[None]:
+def ensure_one_slot_limit(name: str) -> None:
+    """Create the Prefect global concurrency limit `name` (one slot) unless it exists.
+
+    Prefect's upsert reads, then creates: two processes that start together (two workers, two
+    machines registering) both find no limit, and the slower create is answered 409 Conflict.
+    The limit then exists, which is all either needs, so a conflict is followed by one more
+    upsert (which reads it back and fixes its size if it differs); any other error is raised.
+    """
     from prefect.client.orchestration import get_client
-    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists
 
     with get_client(sync_client=True) as client:
-        client.upsert_global_concurrency_limit_by_name(name=name, limit=1)
+        try:
+            client.upsert_global_concurrency_limit_by_name(name=name, limit=1)
+        except ObjectAlreadyExists:  # the 409
+            client.upsert_global_concurrency_limit_by_name(name=name, limit=1)
+
+
+@contextmanager
+def _prefect_lock(name: str, timeout_s: float) -> Iterator[None]:
+    from prefect.concurrency.sync import concurrency
+
+    ensure_one_slot_limit(name)
     acquired = False
     try:
         with concurrency(name, occupy=1, strict=True, timeout_seconds=timeout_s):

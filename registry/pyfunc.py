@@ -83,16 +83,44 @@ def signature() -> Any:
     return ModelSignature(inputs=inputs, outputs=outputs)
 
 
+def _check_active_run(project_uri: str) -> None:
+    """The caller's active run must live in the project's store: logging into a run that store
+    has never seen ends in MLflow's "Run with id=... not found" half-way through; say which two
+    stores disagree instead (e.g. mlflow.set_tracking_uri left pointing elsewhere)."""
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    active = mlflow.active_run()
+    if active is None:
+        raise RuntimeError("registry.pyfunc.log_model: give run_id, or call it inside an active "
+                           "run (mlflow.start_run())")
+    try:
+        MlflowClient(tracking_uri=project_uri).get_run(active.info.run_id)
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        raise RuntimeError(f"registry.pyfunc.log_model: the active run {active.info.run_id} "
+                           f"was started against {mlflow.get_tracking_uri()!r} "
+                           "(mlflow.set_tracking_uri), which is not the project's tracking "
+                           f"URI {project_uri!r} (MLFLOW_TRACKING_URI): use one store for "
+                           "both") from None
+
+
 def log_model(bundle_dir: Path | str, name: str = "clip", run_id: str | None = None,
               step: int = 0) -> Any:
-    """Log the bundle as a pyfunc into run `run_id` (or the active run) at `step` (MLflow links
-    the run's metrics of that step to the logged model); returns its ModelInfo."""
+    """Log the bundle as a pyfunc into run `run_id` (opened against the project's tracking URI)
+    or into the caller's active run, in the store that run lives in, at `step` (MLflow links the
+    run's metrics of that step to the logged model); returns its ModelInfo."""
     import mlflow
 
     from registry.settings import tracking_uri
 
     bundle = check_bundle(bundle_dir)
-    mlflow.set_tracking_uri(tracking_uri())
+    if run_id is not None:
+        mlflow.set_tracking_uri(tracking_uri())
+    else:
+        _check_active_run(tracking_uri())
     with tempfile.TemporaryDirectory() as tmp:
         code = Path(tmp) / "clipms"  # the package without bytecode caches
         shutil.copytree(CLIPMS_DIR, code, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))

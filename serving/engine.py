@@ -72,6 +72,7 @@ class Engine:
         self._drained: asyncio.Event | None = None
         self.text: Batcher | None = None
         self.image: Batcher | None = None
+        self.runtime: dict[str, Any] = {}  # MindSpore's own context (serving.state)
 
     # -- model calls, always in the model thread
     def warm_up_steps(self, max_batch: int) -> list[Callable[[], Any]]:
@@ -127,4 +128,5 @@ class Engine:
     def describe(self) -> dict[str, Any]:
         return {**self.info.public(), "alias": self.info.alias, "run_id": self.info.run_id,
                 "bundle_digest": self.digest, "index_rows": len(self.index),
-                "embed_dim": self.encoder.embed_dim, "search": self.index.meta["search"]["kind"]}
+                "embed_dim": self.encoder.embed_dim, "search": self.index.meta["search"]["kind"],
+                "runtime": self.runtime}

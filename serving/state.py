@@ -51,6 +51,20 @@ def open_encoder(fetched: Fetched, index: Any, max_batch: int, runtime: Any = No
     return encoder
 
 
+def mindspore_context() -> dict[str, Any]:
+    """How MindSpore runs in this process, read back from MindSpore itself (not from the config
+    that asked for it): /v1/model shows it, so a user sees the device that really serves."""
+    import os
+
+    import mindspore as ms
+
+    jit = ms.get_context("jit_config") or {}
+    return {"device_target": ms.get_context("device_target"),
+            "mode": "graph" if ms.get_context("mode") == ms.GRAPH_MODE else "pynative",
+            "jit_level": jit.get("jit_level") or None,
+            "kernel_fusion": bool(os.environ.get("MS_DEV_GRAPH_KERNEL_FLAGS"))}
+
+
 def broken_version(err: Exception) -> bool:
     """True for what is wrong with the version itself (its index, bundle or artifacts); other
     errors (the registry unreachable mid-download, a full disk) are retried at the next poll."""
@@ -94,6 +108,7 @@ class ServiceState:
             encoder = await loop.run_in_executor(self.model_thread, open_encoder, fetched, index,
                                                  self.batching.max_batch, self.runtime)
             engine = Engine(fetched.info, encoder, index, fetched.bundle_dir, digest)
+            engine.runtime = await loop.run_in_executor(self.model_thread, mindspore_context)
             for step in engine.warm_up_steps(self.batching.max_batch):
                 await loop.run_in_executor(self.model_thread, step)
         except BaseException:
@@ -115,7 +130,7 @@ class ServiceState:
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
         else:
-            log.info("serving %s v%s", info.name, info.version)
+            log.info("serving %s v%s on MindSpore %s", info.name, info.version, engine.runtime)
 
     async def _retire(self, old: Engine) -> None:
         await old.retire()

@@ -26,6 +26,13 @@ if "CLIPMS_KERNEL_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["CLIPMS_KERNEL_CACHE"], True)
 os.environ["CLIPMS_KERNEL_FUSION"] = "0"
 
+# The promotion gate's machine-wide lock (registry.gatelock, for HTTP tracking servers) is keyed by
+# model name only; `make test` runs two pytest workers whose MLflow servers both register "clip",
+# so each pytest process keeps its locks apart (the processes a test starts inherit this folder).
+if "CLIPMS_LOCK_DIR" not in os.environ:
+    os.environ["CLIPMS_LOCK_DIR"] = tempfile.mkdtemp(prefix="clipms-test-locks-")
+    atexit.register(shutil.rmtree, os.environ["CLIPMS_LOCK_DIR"], True)
+
 # The CPU settings clipms.runtime.configure would make, set before any test imports MindSpore (some
 # are read at `import mindspore`); the tests' own configure() calls then find them in place.
 from clipms.runtime import RuntimeConfig, settings_for  # noqa: E402

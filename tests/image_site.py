@@ -116,9 +116,11 @@ def stage_env() -> dict[str, str]:
     return env
 
 
-def run_stage(name: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=cwd, env=stage_env(),
-                          capture_output=True, text=True, timeout=300)
+def run_stage(name: str, cwd: Path, check: bool = True,
+              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m stages.<name>` in `cwd`, with `env` (default: `stage_env()`)."""
+    proc = subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=cwd,
+                          env=env or stage_env(), capture_output=True, text=True, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"stage {name} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-4000:]}")

@@ -65,10 +65,15 @@ class MlflowServer:
             "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
         ]
 
+    def environment(self) -> dict[str, str]:
+        """Variables the server needs besides this process' own (a subclass's database login)."""
+        return {}
+
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> MlflowServer:
         bin_dir = str(Path(sys.executable).parent)
         env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"])
         env.pop("MLFLOW_TRACKING_URI", None)
+        env.update(self.environment())
         with open(self.log, "ab") as log:
             # A new session so that stop() can end uvicorn and any worker it forks.
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,

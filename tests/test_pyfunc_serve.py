@@ -58,6 +58,9 @@ def served(tmp_path_factory: pytest.TempPathFactory):
             info = pyfunc.log_model(bundle, name="clip")
         mlflow.register_model(info.model_uri, MODEL)
     finally:
+        # Undo the process-global URI too: left set, it outranks MLFLOW_TRACKING_URI in every
+        # later test of this process (a run of test_serving_swap went to this store).
+        mlflow.set_tracking_uri(None)
         os.chdir(cwd)
         if old_uri is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
@@ -201,3 +204,31 @@ def test_concurrent_requests_are_all_answered(served) -> None:
         assert status == 200, (i, embedding)
         np.testing.assert_allclose(embedding, want_text if i % 2 else want_image, atol=1e-5)
     assert http_get(f"{url}/ping", timeout=5)[0] == 200
+
+
+def test_logging_into_a_run_of_another_store_names_both_stores(tmp_path, monkeypatch) -> None:
+    """The cause of a CI failure of test_serving_swap: a URI left set by mlflow.set_tracking_uri
+    outranks MLFLOW_TRACKING_URI, so the caller's run lived in one store while log_model wrote to
+    the other ("Run with id=... not found"). log_model now refuses, naming both, before logging."""
+    import mlflow
+
+    from registry import pyfunc
+
+    bundle = tmp_path / "export"
+    bundle.mkdir()
+    for name in pyfunc.BUNDLE_FILES:  # only checked by name: nothing is logged or loaded
+        (bundle / name).write_text("{}")
+    # File stores: which kind of store does not matter here, and they open in no time.
+    other, project = (tmp_path / "other").as_uri(), (tmp_path / "project").as_uri()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.chdir(tmp_path)
+    mlflow.set_tracking_uri(other)  # (it sets the variable too, as test_pyfunc_serve undid)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", project)
+    try:
+        with mlflow.start_run(), pytest.raises(RuntimeError) as refused:
+            pyfunc.log_model(bundle)
+        assert other in str(refused.value) and project in str(refused.value)
+        with pytest.raises(RuntimeError, match="inside an active run"):
+            pyfunc.log_model(bundle)
+    finally:
+        mlflow.set_tracking_uri(None)

@@ -341,7 +341,9 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     from clipms.jsonio import read_json
     from tests.workspace import make_workspace, run, tool_env
 
-    ws = make_workspace(tmp_path / "ws", {"register.model_name": "clip-e2e"})
+    # every stage with the users' default CPU kernel fusion (the tiny workspace turns it off)
+    ws = make_workspace(tmp_path / "ws", {"register.model_name": "clip-e2e",
+                                          "runtime.kernel_fusion": True})
     env = {**tool_env(), "MLFLOW_TRACKING_URI": server.uri}
     run(["dvc", "repro"], ws, env=env, timeout=1500)
 

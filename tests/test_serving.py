@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 MAX_BATCH, MAX_QUEUE, MAX_ROWS, MAX_BYTES = 4, 8, 16, 200_000
 SERVICE_ARGS = ["--max-batch", str(MAX_BATCH), "--max-wait-ms", "100", "--max-queue",
                 str(MAX_QUEUE), "--max-rows", str(MAX_ROWS), "--max-bytes", str(MAX_BYTES)]
+RUNTIME_SECTION = "runtime:\n  device_target: CPU\n  jit_level: O0\n  kernel_fusion: false\n"
 
 
 def b64(data: bytes) -> str:
@@ -45,6 +46,9 @@ def world(tmp_path_factory: pytest.TempPathFactory):
              for i, data in enumerate(images)]
     build_index(encoder, items, root / "index", bundle_digest(bundle), SearchOptions(),
                 thumbnail_size=24)
+    # The service runs in `root`, so it reads this `runtime` section as the stages would; O0 is
+    # not the CPU default (None), so /v1/model shows whether the section reached MindSpore.
+    (root / "params.yaml").write_text(RUNTIME_SECTION)
     server = ServingServer(root, ["--model", str(bundle), "--index", str(root / "index"),
                                   *SERVICE_ARGS]).start()
     try:
@@ -64,6 +68,9 @@ def test_health_model_page_and_headers(world) -> None:
     assert headers["x-model-version"] == f"local:bundle/{version}"
     model = json.loads(request(f"{url}/v1/model")[1])
     assert model["index_rows"] == 30 and model["search"] == "exact" and not model["auth_required"]
+    # MindSpore's own context in the serving process, as the `runtime` section names it.
+    assert model["runtime"] == {"device_target": "CPU", "mode": "graph", "jit_level": "O0",
+                                "kernel_fusion": False}
     status, page, headers = request(f"{url}/")
     assert status == 200 and b'id="query"' in page and b"/static/app.js" in page
     assert b"http" not in page.replace(b"http-equiv", b"")  # nothing from a CDN

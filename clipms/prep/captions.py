@@ -72,10 +72,11 @@ def comparison_keys(normalised: pd.Series) -> pd.Series:
 
 
 # The string work runs in Arrow's C++ kernels (RE2 regexes): pandas' .str methods loop in Python
-# and took ~15 s on 600k captions here. RE2's \w/\s are ASCII-only, hence the Unicode classes.
+# (docs/data-pipeline.md, "Measurements behind the code"). RE2's \w/\s are ASCII-only, hence the
+# Unicode classes.
 # Whitespace that must become one plain space: runs of 2+, or any single whitespace character other
-# than U+0020. Matching every lone space too (`[\s\p{Z}]+`) gave the same result at ~6x the cost,
-# since nearly every caption is full of single spaces that would each be "replaced".
+# than U+0020. Matching every lone space too (`[\s\p{Z}]+`) gives the same result at a multiple of
+# the cost, since nearly every caption is full of single spaces that would each be "replaced".
 _OTHER_SPACES = (r"\t\n\x{0B}\f\r\x{1C}-\x{1F}\x{85}\x{A0}\x{1680}\x{2000}-\x{200A}"
                  r"\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}")  # = Python's str.isspace() minus " "
 _WHITESPACE_TO_FIX = rf"[\s{_OTHER_SPACES}]{{2,}}|[{_OTHER_SPACES}]"

@@ -108,14 +108,21 @@ def run_img2dataset(images: pd.DataFrame, output: str, settings: DownloadSetting
                     engine: EngineSettings, policy: FetchPolicy) -> None:
     """Hand the (already checked) rows to img2dataset on the engine, with the policy and the size
     limits inside its workers; call under `if __name__ == "__main__"`."""
+    # The engine's session first: img2dataset imports ray when it is installed, and Ray reads the
+    # authentication settings a local Ray gets (clipms.prep.engines) once, when it is imported.
+    with engine_session(engine):
+        _img2dataset(images, output, settings, engine, policy)
+
+
+def _img2dataset(images: pd.DataFrame, output: str, settings: DownloadSettings,
+                 engine: EngineSettings, policy: FetchPolicy) -> None:
     from img2dataset import download  # heavy (cv2, fsspec, ...): only where used
 
     from clipms.prep.img2dataset_guard import ImageLimits, guarded
 
     frame = images.rename(columns={"key": "image_key"})[["url", "caption", *EXTRA_COLUMNS]]
     limits = ImageLimits(settings.max_image_area, settings.max_aspect_ratio)
-    with tempfile.TemporaryDirectory(prefix="clipms-download-") as tmp, \
-            guarded(policy, limits), engine_session(engine):
+    with tempfile.TemporaryDirectory(prefix="clipms-download-") as tmp, guarded(policy, limits):
         url_list = Path(tmp) / "images.parquet"
         frame.to_parquet(url_list, index=False)
         download(

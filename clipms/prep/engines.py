@@ -8,13 +8,25 @@ settings describe (and closes what it opened):
   `distributed` extra) is used, so no system Java is needed;
 - `ray`: `ray_address` (a running cluster, e.g. `ray://head:10001` or `127.0.0.1:6379`), or none:
   a local Ray with `processes` CPUs, started for the call and stopped after it.
-Servers an engine starts here listen on 127.0.0.1 only. `pyspark` and `ray` are optional extras:
-`pip install -e '.[distributed]'`.
+`pyspark` and `ray` are optional extras: `pip install -e '.[distributed]'`.
+
+Who can reach what an engine starts here (docs/data-pipeline.md lists the sockets):
+- a local Spark listens on 127.0.0.1 only (driver RPC, block manager; no web UI) and authenticates
+  its RPC with a secret Spark makes per application (`spark.authenticate`);
+- a local Ray gets the node IP 127.0.0.1: Ray 2.52 binds its gcs_server, raylet and worker gRPC
+  servers to 127.0.0.1 for exactly that node IP (0.0.0.0 for any other; it has no bind setting)
+  and its agents to the node IP; no dashboard. Loopback is open to every user of the machine, so,
+  unless RAY_AUTH_MODE is already set, the call also turns on Ray's token authentication
+  (RAY_AUTH_MODE=token, off by default in Ray 2.52) with a random token made for the call and kept
+  in the environment of the call's processes only (never written to ~/.ray).
+- a cluster (`spark_master`, `ray_address`) is the operator's: its addresses, authentication and
+  firewall come from its own configuration and the environment (RAY_AUTH_MODE, RAY_AUTH_TOKEN).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,10 +84,11 @@ def _spark(engine: EngineSettings) -> Iterator[None]:
     builder = (SparkSession.builder.master(master).appName("clipms-download")
                .config("spark.ui.enabled", "false")
                .config("spark.driver.memory", "1g"))
-    if master.startswith("local"):  # listen on loopback only
+    if master.startswith("local"):  # listen on loopback only; the RPC asks for a per-app secret
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = (builder.config("spark.driver.host", "127.0.0.1")
-                   .config("spark.driver.bindAddress", "127.0.0.1"))
+                   .config("spark.driver.bindAddress", "127.0.0.1")
+                   .config("spark.authenticate", "true"))
     if engine.executors:
         builder = builder.config("spark.executor.instances", str(engine.executors))
     spark = builder.getOrCreate()
@@ -99,19 +112,52 @@ def _ensure_java() -> None:
 
 @contextmanager
 def _ray(engine: EngineSettings) -> Iterator[None]:
-    try:
-        import ray
-    except ModuleNotFoundError as err:
-        raise _missing("ray") from err
     # Ray 2.52 warns at every init that a future default about GPU visibility will change; this
     # pipeline asks for no GPU, so take the future behaviour now (and no warning).
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    if engine.ray_address:
-        ray.init(address=engine.ray_address, log_to_driver=False)
-    else:
-        ray.init(num_cpus=engine.processes, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1")
+    with _local_ray_auth(enabled=not engine.ray_address):
+        try:
+            import ray  # after the auth variables: Ray reads them once, on import
+        except ModuleNotFoundError as err:
+            raise _missing("ray") from err
+        if engine.ray_address:
+            ray.init(address=engine.ray_address, log_to_driver=False)
+        else:
+            # Exactly 127.0.0.1: Ray binds its servers to loopback for this node IP alone.
+            ray.init(num_cpus=engine.processes, include_dashboard=False, log_to_driver=False,
+                     _node_ip_address="127.0.0.1")
+        try:
+            yield
+        finally:
+            ray.shutdown()
+
+
+AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+
+
+@contextmanager
+def _local_ray_auth(enabled: bool) -> Iterator[None]:
+    """Token authentication for a local Ray this call starts (see the module docstring), the
+    environment given back as it was after it. An explicit RAY_AUTH_MODE is the operator's choice.
+    Ray reads them when it is imported: when it was imported before, this process would not send
+    the token its servers then ask for, so it fails here, saying so, rather than inside ray.init.
+    """
+    if not enabled or "RAY_AUTH_MODE" in os.environ:
+        yield
+        return
+    if "ray" in sys.modules:
+        raise EngineError("download.distributor: ray: a local Ray is started with token "
+                          "authentication, which Ray reads when it is imported, and ray was "
+                          "imported before the download; set RAY_AUTH_MODE=token (Ray then makes "
+                          "a token in ~/.ray/auth_token) or RAY_AUTH_MODE=disabled before it is")
+    before = {name: os.environ.get(name) for name in AUTH_VARIABLES}
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
     try:
         yield
     finally:
-        ray.shutdown()
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

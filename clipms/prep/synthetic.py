@@ -42,8 +42,7 @@ POSITIONS = ("centre", "left", "right", "top", "bottom")
 _SIZE_RADIUS = {"small": (0.16, 0.19), "medium": (0.21, 0.25), "large": (0.28, 0.33)}
 _MAX_SCATTERED_RADIUS = 0.19
 # Nuisance attributes (small objects, several objects, off-centre) slow down how fast a tiny ViT
-# learns shape (measured: with none of them, shape began to be learned within 84 steps; with these
-# mild settings, not yet after 168 steps at lr 5e-4, while colour was perfect): keep them mild.
+# learns shape (docs/data-sources.md, "Measurements behind the defaults"): keep them mild.
 _POSITION_WEIGHTS = (0.4, 0.15, 0.15, 0.15, 0.15)
 _COUNT_WEIGHTS = {1: 0.8, 2: 0.15, 3: 0.05}
 _COUNT_WORDS = {1: "one", 2: "two", 3: "three"}

@@ -1,0 +1,141 @@
+"""Peer of benchmarks/quality_vs_openclip.py: open_clip trained on the same batches, val embedded.
+
+Runs in a separate virtualenv with torch + open_clip_torch (not project dependencies):
+
+    python3.11 -m venv PEER_VENV
+    PEER_VENV/bin/pip install torch==2.14.1 torchvision==0.29.1 open_clip_torch==3.3.0 \
+        numpy==1.26.4 pillow==11.1.0 tokenizers==0.21.1
+
+The model is `open_clip.model.CLIP` built from clipms's preset (`CLIPConfig.to_openclip()`) with
+open_clip's own initialisation. The training recipe is open_clip_train's (main.py / train.py):
+AdamW over two parameter groups (no decay on tensors with < 2 dims, "bn"/"ln"/"bias" names and
+`logit_scale`; `--wd-rule embeddings` also exempts the token and positional embeddings, clipms's
+old rule), `open_clip_train.scheduler.cosine_lr` set before each step, `open_clip.loss.ClipLoss`,
+optional global-norm clipping, and `logit_scale` clamped to [0, ln 100] after each step. The
+batches are clipms's own (`clipms.data.TrainSamples`: same sample order, caption draw and
+preprocessing as clipms's trainer for the seed), so both sides see bit-identical inputs; the val
+split is embedded from `clipms.data.iter_eval_batches` and scored by the driver with
+clipms.metrics. Writes an .npz of features and a JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import open_clip  # noqa: E402
+import torch  # noqa: E402
+from open_clip_train.scheduler import cosine_lr  # noqa: E402
+
+from clipms.data import TrainSamples, index_shards, iter_eval_batches, steps_per_epoch  # noqa: E402
+from clipms.preprocess import PreprocessConfig  # noqa: E402
+from clipms.tokenizer import Tokenizer  # noqa: E402
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", required=True, type=Path)
+    parser.add_argument("--tokenizer", required=True, type=Path)
+    parser.add_argument("--model-config", required=True, type=Path,
+                        help="open_clip model config JSON (from CLIPConfig.to_openclip())")
+    parser.add_argument("--out", required=True, type=Path, help="features .npz to write")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--warmup", type=int, default=16)
+    parser.add_argument("--wd", type=float, default=0.2)
+    parser.add_argument("--wd-rule", choices=("openclip", "embeddings"), default="openclip")
+    parser.add_argument("--grad-clip-norm", type=float, default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser.parse_args()
+
+
+def decay_groups(model: torch.nn.Module, wd: float, rule: str) -> list[dict]:
+    """open_clip_train's two groups; `embeddings` also exempts the token/positional embeddings."""
+    def exclude(n: str, p: torch.Tensor) -> bool:
+        if rule == "embeddings" and "embedding" in n:
+            return True
+        return p.ndim < 2 or "bn" in n or "ln" in n or "bias" in n or "logit_scale" in n
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if exclude(n, p)], "weight_decay": 0.0},
+            {"params": [p for n, p in named if not exclude(n, p)], "weight_decay": wd}]
+
+
+def train(model: torch.nn.Module, samples: TrainSamples, args: argparse.Namespace) -> list[float]:
+    optimizer = torch.optim.AdamW(decay_groups(model, args.wd, args.wd_rule), lr=args.lr,
+                                  betas=(0.9, 0.98), eps=1e-6)
+    scheduler = cosine_lr(optimizer, args.lr, args.warmup, args.steps)
+    loss_fn = open_clip.loss.ClipLoss()
+    losses = []
+    model.train()
+    for step in range(args.steps):
+        scheduler(step)
+        items = [samples.load(int(i), step // samples.steps_per_epoch)
+                 for i in samples.sample_ids(step)]
+        images = torch.from_numpy(np.stack([image for image, _ in items]))
+        tokens = torch.from_numpy(np.stack([text for _, text in items])).long()
+        optimizer.zero_grad(set_to_none=True)
+        image_features, text_features, scale = model(images, tokens)
+        loss = loss_fn(image_features, text_features, scale)
+        loss.backward()
+        if args.grad_clip_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip_norm, norm_type=2.0)
+        optimizer.step()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))
+        losses.append(loss.item())
+        if step % 10 == 0 or step == args.steps - 1:
+            print(f"openclip step {step + 1}/{args.steps} loss {losses[-1]:.4f}", file=sys.stderr,
+                  flush=True)
+    return losses
+
+
+@torch.inference_mode()
+def embed_val(model: torch.nn.Module, shards: Path, tokenizer: Tokenizer,
+              preprocess: PreprocessConfig) -> dict[str, np.ndarray]:
+    model.eval()
+    images, texts, owners, n = [], [], [], 0
+    for batch in iter_eval_batches(shards, preprocess, 128, split="val"):
+        images.append(model.encode_image(torch.from_numpy(batch.images)).numpy())
+        for captions in batch.captions:
+            tokens = torch.from_numpy(tokenizer.encode(captions)).long()
+            texts.append(model.encode_text(tokens).numpy())
+            owners.extend([n] * len(captions))
+            n += 1
+    return {"image_features": np.concatenate(images), "text_features": np.concatenate(texts),
+            "text_to_image": np.asarray(owners, np.int64)}
+
+
+def main() -> None:
+    args = _parse()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = open_clip.model.CLIP(**json.loads(args.model_config.read_text()))
+    tokenizer = Tokenizer.load(args.tokenizer)
+    preprocess = PreprocessConfig(image_size=model.visual.image_size[0])
+    epochs = -(-args.steps // steps_per_epoch(args.shards, args.batch_size))
+    samples = TrainSamples(index_shards(args.shards, "train"), tokenizer, preprocess,
+                           args.batch_size, epochs=epochs, seed=args.seed)
+    started = time.perf_counter()
+    losses = train(model, samples, args)
+    train_s = time.perf_counter() - started
+    np.savez(args.out, **embed_val(model, args.shards, tokenizer, preprocess))
+    print(json.dumps({"side": "open_clip", "peer": f"open_clip {open_clip.__version__}, torch "
+                      f"{torch.__version__}", "final_loss": losses[-1],
+                      "train_s": round(train_s, 1),
+                      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()

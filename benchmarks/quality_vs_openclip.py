@@ -1,0 +1,253 @@
+"""Does clipms's training recipe learn as well as open_clip's? Both train on the same real shards.
+
+    # 1. shards + OpenAI BPE tokenizer from any parquet of URL/TEXT, through the project's own data
+    #    stages (metadata -> dedupe -> download -> shard -> tokenizer) in WORK/, e.g. a folder of
+    #    images with its metadata.parquet whose URLs point at http://127.0.0.1:8123/:
+    python benchmarks/quality_vs_openclip.py prepare --work /tmp/qb \\
+        --parquet DATA/metadata.parquet --serve DATA/images --port 8123
+    # 2. one training run per side and seed (ours in this process; open_clip in the peer venv,
+    #    benchmarks/openclip_fit.py); each appends a JSON line to WORK/results.jsonl
+    python benchmarks/quality_vs_openclip.py run --work /tmp/qb --side ours --seed 0
+    python benchmarks/quality_vs_openclip.py run --work /tmp/qb --side openclip --seed 0 \\
+        --peer-python PEER_VENV/bin/python
+    # 3. the table (mean and per seed; ratios ours / open_clip)
+    python benchmarks/quality_vs_openclip.py table --work /tmp/qb
+
+Same on both sides: architecture (`--preset`, open_clip's CLIP built from `to_openclip()`), the
+OpenAI BPE tokenizer (`tokenizer.kind: openai`), batches (the same samples, captions and
+preprocessing per seed, from clipms.data), steps, lr, warmup + cosine, AdamW betas/eps, weight
+decay and its rule (`--wd-rule openclip`: not on < 2-D tensors, norms, biases, logit_scale;
+`embeddings`: also not on the token/positional embeddings), grad clipping, the logit-scale clamp,
+and the scoring: every val image and caption, clipms.metrics.retrieval_metrics. Each side keeps
+its own initialisation. One MindSpore training at a time: run the commands one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import http.server
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DATA_STAGES = ("metadata", "dedupe", "download", "shard", "tokenizer")
+REPORTED = ("i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mAP@10")
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="shards + tokenizer from a URL/TEXT parquet")
+    prep.add_argument("--work", required=True, type=Path)
+    prep.add_argument("--parquet", required=True, type=Path)
+    prep.add_argument("--serve", type=Path, help="serve this folder on 127.0.0.1:--port meanwhile")
+    prep.add_argument("--port", type=int, default=8123)
+    prep.add_argument("--val-fraction", type=float, default=0.25)
+    prep.add_argument("--image-size", type=int, default=64, help="download.image_size")
+    prep.add_argument("--context-length", type=int, default=32)
+    run = sub.add_parser("run", help="train one side with one seed, score it")
+    run.add_argument("--work", required=True, type=Path)
+    run.add_argument("--side", choices=("ours", "openclip"), required=True)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--preset", default="tiny")
+    run.add_argument("--steps", type=int, default=160)
+    run.add_argument("--batch-size", type=int, default=64)
+    run.add_argument("--lr", type=float, default=5e-4)
+    run.add_argument("--warmup", type=int, default=16)
+    run.add_argument("--wd", type=float, default=0.2)
+    run.add_argument("--wd-rule", choices=("openclip", "embeddings"), default="openclip")
+    run.add_argument("--grad-clip-norm", type=float, default=1.0)
+    run.add_argument("--peer-python", help="--side openclip: the python of a venv with "
+                     "torch + open_clip_torch (see benchmarks/openclip_fit.py)")
+    table = sub.add_parser("table", help="markdown table of WORK/results.jsonl")
+    table.add_argument("--work", required=True, type=Path)
+    return parser.parse_args()
+
+
+# ------------------------------------------------------------------------------------- prepare
+@contextlib.contextmanager
+def loopback_server(folder: Path | None, port: int) -> Iterator[None]:
+    """A static file server on 127.0.0.1 for the download stage (img2dataset fetches over HTTP)."""
+    if folder is None:
+        yield
+        return
+    handler = functools.partial(_QuietHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass
+
+
+def work_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The project's params.yaml with the benchmark's data settings."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["metadata"].update(source="local", path=str(args.parquet.resolve()))
+    params["dedupe"]["val_fraction"] = args.val_fraction
+    params["download"]["image_size"] = args.image_size
+    if "allow_private_addresses" in params["download"]:  # the loopback server is private
+        params["download"]["allow_private_addresses"] = args.serve is not None
+    params["tokenizer"].update(kind="openai", context_length=args.context_length)
+    return params
+
+
+def prepare(args: argparse.Namespace) -> None:
+    args.work.mkdir(parents=True, exist_ok=True)
+    (args.work / "params.yaml").write_text(yaml.safe_dump(work_params(args), sort_keys=False))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with loopback_server(args.serve, args.port):
+        for stage in DATA_STAGES:
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=args.work, env=env,
+                           check=True)
+            print(f"prepare: {stage} {time.perf_counter() - started:.1f} s", flush=True)
+    manifest = json.loads((args.work / "data/shards/manifest.json").read_text())
+    print(json.dumps({"prepared": str(args.work), "splits": {
+        k: v["samples"] for k, v in manifest["splits"].items()}}))
+
+
+# ----------------------------------------------------------------------------------------- run
+def model_config(args: argparse.Namespace) -> Any:
+    from clipms.config import get_preset
+    from clipms.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(args.work / "models/tokenizer.json")
+    cfg = get_preset(args.preset)
+    text = dataclasses.replace(cfg.text, vocab_size=tokenizer.vocab_size,
+                               context_length=tokenizer.context_length)
+    return dataclasses.replace(cfg, text=text), tokenizer
+
+
+def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """clipms's trainer on the shards; (features for scoring, run facts)."""
+    from clipms.embed import embed_split
+    from clipms.preprocess import PreprocessConfig
+    from clipms.trainer import ShardBatches, TrainConfig, train
+
+    cfg, tokenizer = model_config(args)
+    config = TrainConfig(model=cfg, batch_size=args.batch_size, max_steps=args.steps,
+                         lr=args.lr, warmup_steps=args.warmup, weight_decay=args.wd,
+                         grad_clip_norm=args.grad_clip_norm or None, seed=args.seed,
+                         decay_embeddings=args.wd_rule == "openclip", log_every=20)
+    preprocess = PreprocessConfig(image_size=cfg.vision.image_size)
+    shards = args.work / "data/shards"
+    source = ShardBatches(shards, tokenizer, preprocess, args.batch_size, seed=args.seed)
+    started = time.perf_counter()
+    result = train(config, source, checkpoint_dir=None)
+    train_s = time.perf_counter() - started
+    val = embed_split(result.model, tokenizer, preprocess, shards, 128, "val")
+    return ({"image_features": val.image_features, "text_features": val.text_features,
+             "text_to_image": val.text_to_image},
+            {"side": "ours", "final_loss": result.summary["final_loss"],
+             "train_s": round(train_s, 1), "peak_rss_mb": result.summary.get("peak_rss_mb")})
+
+
+def train_peer(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    import numpy as np
+
+    if not args.peer_python:
+        raise SystemExit("--side openclip needs --peer-python (a venv with open_clip_torch)")
+    cfg, _ = model_config(args)
+    run_dir = args.work / "runs"
+    run_dir.mkdir(exist_ok=True)
+    config_path = run_dir / f"openclip-{args.preset}.json"
+    config_path.write_text(json.dumps(cfg.to_openclip()))
+    out = run_dir / f"openclip-seed{args.seed}-{args.wd_rule}.npz"
+    cmd = [args.peer_python, str(ROOT / "benchmarks/openclip_fit.py"),
+           "--shards", str(args.work / "data/shards"),
+           "--tokenizer", str(args.work / "models/tokenizer.json"),
+           "--model-config", str(config_path), "--out", str(out), "--seed", str(args.seed),
+           "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+           "--warmup", str(args.warmup), "--wd", str(args.wd), "--wd-rule", args.wd_rule]
+    if args.grad_clip_norm:
+        cmd += ["--grad-clip-norm", str(args.grad_clip_norm)]
+    proc = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+    facts = json.loads(proc.stdout.strip().splitlines()[-1])
+    with np.load(out) as features:
+        return {k: features[k] for k in features.files}, facts
+
+
+def run(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from clipms import metrics
+
+    features, facts = (train_ours if args.side == "ours" else train_peer)(args)
+    found = metrics.retrieval_metrics(features["image_features"], features["text_features"],
+                                      features["text_to_image"])
+    counts = [int(c) for c in np.bincount(features["text_to_image"])]
+    chance = metrics.retrieval_chance_levels(counts)
+    record = {**facts, "seed": args.seed, "wd_rule": args.wd_rule, "steps": args.steps,
+              "batch_size": args.batch_size, "lr": args.lr, "warmup": args.warmup,
+              "wd": args.wd, "grad_clip_norm": args.grad_clip_norm, "preset": args.preset,
+              "val_images": len(counts), "val_captions": sum(counts),
+              "load_avg_1m": round(os.getloadavg()[0], 1),
+              **{k: found[k] for k in REPORTED}, "chance_i2t_R@5": chance["i2t_R@5"],
+              "chance_t2i_R@5": chance["t2i_R@5"]}
+    with open(args.work / "results.jsonl", "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+    print(json.dumps(record), flush=True)
+
+
+# --------------------------------------------------------------------------------------- table
+def table(args: argparse.Namespace) -> None:
+    rows = [json.loads(line) for line in (args.work / "results.jsonl").read_text().splitlines()
+            if line.strip()]
+    groups: dict[tuple, dict[str, dict[int, dict]]] = {}
+    for row in rows:  # the last run of each (setting, side, seed) counts
+        key = (row["wd_rule"], row["steps"], row["lr"], row["batch_size"])
+        groups.setdefault(key, {}).setdefault(row["side"], {})[row["seed"]] = row
+    for (rule, steps, lr, batch), sides in sorted(groups.items()):
+        seeds = sorted(set(sides.get("ours", {})) & set(sides.get("open_clip", {})))
+        print(f"\nwd rule {rule}, {steps} steps, lr {lr}, batch {batch}; seeds {seeds}\n")
+        print("| seed | ours i2t R@5 | open_clip i2t R@5 | ratio | ours t2i R@5 | "
+              "open_clip t2i R@5 | ratio |")
+        print("|---|---|---|---|---|---|---|")
+        for seed in seeds:
+            ours, peer = sides["ours"][seed], sides["open_clip"][seed]
+            print(f"| {seed} | {ours['i2t_R@5']:.3f} | {peer['i2t_R@5']:.3f} | "
+                  f"{ours['i2t_R@5'] / peer['i2t_R@5']:.2f} | {ours['t2i_R@5']:.3f} | "
+                  f"{peer['t2i_R@5']:.3f} | {ours['t2i_R@5'] / peer['t2i_R@5']:.2f} |")
+        if seeds:
+            mean = {side: {k: statistics.mean(sides[side][s][k] for s in seeds)
+                           for k in ("i2t_R@5", "t2i_R@5")} for side in ("ours", "open_clip")}
+            o, p = mean["ours"], mean["open_clip"]
+            print(f"| mean | {o['i2t_R@5']:.3f} | {p['i2t_R@5']:.3f} | "
+                  f"{o['i2t_R@5'] / p['i2t_R@5']:.2f} | {o['t2i_R@5']:.3f} | "
+                  f"{p['t2i_R@5']:.3f} | {o['t2i_R@5'] / p['t2i_R@5']:.2f} |")
+        for side, by_seed in sides.items():
+            others = sorted(set(by_seed) - set(seeds))
+            if others:
+                print(f"\n({side} also ran seeds {others} without a counterpart)")
+
+
+def main() -> None:
+    args = _parse()
+    {"prepare": prepare, "run": run, "table": table}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

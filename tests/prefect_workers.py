@@ -1,0 +1,81 @@
+"""More of the real Prefect stack of tests/prefect_server.py: several named workers on the pool, or
+a bare server (for code that only needs a Prefect API, such as the gate's concurrency limit).
+
+`MultiWorkerStack.start(workspace, home, names)` is a `PrefectStack` whose one default worker is
+replaced by one `prefect worker start --pool clipms --type process --name NAME --limit 1` per name:
+with one flow run at a time per worker, runs submitted together spread over the workers, as they
+would over several machines. `stop()` ends the extra workers too. `start_server(home)` starts only
+`prefect server start` (SQLite under `home`, loopback, free port); stop it with `.stop()`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from tests.prefect_server import POOL, PrefectStack, WebhookReceiver, free_port
+from tests.workspace import tool_env
+
+WORKER_LIMIT = 1  # flow runs a worker runs at once
+
+
+class MultiWorkerStack(PrefectStack):
+    """A PrefectStack with the workers `names` (the first is `procs["worker"]`, which `wait()`
+    watches; the others are `procs["worker-<name>"]`)."""
+
+    worker_names: tuple[str, ...] = ()
+
+    @classmethod
+    def start(cls, workspace: Path, home: Path,  # type: ignore[override]
+              names: Sequence[str] = ("worker-a", "worker-b")) -> MultiWorkerStack:
+        stack = super().start(workspace, home)
+        assert isinstance(stack, MultiWorkerStack)
+        try:
+            stack._end(stack.procs.pop("worker"))  # the default worker: no name, no limit
+            stack.worker_names = tuple(names)
+            for i, name in enumerate(names):
+                stack._spawn("worker" if i == 0 else f"worker-{name}",
+                             ["prefect", "worker", "start", "--pool", POOL, "--type", "process",
+                              "--name", name, "--limit", str(WORKER_LIMIT)])
+        except BaseException:
+            stack.stop()
+            raise
+        return stack
+
+    @staticmethod
+    def _end(proc: subprocess.Popen[bytes]) -> None:
+        """SIGINT (a worker ignores its first SIGTERM), then SIGKILL of its process group."""
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        for name in [n for n in self.procs if n.startswith("worker-")]:
+            self._end(self.procs.pop(name))
+        super().stop()
+
+
+def start_server(home: Path) -> PrefectStack:
+    """A bare Prefect server (no pool, deployment or worker); `.env` points a client at it."""
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = dict(tool_env(), PREFECT_HOME=str(home), PREFECT_API_URL=api_url,
+               PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db",
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_UI_ENABLED="false")
+    stack = PrefectStack(workspace=home, home=home, api_url=api_url, env=env,
+                         webhook=WebhookReceiver())
+    try:
+        stack._spawn("server", ["prefect", "server", "start", "--host", "127.0.0.1",
+                                "--port", str(port)])
+        stack._wait_healthy(timeout=120)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack

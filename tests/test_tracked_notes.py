@@ -1,0 +1,74 @@
+"""Notes in the code stay true and stay inside the repository (issue 12, item 8).
+
+- A measured figure (a speed, a ratio, "measured ... 84 steps") in a module that a DVC stage depends
+  on would make `dvc repro` rerun that stage whenever a benchmark is refreshed: such figures live in
+  docs/ and benchmarks/RESULTS.md, and the code points there.
+- Nothing in the repository points to `../shared/...`: a clone does not have it.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A number next to a unit of speed or a ratio, or "measured" followed by a number in the same
+# clause. Letters glued to a digit (fp16, R@5's "5" after "@" is fine too) are not figures.
+MEASURED_FIGURE = re.compile(
+    r"measured[^.;\n]{0,60}(?<![A-Za-z@])\d"
+    r"|~\d[\d.]*\s*(x|s|ms|%)(?!\w)"
+    r"|(?<![A-Za-z])\d[\d.]*x (the cost|faster|slower|smaller|larger)"
+    r"|\d[\d.,]*\s*(samples/s|images/s|texts/s|it/s|ms/step|s/step|MB/s|QPS|req/s)"
+    r"|took ~?\d",
+    re.IGNORECASE,
+)
+OUTSIDE_POINTER = re.compile(r"\.\./shared|stack-notes|shared/design\.md")
+
+
+def tracked_modules(dvc_yaml: Path = ROOT / "dvc.yaml") -> list[str]:
+    """Every Python file some stage of dvc.yaml depends on."""
+    stages = yaml.safe_load(dvc_yaml.read_text())["stages"]
+    return sorted({d for s in stages.values() for d in s.get("deps", []) if str(d).endswith(".py")})
+
+
+def figures_in(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if MEASURED_FIGURE.search(line)]
+
+
+def test_the_rule_sees_figures_and_leaves_plain_numbers_alone():
+    assert figures_in("# pandas took ~15 s on 600k captions here")
+    assert figures_in("# the same result at ~6x the cost")
+    assert figures_in("(measured: shape began to be learned within 84 steps)")
+    assert figures_in("loader: 250 samples/s per core")
+    assert not figures_in("an fp16 export; the measured errors are in docs/ascend.md")
+    assert not figures_in("i2t R@5 on 2 shards, batch 64, lr 5e-4")
+
+
+def test_no_measured_figure_in_a_module_a_stage_depends_on():
+    modules = tracked_modules()
+    assert "clipms/trainer.py" in modules and "stages/train.py" in modules  # the list is real
+    found = {m: figures_in((ROOT / m).read_text()) for m in modules}
+    assert {m: lines for m, lines in found.items() if lines} == {}, (
+        "move measured figures to docs/ or benchmarks/RESULTS.md and point there")
+
+
+def test_nothing_in_the_repository_points_outside_it():
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert "README.md" in files
+    here = Path(__file__).resolve().relative_to(ROOT).as_posix()
+    hits = [f"{name}:{n}" for name in files if name != here and (ROOT / name).is_file()
+            and not name.endswith((".png", ".tar", ".parquet", ".ckpt", ".mindir"))
+            for n, line in enumerate(_lines(ROOT / name), 1) if OUTSIDE_POINTER.search(line)]
+    assert hits == []
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return path.read_text().splitlines()
+    except UnicodeDecodeError:
+        return []
