@@ -34,7 +34,6 @@ from prefect.tasks import exponential_backoff
 from clipms.redact import redact_text
 from flows import dvc_cli, summary, workspace
 from flows.notify import notify_failure
-from registry.gatelock import ensure_one_slot_limit
 
 ARTIFACT_KEY = "clip-pipeline-summary"
 # Network-bound stages get retries with exponential backoff (10 s, 20 s, 40 s, +-50% jitter).
@@ -168,6 +167,10 @@ def lock_name(workdir: Path) -> str:
 def workspace_lock(workdir: Path) -> Iterator[None]:
     """Hold the workspace's 1-slot global concurrency limit (created on first use)."""
     from prefect.concurrency.sync import concurrency
+
+    # here, not at the top: registry.gatelock pulls in registry.settings and clipms.params, and
+    # importing the flow module stays light (test_flow_module_imports_nothing_heavy)
+    from registry.gatelock import ensure_one_slot_limit
 
     name = lock_name(workdir)
     ensure_one_slot_limit(name)  # race-safe: two workers may start runs on it at once
