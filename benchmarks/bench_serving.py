@@ -7,7 +7,8 @@ Starts, on free 127.0.0.1 ports, three servers of the same bundle: the service w
 batching (`--max-batch 32`), the same service with batching off (`--max-batch 1`) and `mlflow
 models serve` of the bundle's pyfunc (logged into a temporary SQLite registry unless
 `--mlflow-model` names one) with `--workers` = the machine's cores (`--mlflow-workers`: MLflow's
-own knob for serving requests in parallel; one worker runs one predict at a time). For each
+own knob for serving requests in parallel; one worker runs one predict at a time) and its
+request `--timeout` (`--mlflow-timeout`, MLflow's default 60 s). For each
 workload (text embeddings, image embeddings, text search; the pyfunc has no search) and each
 concurrency, every server gets the same load in turn, in an order that rotates per round: C clients
 each sending one request after the other for `--seconds` (and at most `--max-requests`). Every
@@ -160,7 +161,8 @@ def start_servers(args: argparse.Namespace, work: Path, servers: dict[str, Serve
             tracking, model = log_pyfunc(args.bundle, work)
         servers["mlflow"] = Server("mlflow", [
             str(BIN / "mlflow"), "models", "serve", "-m", model, "--env-manager", "local",
-            "--host", "127.0.0.1", "--port", "{port}", "--workers", str(args.mlflow_workers)],
+            "--host", "127.0.0.1", "--port", "{port}", "--workers", str(args.mlflow_workers),
+            "--timeout", str(args.mlflow_timeout)],
             "/ping", {**env, "MLFLOW_TRACKING_URI": tracking}, work,
             processes=args.mlflow_workers)
     for server in servers.values():
@@ -369,6 +371,9 @@ def main() -> int:
                    help="untimed load per server and workload before the cells")
     p.add_argument("--mlflow-workers", type=int, default=os.cpu_count() or 1,
                    help="uvicorn workers of mlflow models serve (default: the cores)")
+    p.add_argument("--mlflow-timeout", type=int, default=60,
+                   help="mlflow models serve --timeout: seconds a request may take before its "
+                   "worker is restarted (MLflow's default 60, above any latency seen here)")
     p.add_argument("--mlflow-model", help="model URI for `mlflow models serve` (default: the "
                    "bundle's pyfunc in a temporary registry)")
     p.add_argument("--mlflow-tracking-uri")
@@ -397,6 +402,7 @@ def main() -> int:
         limit = model_limit(args, max(1, round(statistics.median(batches))))
     result = {"cells": cells, "warmup": warmup, "summary": summarize(cells, warmup, limit),
               "limit": limit, "mlflow_workers": args.mlflow_workers,
+              "mlflow_timeout_s": args.mlflow_timeout,
               "client_cpu_s": round(client_cpu_s, 1), "cpus": os.cpu_count(),
               "load_avg_before": [round(x, 2) for x in load_before],
               "load_avg_after": [round(x, 2) for x in os.getloadavg()]}

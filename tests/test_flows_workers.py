@@ -1,12 +1,15 @@
 """Several Prefect workers on one pool (issue 11.4): two real `prefect worker start` processes
 (`--limit 1` each, as two machines with one slot each) serve the `clipms` process pool of a real
 server; two deployment runs started together land on both workers and still never overlap on the
-one checkout (the flow's one-slot global concurrency limit per checkout, flows/pipeline.py)."""
+one checkout (the flow's one-slot global concurrency limit per checkout, flows/pipeline.py), while
+runs of two checkouts (a second deployment, deployed from a second copy) run side by side."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +20,8 @@ from tests.workspace import make_workspace
 pytestmark = pytest.mark.slow
 WORKERS = ("clipms-worker-a", "clipms-worker-b")
 MANUAL = "clip-pipeline/manual"
+SECOND = "manual-second-checkout"  # the manual deployment, deployed from the second checkout
+PARAMS = {"stages": ["metadata"], "force": True}  # a real stage run, a few seconds each
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +48,7 @@ def locked_interval(stack: MultiWorkerStack, run_id: str) -> tuple[datetime, dat
 
 
 def test_two_workers_take_runs_started_together_without_overlap(stack: MultiWorkerStack) -> None:
-    params = {"stages": ["metadata"], "force": True}  # a real stage run, a few seconds each
-    run_ids = [stack.run_deployment(MANUAL, params) for _ in WORKERS]
+    run_ids = [stack.run_deployment(MANUAL, PARAMS) for _ in WORKERS]
     runs = {rid: stack.wait(rid, timeout=600) for rid in run_ids}
     for rid, run in runs.items():
         assert run["state_type"] == "COMPLETED", stack.logs(rid)[-4000:]
@@ -56,3 +60,37 @@ def test_two_workers_take_runs_started_together_without_overlap(stack: MultiWork
     assert a_end <= b_start, f"runs overlapped: {a_start}-{a_end} and {b_start}-{b_end}"
     limit = stack.api("GET", f"/v2/concurrency_limits/{lock_name(stack.workspace)}")
     assert (limit["limit"], limit["active_slots"]) == (1, 0)
+
+
+def deploy_second_checkout(stack: MultiWorkerStack, root: Path) -> Path:
+    """A second copy of the project whose `manual` deployment is renamed SECOND and deployed from
+    there, so its runs work in that copy (prefect.yaml's default pull step)."""
+    second = make_workspace(root)
+    prefect_yaml = second / "prefect.yaml"
+    text = prefect_yaml.read_text()
+    assert text.count("  - name: manual\n") == 1
+    prefect_yaml.write_text(text.replace("  - name: manual\n", f"  - name: {SECOND}\n"))
+    proc = subprocess.run(["prefect", "--no-prompt", "deploy", "--name", SECOND], cwd=second,
+                          env=stack.env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    return second
+
+
+def test_runs_of_two_checkouts_run_side_by_side_on_the_two_workers(
+        stack: MultiWorkerStack, tmp_path: Path) -> None:
+    second = deploy_second_checkout(stack, tmp_path / "second")
+    run_ids = [stack.run_deployment(MANUAL, PARAMS),
+               stack.run_deployment(f"clip-pipeline/{SECOND}", PARAMS)]
+    runs = [stack.wait(rid, timeout=600) for rid in run_ids]
+    for rid, run in zip(run_ids, runs, strict=True):
+        assert run["state_type"] == "COMPLETED", stack.logs(rid)[-4000:]
+    assert sorted(run["labels"].get("prefect.worker.name") for run in runs) == sorted(WORKERS)
+    # each checkout has its own lock, so neither waited for the other: the locked parts overlap
+    (a_start, a_end), (b_start, b_end) = (locked_interval(stack, rid) for rid in run_ids)
+    assert a_start < b_end and b_start < a_end, (
+        f"runs of two checkouts took turns: {a_start}-{a_end} and {b_start}-{b_end}")
+    assert lock_name(second) != lock_name(stack.workspace)
+    # ... and each ran in its own checkout (the second one's first dvc.lock is this run's)
+    assert "metadata:" in (second / "dvc.lock").read_text()
+    for rid, checkout in zip(run_ids, (stack.workspace, second), strict=True):
+        assert f"`{checkout}`" in stack.artifact(rid, "clip-pipeline-summary")["data"]

@@ -1,0 +1,137 @@
+"""Mutation score of the critical modules (issue 14.10): `make mutation` runs this.
+
+For each module of MODULES (or those named on the command line) it runs `mutmut run` on that
+module's mutants only (mutmut's configuration is `[tool.mutmut]` in pyproject.toml: which files
+are mutated and which fast tests run), one module at a time, then prints killed / survived /
+timeout / other per module from mutmut's own result files (mutants/<file>.meta). A mutant that no
+fast test calls counts as "no tests": it is a survivor too, and is listed with the others.
+
+    python benchmarks/mutation.py                 # every module (slow: see benchmarks/RESULTS.md)
+    python benchmarks/mutation.py urlguard gate   # some of them
+    python benchmarks/mutation.py --score-only    # the table of the last run, no mutmut run
+    python benchmarks/mutation.py --survivors urlguard   # the names of its surviving mutants
+
+`mutmut show <name>` prints a mutant's diff; `mutmut apply <name>` writes it into the work tree
+(undo with git). Runs use MUTATION_CHILDREN parallel children (default 1: the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# label -> (file, mutant-name globs). Globs pick the functions a module's guarantee lives in;
+# "<module>.*" is the whole file. mutmut names a mutant <module>.x_<function>__mutmut_<n> and a
+# method's <module>.xǁ<Class>ǁ<method>__mutmut_<n>.
+MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "urlguard": ("clipms/prep/urlguard.py", ("clipms.prep.urlguard.*",)),
+    "captions": ("clipms/prep/captions.py", ("clipms.prep.captions.*",)),
+    "metrics": ("clipms/metrics.py", ("clipms.metrics.*",)),
+    # the pure decision; current_champion/apply talk to MLflow (tests/test_registry_gate.py, slow)
+    "gate": ("registry/gate.py", ("registry.gate.x_decide__*",
+                                  "registry.gate.x_primary_direction__*",
+                                  "registry.gate.x_decision_tags__*",
+                                  "registry.gate.x_candidate_from_version__*")),
+    "params": ("clipms/params.py", ("clipms.params.*",)),
+    "loss": ("clipms/loss.py", ("clipms.loss.*",)),
+    "tokenizer": ("clipms/tokenizer.py", ("clipms.tokenizer.*",)),
+    "shards": ("clipms/prep/shards.py", ("clipms.prep.shards.*",)),
+    "checkpoint": ("clipms/checkpoint.py", ("clipms.checkpoint.*",)),
+    # the parity part of export: the report, its error measure and the pass/fail decision
+    "export": ("clipms/export.py", ("clipms.export.x_parity_report__*",
+                                    "clipms.export.x__errors__*",
+                                    "clipms.export.x_assert_parity__*",
+                                    "clipms.export.x__cycle_rows__*")),
+}
+KILLED = {1, 3}  # mutmut's exit codes: 1 a test failed, 3 pytest's internal error
+SURVIVED = {0}
+TIMEOUT = {36, 24, -24, 152, 255}
+NO_TESTS = {5, 33}
+
+
+def mutant_results(file: str, globs: tuple[str, ...]) -> dict[str, int | None]:
+    """mutant name -> mutmut's exit code (None: not run yet), for the mutants the globs select."""
+    meta = ROOT / "mutants" / (file + ".meta")
+    if not meta.exists():
+        return {}
+    codes = json.loads(meta.read_text())["exit_code_by_key"]
+    return {name: code for name, code in codes.items()
+            if any(fnmatch.fnmatchcase(name, g) for g in globs)}
+
+
+def status(code: int | None) -> str:
+    if code in KILLED:
+        return "killed"
+    if code in SURVIVED:
+        return "survived"
+    if code in TIMEOUT:
+        return "timeout"
+    if code in NO_TESTS:
+        return "no tests"
+    return "not run" if code is None else f"other ({code})"
+
+
+def score_table(labels: list[str]) -> str:
+    rows = ["module      file                       mutants  killed  survived  no tests  "
+            "timeout  other  score"]
+    for label in labels:
+        file, globs = MODULES[label]
+        counts = Counter(status(c) for c in mutant_results(file, globs).values())
+        total = sum(counts.values())
+        killed, timeout = counts["killed"], counts["timeout"]
+        other = total - killed - counts["survived"] - counts["no tests"] - timeout
+        score = f"{100 * (killed + timeout) / total:5.1f}%" if total else "    -"
+        rows.append(f"{label:<11} {file:<26} {total:>7}  {killed:>6}  {counts['survived']:>8}  "
+                    f"{counts['no tests']:>8}  {timeout:>7}  {other:>5}  {score}")
+    return "\n".join(rows) + "\n(score = (killed + timeout) / mutants; a timeout is a mutant " \
+        "that made a test hang, which the tests notice)"
+
+
+def run_module(label: str, children: int) -> int:
+    _, globs = MODULES[label]
+    print(f"== mutmut run {label}", flush=True)
+    # tokenizers' thread pool and mutmut's fork per mutant do not mix (it warns, may deadlock)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children),
+                           *globs], cwd=ROOT, env=env).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("modules", nargs="*", metavar="MODULE",
+                        help=f"some of: {', '.join(MODULES)} (default: all)")
+    parser.add_argument("--score-only", action="store_true", help="print the last run's table")
+    parser.add_argument("--survivors", action="store_true",
+                        help="list the surviving (and untested) mutants of the modules")
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.modules if m not in MODULES]
+    if unknown:
+        parser.error(f"unknown module(s) {', '.join(unknown)}; allowed: {', '.join(MODULES)}")
+    labels = args.modules or list(MODULES)
+    if args.survivors:
+        for label in labels:
+            file, globs = MODULES[label]
+            for name, code in sorted(mutant_results(file, globs).items()):
+                if status(code) in ("survived", "no tests"):
+                    print(f"{status(code):<9} {name}")
+        return 0
+    failed = []
+    if not args.score_only:
+        children = int(os.environ.get("MUTATION_CHILDREN", "1"))
+        failed = [label for label in labels if run_module(label, children) != 0]
+    print(score_table(labels))
+    if failed:
+        print(f"mutmut did not finish for: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

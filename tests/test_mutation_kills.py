@@ -1,0 +1,180 @@
+"""Edges of the critical modules that `make mutation` found untested (issue 14.10).
+
+Each test names the mutants it kills (mutmut's names, `mutmut show <name>` prints the diff;
+benchmarks/RESULTS.md lists the mutants left alive and why). Fast: no MindSpore, no process, only
+a loopback HTTP server for the URL guard.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from clipms.prep.urlguard import (
+    PRECHECK_REASONS,
+    FetchPolicy,
+    RefusedURL,
+    _read_up_to,
+    build_opener,
+    check_url,
+    precheck,
+    refusal_counts,
+)
+from tests.image_site import Site
+
+PUBLIC = "93.184.216.34"  # never connected to: every resolver below answers without the network
+
+
+class Resolver:
+    """getaddrinfo for made-up names: records (host, port) asked, answers `address`."""
+
+    def __init__(self, address: str = PUBLIC) -> None:
+        self.address, self.asked = address, []
+
+    def __call__(self, host, port, *_args, **_kwargs):
+        self.asked.append((host, port))
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (self.address, port))]
+
+
+def refused(url: str, policy: FetchPolicy, resolver=None) -> RefusedURL:
+    with pytest.raises(RefusedURL) as caught:
+        check_url(url, policy, resolver)
+    return caught.value
+
+
+# ---------------------------------------------------------------- urlguard: check_url, precheck
+
+
+def test_check_url_resolves_with_the_given_resolver_and_the_default_port_of_the_scheme():
+    """x_check_url__mutmut_17/20 (resolver dropped), x__host_port__mutmut_3..10 (port)."""
+    dns = Resolver()
+    for url in ("http://public.test/a.jpg", "https://public.test/b.jpg",
+                "HTTPS://public.test/c.jpg", "http://public.test:8080/d.jpg"):
+        check_url(url, FetchPolicy(), dns)
+    assert dns.asked == [("public.test", 80), ("public.test", 443), ("public.test", 443),
+                         ("public.test", 8080)]
+    assert refused("http://inside.test/x.jpg", FetchPolicy(), Resolver("10.9.8.7")).reason == \
+        "private_address"
+
+
+def test_check_url_names_the_reason_and_what_is_allowed():
+    """x_check_url__mutmut_4..10 (reason/message), x__host_port__mutmut_11..14."""
+    err = refused("ftp://public.test/a.jpg", FetchPolicy())
+    assert err.reason == "disallowed_scheme"
+    assert str(err) == ("refused (disallowed_scheme): 'ftp://public.test/a.jpg': scheme 'ftp' is "
+                        "not in ['http', 'https']")
+    err = refused("http://public.test:99999/a.jpg", FetchPolicy(), Resolver())
+    assert err.reason == "bad_url" and "'http://public.test:99999/a.jpg': Port out of range" \
+        in str(err)
+
+
+def test_check_url_resolves_nothing_for_file_urls_or_when_private_addresses_are_allowed():
+    """x_check_url__mutmut_11..15: which URLs are resolved at all."""
+    never = Resolver()
+    check_url("file:///tmp/a.jpg", FetchPolicy(allowed_schemes=frozenset({"file"})), never)
+    check_url("http://anything.test/a.jpg", FetchPolicy(allow_private_addresses=True), never)
+    assert never.asked == []
+    assert refused("http://127.0.0.1/a.jpg", FetchPolicy()).reason == "loopback_address"
+
+
+def test_precheck_passes_file_urls_of_the_synthetic_source_without_a_host():
+    """x_precheck__mutmut_9/11/12 (a file URL sent to the host check: 'bad_url, no host')."""
+    dns = Resolver()
+    files = FetchPolicy(allowed_schemes=frozenset({"file", "http"}))
+    assert precheck(["file:///data/a.jpg", "http://public.test:81/b.jpg"], files, dns) == \
+        [None, None]
+    assert dns.asked == [("public.test", 81)]  # x_precheck__mutmut_41: the port is passed on
+
+
+def test_refusal_counts_has_every_reason_and_counts_each_refusal():
+    """x_refusal_counts__mutmut_1..10 (no fast test called it)."""
+    counts = refusal_counts([None, "loopback_address", "bad_url", "loopback_address", None])
+    assert counts == {**dict.fromkeys(PRECHECK_REASONS, 0), "loopback_address": 2, "bad_url": 1}
+    assert list(counts) == list(PRECHECK_REASONS)
+
+
+# ---------------------------------------------------------------- urlguard: inside urllib
+
+
+LIMIT = 4096
+
+
+@pytest.fixture(scope="module")
+def site():
+    body = bytes(range(256)) * (LIMIT // 256)  # exactly LIMIT bytes
+    with Site(files={"/limit.bin": body, "/over.bin": body + b"!"},
+              unsized={"/unsized/limit.bin": body, "/unsized/over.bin": body + b"!"}) as served:
+        port = served.base.rsplit(":", 1)[1]
+        served.redirects.update({"/to-https.jpg": f"https://0.0.0.0:{port}/limit.bin",
+                                 "/to-same.jpg": "/limit.bin"})
+        yield served
+
+
+def opened(policy: FetchPolicy, url: str):
+    return build_opener(policy).open(url, timeout=10)
+
+
+def refusal_of(policy: FetchPolicy, url: str, read_size: int | None = None) -> RefusedURL:
+    import urllib.error
+
+    with pytest.raises((RefusedURL, urllib.error.URLError)) as caught, opened(policy, url) as r:
+        while r.read(read_size) if read_size else r.read():
+            pass
+    err = caught.value
+    return err if isinstance(err, RefusedURL) else err.reason
+
+
+def test_a_body_of_exactly_the_limit_is_read_whole_in_any_chunk_size(site):
+    """x__bounded__mutmut_11/44 (> became >=), _54 (start count), _51/52 (the running count),
+    _21/_23/_28.._33 (how much one read asks for), _26/_27 (read(0))."""
+    policy = FetchPolicy(allow_private_addresses=True, max_bytes=LIMIT)
+    want = bytes(range(256)) * (LIMIT // 256)
+    for path in ("/limit.bin", "/unsized/limit.bin"):
+        with opened(policy, site.base + path) as response:
+            assert response.read(0) == b""
+            assert response.read(10) == want[:10]
+            assert response.read() == want[10:]
+        with opened(policy, site.base + path) as response:
+            chunks = iter(lambda: response.read(1000), b"")
+            assert [len(c) for c in chunks] == [1000] * 4 + [96]
+
+
+def test_one_byte_over_the_limit_is_refused_and_says_why(site):
+    """x__bounded__mutmut_2/4 (Content-Length not read), _13/_46/_49 (reason, message), and
+    chunked reads of an unsized body (_51/_52: the count must add up across reads)."""
+    policy = FetchPolicy(allow_private_addresses=True, max_bytes=LIMIT)
+    sized = refusal_of(policy, site.base + "/over.bin")
+    assert sized.reason == "too_large"
+    assert f"Content-Length {LIMIT + 1} is over the limit of {LIMIT} bytes" in str(sized)
+    for size in (None, 1000):
+        unsized = refusal_of(policy, site.base + "/unsized/over.bin", size)
+        assert unsized.reason == "too_large"
+        assert f"/unsized/over.bin: body over the limit of {LIMIT} bytes" in str(unsized)
+
+
+def test_read_up_to_stops_at_the_size_even_when_the_source_answers_in_small_pieces():
+    """x__read_up_to__mutmut_5/13/15/16: a short-reading source is read to `size`, no further."""
+    source, served = bytes(100), []
+
+    def read(n: int) -> bytes:  # a socket-like reader: at most 7 bytes per call
+        piece = source[sum(served):][:min(n, 7)]
+        served.append(len(piece))
+        return piece
+
+    assert _read_up_to(read, 30) == bytes(30)
+    assert sum(served) == 30
+
+
+def test_redirect_http_to_https_is_an_upgrade_not_a_scheme_change(site):
+    """xǁ_CheckedRedirectHandlerǁredirect_request__mutmut_9..13: http -> https is followed to the
+    address check (0.0.0.0 is refused: private; it would only reach this machine anyway), _6: a
+    same-scheme redirect to a scheme the policy does not allow, _16/_26: the messages."""
+    first_hop_exempt = FetchPolicy(allowed_networks=("127.0.0.1/32",))
+    upgrade = refusal_of(first_hop_exempt, site.base + "/to-https.jpg")
+    assert upgrade.reason == "private_address"
+    assert f"redirect to 'https://0.0.0.0:{site.base.rsplit(':', 1)[1]}/limit.bin'" in str(upgrade)
+    only_https = FetchPolicy(allowed_schemes=frozenset({"https"}), allow_private_addresses=True)
+    same = refusal_of(only_https, site.base + "/to-same.jpg")
+    assert same.reason == "redirect_scheme"
+    assert f"redirect from http: to '{site.base}/limit.bin'" in str(same)
