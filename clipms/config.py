@@ -259,6 +259,14 @@ PRESETS: dict[str, CLIPConfig] = {
         vision=VisionConfig(image_size=64, patch_size=8, width=256, layers=4, head_width=64),
         text=TextConfig(context_length=32, width=256, heads=4, layers=4),
     ),
+    # The default run's model (params.yaml): tiny at half width with 16-px patches (17 image tokens
+    # instead of 65). A step costs a fraction of tiny's, so the default run's minutes buy the many
+    # steps that learning shape (not only colour) needs: benchmarks/RESULTS.md, "Learnability".
+    "mini": CLIPConfig(
+        embed_dim=128,
+        vision=VisionConfig(image_size=64, patch_size=16, width=128, layers=4, head_width=32),
+        text=TextConfig(context_length=32, width=128, heads=4, layers=3),
+    ),
     # A step up for a longer CPU run or a single accelerator: 8x8 patches of 128 px, ViT-S widths.
     "small": CLIPConfig(
         embed_dim=384,
