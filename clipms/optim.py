@@ -4,9 +4,8 @@ Why a small AdamW of our own: MindSpore's `nn.AdamWeightDecay` runs a fast fused
 but has no bias correction, so each step differs from torch's AdamW (and from the open_clip
 recipes tuned for it) by the factor c1 / sqrt(c2) below (CLIP's betas 0.9/0.98: 0.71 at step 1,
 1.07 at step 100, within 0.2% of 1 from step 300); `mindspore.experimental.optim.AdamW` is exact
-but slower here
-(docs/training.md, "Optimizer note"). This module keeps the fused kernel and folds the bias
-correction into the three scalars the kernel takes, for each step t:
+but slower here (docs/training.md, "Optimizer note"). This module keeps the fused kernel and folds
+the bias correction into the three scalars the kernel takes, for each step t:
 
     torch:  p <- p - lr*wd*p - lr * (m / c1) / (sqrt(v / c2) + eps),   c1 = 1-b1^t, c2 = 1-b2^t
     kernel: p <- p - lr_t * (m / (sqrt(v) + eps_t) + wd_t * p)
