@@ -178,3 +178,163 @@ def test_redirect_http_to_https_is_an_upgrade_not_a_scheme_change(site):
     same = refusal_of(only_https, site.base + "/to-same.jpg")
     assert same.reason == "redirect_scheme"
     assert f"redirect from http: to '{site.base}/limit.bin'" in str(same)
+
+
+# ---------------------------------------------------------------- the gate's decision
+
+DIGEST = "a" * 32
+
+
+def test_a_gain_of_exactly_the_margin_promotes():
+    """registry.gate.x_decide__mutmut_107 (>= margin became > margin). 0.75 - 0.5 == 0.25 exactly
+    in binary floating point (tests/test_registry.py's 0.55 - 0.50 is 0.05000000000000004)."""
+    from registry.gate import CHAMPION, Candidate, decide
+
+    d = decide(Candidate("2", 0.75, DIGEST), Candidate("1", 0.5, DIGEST), "i2t_R@5", 0.25)
+    assert (d.alias, d.compared, d.margin, d.primary_metric) == (CHAMPION, True, 0.25, "i2t_R@5")
+    assert d.reason == ("i2t_R@5 0.75 beats champion v1's 0.5 (higher is better) by 0.25 >= "
+                        "margin 0.25")
+    worse = decide(Candidate("2", 12.0, DIGEST), Candidate("1", 10.0, DIGEST), "i2t_mean_rank",
+                   0.0, direction="lower")
+    assert worse.reason == ("i2t_mean_rank 12 does not beat champion v1's 10 (lower is better) "
+                            "by more than 0 and at least margin 0 (gain -2)")
+
+
+@pytest.mark.parametrize(("new", "champion", "unknown"), [
+    (None, DIGEST, "this version"),
+    (DIGEST, None, "champion v1"),
+    (None, None, "this version and champion v1"),
+])
+def test_an_unknown_val_set_on_either_side_is_named_and_not_compared(new, champion, unknown):
+    """x_decide__mutmut_46 (either -> both unknown: the 'different set' path), _55.._72 (which
+    side the reason names), _8/_10 (the decision's fields)."""
+    from registry.gate import CHALLENGER, Candidate, decide
+
+    d = decide(Candidate("2", 0.9, new), Candidate("1", 0.1, champion), "i2t_R@5", 0.1)
+    assert (d.alias, d.compared) == (CHALLENGER, False)
+    assert d.reason == f"not compared: unknown evaluation set (no val digest on {unknown})"
+    assert (d.primary_metric, d.margin, d.new_value, d.champion_value) == ("i2t_R@5", 0.1, 0.9,
+                                                                            0.1)
+
+
+def test_missing_values_are_recorded_as_not_compared_with_their_reason():
+    """x_decide__mutmut_40/41/45 (no value on the new version), _84/_85/_89 (none on the
+    champion), _77 (a different set), _35 (the first version's reason), _5 (direction)."""
+    from registry.gate import CHALLENGER, CHAMPION, Candidate, decide
+
+    champion = Candidate("1", 0.5, DIGEST)
+    no_value = decide(Candidate("2", None, DIGEST), champion, "i2t_R@5", 0.0)
+    assert (no_value.alias, no_value.compared, no_value.reason) == (
+        CHALLENGER, False, "this version has no 'i2t_R@5' value")
+    no_champion_value = decide(Candidate("2", 0.9, DIGEST), Candidate("1", None, DIGEST),
+                               "i2t_R@5", 0.0)
+    assert (no_champion_value.compared, no_champion_value.reason) == (
+        False, "not compared: champion v1 has no 'i2t_R@5' value")
+    other_set = decide(Candidate("2", 0.9, "b" * 32), champion, "i2t_R@5", 0.0)
+    assert other_set.compared is False
+    first = decide(Candidate("1", 0.9, DIGEST), None, "i2t_R@5", 0.0)
+    assert (first.alias, first.reason) == (CHAMPION, "first version: there is no champion yet")
+    with pytest.raises(ValueError, match="direction must be 'higher' or 'lower', got 'up'"):
+        decide(Candidate("2", 0.9, DIGEST), champion, "i2t_R@5", 0.0, direction="up")
+
+
+def test_decision_tags_record_none_as_empty_and_every_field():
+    """x_decision_tags__mutmut_1/3: a missing value is an empty tag, not 'None' or 'XXXX'."""
+    from registry.gate import Candidate, decide, decision_tags
+
+    tags = decision_tags(decide(Candidate("1", 0.9, DIGEST), None, "i2t_R@5", 0.0))
+    assert tags == {"gate.alias": "champion", "gate.reason": "first version: there is no champion "
+                    "yet", "gate.primary_metric": "i2t_R@5", "gate.direction": "higher",
+                    "gate.margin": "0.0", "gate.new_value": "0.9", "gate.champion_value": "",
+                    "gate.champion_version": "", "gate.compared": "False"}
+
+
+def test_primary_direction_lists_exactly_the_ranking_metrics_allowed():
+    """x_primary_direction__mutmut_3/4 (what is allowed), _18/_23 (the message)."""
+    from registry.gate import GateError, primary_direction
+
+    metrics = {"i2t_R@5": 0.5, "i2t_mean_rank": 3.0, "num_images": 10, "chance_i2t_R@5": 0.1,
+               "zeroshot_top1": True, "mAP@10": "0.4"}
+    with pytest.raises(GateError) as err:
+        primary_direction("num_images", metrics)
+    assert str(err.value) == ("register.primary_metric 'num_images' does not rank models (a count "
+                              "or a chance level); allowed: i2t_R@5 (higher is better), "
+                              "i2t_mean_rank (lower is better)")
+    with pytest.raises(GateError, match="'zeroshot_top1' is not in the evaluation metrics"):
+        primary_direction("zeroshot_top1", {"i2t_R@5": 0.5})
+    with pytest.raises(GateError, match="allowed: i2t_R@5"):  # a bool is not a metric value
+        primary_direction("zeroshot_top1", metrics)
+
+
+def test_candidate_from_version_reads_the_metric_and_digest_tags():
+    """x_candidate_from_version__mutmut_* (no fast test read a version: the gate against a real
+    MLflow server is slow). A real MLflow ModelVersion entity, no server."""
+    from mlflow.entities.model_registry import ModelVersion, ModelVersionTag
+
+    from registry.gate import Candidate, candidate_from_version
+
+    def version(tags):
+        return ModelVersion("clip", 7, 0, tags=[ModelVersionTag(k, v) for k, v in tags.items()])
+
+    tagged = version({"metric.i2t_R_at_5": "0.25", "lineage.val_digest": DIGEST})
+    assert candidate_from_version(tagged, "i2t_R@5") == Candidate("7", 0.25, DIGEST)
+    assert candidate_from_version(version({"metric.i2t_R_at_5": "", "lineage.val_digest": ""}),
+                                  "i2t_R@5") == Candidate("7", None, None)
+    assert candidate_from_version(version({}), "i2t_R@5") == Candidate("7", None, None)
+
+
+# ---------------------------------------------------------------- params
+
+
+def _params_models():
+    from clipms.params import Section
+
+    class Leaf(Section):
+        depth: int = 1
+        width: int = 2
+
+    class Middle(Section):
+        leaf: Leaf = Leaf()
+        name: str = "m"
+
+    class Top(Section):
+        middle: Middle = Middle()
+        leaves: list[Leaf] = []
+        rate: float = 0.5
+
+    return Top
+
+
+def test_unknown_keys_list_the_keys_of_the_model_that_holds_them(tmp_path):
+    """clipms.params.x__describe__mutmut_14 (the separator), _21 (which parent: three levels
+    deep), x__allowed_keys__mutmut_13 (a list of models is not a model: no TypeError)."""
+    from clipms.params import ParamsError, load_section
+
+    top, path = _params_models(), tmp_path / "params.yaml"
+    path.write_text("top:\n  middle:\n    leaf:\n      dept: 3\n")
+    with pytest.raises(ParamsError) as err:
+        load_section("top", top, path)
+    assert str(err.value) == (f"{path}: invalid 'top' params:\n  top.middle.leaf.dept: unknown "
+                              "key (allowed keys here: depth, width)")
+    path.write_text("top:\n  leaves:\n    - dept: 3\n")
+    with pytest.raises(ParamsError, match=r"top\.leaves\.0\.dept: unknown key \(allowed keys "
+                                          r"here: \)"):
+        load_section("top", top, path)
+
+
+def test_a_missing_section_is_all_defaults_and_a_non_mapping_is_named(tmp_path):
+    """x_load_section__mutmut_5 (a missing section), _7 (its message), _11/_15/_16 (the file is
+    the source the error names)."""
+    from clipms.params import ParamsError, load_section
+
+    top, path = _params_models(), tmp_path / "params.yaml"
+    path.write_text("other: {}\n")
+    assert load_section("top", top, path) == top()
+    path.write_text("top: [1, 2]\n")
+    with pytest.raises(ParamsError) as err:
+        load_section("top", top, path)
+    assert str(err.value) == f"{path}: section 'top' must be a mapping, got [1, 2]"
+    path.write_text("top:\n  rate: fast\n")
+    with pytest.raises(ParamsError) as err:
+        load_section("top", top, path)
+    assert str(err.value).startswith(f"{path}: invalid 'top' params:\n  top.rate = 'fast': ")
