@@ -338,3 +338,27 @@ def test_a_missing_section_is_all_defaults_and_a_non_mapping_is_named(tmp_path):
     with pytest.raises(ParamsError) as err:
         load_section("top", top, path)
     assert str(err.value).startswith(f"{path}: invalid 'top' params:\n  top.rate = 'fast': ")
+
+
+def test_each_params_file_problem_has_its_own_message(tmp_path):
+    """x_read_params__mutmut_7/9 (bad YAML, not a mapping), x__describe__mutmut_26/27 (a missing
+    required key), x_validate_section__mutmut_1/2/13 (the default source, one line a problem)."""
+    from clipms.params import ParamsError, Section, read_params, validate_section
+
+    path = tmp_path / "params.yaml"
+    path.write_text("top: [unclosed\n")
+    with pytest.raises(ParamsError, match=f"^{path}: not valid YAML: "):
+        read_params(path)
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ParamsError) as err:
+        read_params(path)
+    assert str(err.value) == f"{path}: the top level must be a mapping of sections"
+
+    class Needs(Section):
+        size: int
+        name: str
+
+    with pytest.raises(ParamsError) as err:
+        validate_section("needs", Needs, {"name": 3})
+    assert str(err.value) == ("params: invalid 'needs' params:\n  needs.size: required but "
+                              "missing\n  needs.name = 3: Input should be a valid string")
