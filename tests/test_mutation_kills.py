@@ -166,6 +166,14 @@ def test_read_up_to_stops_at_the_size_even_when_the_source_answers_in_small_piec
     assert sum(served) == 30
 
 
+def test_https_connections_check_the_address_where_they_connect():
+    """xǁ_CheckedHTTPSHandlerǁhttps_open__mutmut_*, xǁ_CheckedHTTPSConnectionǁ__init____mutmut_*
+    (no fast test opened an https URL): refused at connect, before any TLS (port 9 is discard;
+    nothing is sent)."""
+    assert refusal_of(FetchPolicy(), "https://127.0.0.1:9/a.jpg").reason == "loopback_address"
+    assert refusal_of(FetchPolicy(), "https://localhost:9/a.jpg").reason == "loopback_address"
+
+
 def test_redirect_http_to_https_is_an_upgrade_not_a_scheme_change(site):
     """xǁ_CheckedRedirectHandlerǁredirect_request__mutmut_9..13: http -> https is followed to the
     address check (0.0.0.0 is refused: private; it would only reach this machine anyway), _6: a
