@@ -67,6 +67,19 @@ def test_check_url_names_the_reason_and_what_is_allowed():
     err = refused("http://public.test:99999/a.jpg", FetchPolicy(), Resolver())
     assert err.reason == "bad_url" and "'http://public.test:99999/a.jpg': Port out of range" \
         in str(err)
+    assert str(refused("http://:80/a.jpg", FetchPolicy())) == \
+        "refused (bad_url): 'http://:80/a.jpg': no host"  # x__host_port__mutmut_19
+    # x_resolve_checked__mutmut_22/25/26/27: the address (not the port) and the setting named
+    assert str(refused("http://inside.test/a.jpg", FetchPolicy(), Resolver("10.9.8.7"))) == (
+        "refused (private_address): inside.test resolves to 10.9.8.7 "
+        "(download.allow_private_addresses is false)")
+
+    def no_such_host(host, *_args, **_kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    gone = refused("http://gone.test/a.jpg", FetchPolicy(), no_such_host)  # _13
+    assert (gone.reason, str(gone)) == ("unresolvable_host", "refused (unresolvable_host): "
+                                        "gone.test: [Errno -2] Name or service not known")
 
 
 def test_check_url_resolves_nothing_for_file_urls_or_when_private_addresses_are_allowed():
@@ -135,6 +148,8 @@ def test_a_body_of_exactly_the_limit_is_read_whole_in_any_chunk_size(site):
             assert response.read(0) == b""
             assert response.read(10) == want[:10]
             assert response.read() == want[10:]
+        with opened(policy, site.base + path) as response:  # _32: one read may ask for it all
+            assert response.read(2 * LIMIT) == want
         with opened(policy, site.base + path) as response:
             chunks = iter(lambda: response.read(1000), b"")
             assert [len(c) for c in chunks] == [1000] * 4 + [96]
@@ -172,6 +187,31 @@ def test_https_connections_check_the_address_where_they_connect():
     nothing is sent)."""
     assert refusal_of(FetchPolicy(), "https://127.0.0.1:9/a.jpg").reason == "loopback_address"
     assert refusal_of(FetchPolicy(), "https://localhost:9/a.jpg").reason == "loopback_address"
+
+
+def test_the_opener_reads_local_files_only_when_the_file_scheme_is_allowed(tmp_path):
+    """x_build_opener__mutmut_6..9: the FileHandler is there for the synthetic source only."""
+    import urllib.error
+
+    local = tmp_path / "a.jpg"
+    local.write_bytes(b"local bytes")
+    with pytest.raises(urllib.error.URLError, match="unknown url type: file"):
+        build_opener(FetchPolicy()).open(local.as_uri())
+    with build_opener(FetchPolicy(allowed_schemes=frozenset({"file"}))).open(local.as_uri()) as f:
+        assert f.read() == b"local bytes"
+
+
+def test_the_timeout_reaches_the_checked_socket(site):
+    """x__checked_connection__mutmut_16/17 and xǁ_CheckedHTTPConnectionǁ__init____mutmut_2 (the
+    timeout dropped: a stalled server would hold the download for as long as it likes). The
+    stalled path answers after 60 s at most; the fetch must give up after 0.5 s."""
+    import time
+
+    policy = FetchPolicy(allow_private_addresses=True)
+    started = time.monotonic()
+    with pytest.raises(OSError, match="timed out"):
+        build_opener(policy).open(site.base + "/stall/1.jpg", timeout=0.5).read()
+    assert time.monotonic() - started < 30
 
 
 def test_redirect_http_to_https_is_an_upgrade_not_a_scheme_change(site):
