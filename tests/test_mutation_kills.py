@@ -214,6 +214,20 @@ def test_the_timeout_reaches_the_checked_socket(site):
     assert time.monotonic() - started < 30
 
 
+def test_the_timeout_reaches_the_checked_https_socket():
+    """xǁ_CheckedHTTPSConnectionǁ__init____mutmut_2 (the timeout dropped for https): a loopback
+    listener that never answers stalls the TLS handshake; the fetch gives up after 0.5 s."""
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never speaks
+        url = f"https://127.0.0.1:{silent.getsockname()[1]}/a.jpg"
+        policy = FetchPolicy(allowed_networks=("127.0.0.1/32",))
+        started = time.monotonic()
+        with pytest.raises(OSError, match="timed out"):
+            build_opener(policy).open(url, timeout=0.5)
+        assert time.monotonic() - started < 30
+
+
 def test_redirect_http_to_https_is_an_upgrade_not_a_scheme_change(site):
     """xǁ_CheckedRedirectHandlerǁredirect_request__mutmut_9..13: http -> https is followed to the
     address check (0.0.0.0 is refused: private; it would only reach this machine anyway), _6: a
