@@ -71,6 +71,14 @@ def decay_groups(model: torch.nn.Module, wd: float, rule: str) -> list[dict]:
             {"params": [p for n, p in named if not exclude(n, p)], "weight_decay": wd}]
 
 
+def normalise(pixels: np.ndarray, preprocess: PreprocessConfig) -> torch.Tensor:
+    """uint8 (N, 3, H, W) training pixels -> (x / 255 - mean) / std, as clipms's step does on the
+    device (`clipms.train_step.PixelNormalize`)."""
+    mean = torch.tensor(preprocess.mean, dtype=torch.float32).reshape(1, 3, 1, 1)
+    std = torch.tensor(preprocess.std, dtype=torch.float32).reshape(1, 3, 1, 1)
+    return (torch.from_numpy(pixels).float() / 255.0 - mean) / std
+
+
 def train(model: torch.nn.Module, samples: TrainSamples, args: argparse.Namespace) -> list[float]:
     optimizer = torch.optim.AdamW(decay_groups(model, args.wd, args.wd_rule), lr=args.lr,
                                   betas=(0.9, 0.98), eps=1e-6)
@@ -82,7 +90,7 @@ def train(model: torch.nn.Module, samples: TrainSamples, args: argparse.Namespac
         scheduler(step)
         items = [samples.load(int(i), step // samples.steps_per_epoch)
                  for i in samples.sample_ids(step)]
-        images = torch.from_numpy(np.stack([image for image, _ in items]))
+        images = normalise(np.stack([image for image, _ in items]), samples.preprocess)
         tokens = torch.from_numpy(np.stack([text for _, text in items])).long()
         optimizer.zero_grad(set_to_none=True)
         image_features, text_features, scale = model(images, tokens)

@@ -104,6 +104,12 @@ def random_tokens(n: int, context_length: int, vocab_size: int, seed: int = 0) -
     return tokens
 
 
+def random_pixels(n: int, image_size: int, seed: int = 0) -> np.ndarray:
+    """uint8 (n, 3, S, S): what the training loader hands the train step."""
+    return np.random.default_rng(seed).integers(0, 256, (n, 3, image_size, image_size),
+                                                dtype=np.uint8)
+
+
 def random_images(n: int, image_size: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(n, 3, image_size, image_size)).astype(
         np.float32)
@@ -398,37 +404,58 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_arguments(parser)
     parser.add_argument("--precision", choices=("fp32", "amp"), default="fp32")
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--log-every", type=int, default=10,
+                        help="steps between reads of the results (train.log_every)")
+
+
+class _RepeatedBatch:
+    """A BatchSource serving one pre-made batch: the loop's cost without the loader's."""
+
+    def __init__(self, images: np.ndarray, tokens: np.ndarray, batches: int) -> None:
+        self.batch, self.batches_per_epoch = (images, tokens), batches
+
+    def stream(self, start: int, stop: int):  # noqa: ANN201 - an iterator of batches
+        for _ in range(start, stop):
+            yield self.batch
+
+
+class _CpuClock:
+    """Process CPU time from the first read-back (after graph compilation) to the end."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.seconds = 0.0
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
+        if self.start is None:
+            self.start = time.process_time()
+
+    def on_train_end(self, summary: dict[str, float]) -> None:
+        self.seconds = time.process_time() - (self.start or time.process_time())
 
 
 def run_train(args: argparse.Namespace) -> dict[str, Any]:
-    """The trainer's compiled step (forward, backward, clip, AdamW, clamp) on random inputs: the
-    same work as one step of `stages.train` minus the data loader."""
-    import resource
-
+    """The training loop of `stages.train` (clipms.trainer.train: the compiled step, read back
+    every --log-every steps) on one random batch, i.e. everything but the data loader.
+    samples/s counts every step after the first (graph compilation), as metrics/train.json."""
     setup_mindspore(args)
-    import mindspore as ms
-
     from clipms.config import get_preset
-    from clipms.optim import folded_hyper
-    from clipms.trainer import TrainConfig, build_training
+    from clipms.trainer import TrainConfig, train
 
+    steps = args.warmup + args.steps
     cfg = TrainConfig(model=get_preset(args.preset), batch_size=args.batch_size,
-                      precision=args.precision, runtime=runtime_config(args), lr=args.lr)
-    _, step, _ = build_training(cfg)
-    images = ms.Tensor(random_images(args.batch_size, cfg.model.vision.image_size))
-    tokens = ms.Tensor(random_tokens(args.batch_size, cfg.model.text.context_length,
-                                     cfg.model.text.vocab_size))
-    scalars = [ms.Tensor(x) for x in folded_hyper(args.lr, 1).tensors()]
-    load_before, cpu = os.getloadavg()[0], []
-    times = time_steps(lambda: step(images, tokens, *scalars, True)[0].asnumpy(), args.warmup,
-                       args.steps, cpu)
-    step_ms = statistics.median(times)
+                      precision=args.precision, runtime=runtime_config(args), lr=args.lr,
+                      max_steps=steps, warmup_steps=steps, log_every=args.log_every)
+    images = random_pixels(args.batch_size, cfg.model.vision.image_size)
+    tokens = random_tokens(args.batch_size, cfg.model.text.context_length,
+                           cfg.model.text.vocab_size)
+    clock, load_before = _CpuClock(), os.getloadavg()[0]
+    summary = train(cfg, _RepeatedBatch(images, tokens, steps), None, callbacks=[clock]).summary
     return _base_result(
         args, bench="train", preset=args.preset, precision=args.precision,
-        samples_per_s=round(args.batch_size / step_ms * 1000, 2),
-        median_step_ms=round(step_ms, 2), min_step_ms=round(min(times), 2),
-        cpu_step_ms=round(cpu[0], 1),
-        peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        log_every=args.log_every, samples_per_s=round(summary["samples_per_s"], 2),
+        timed_steps=steps - 1, cpu_step_ms=round(1000 * clock.seconds / max(1, steps - 1), 1),
+        peak_rss_mb=round(summary["peak_rss_mb"], 1),
         load_avg_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)])
 
 

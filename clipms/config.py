@@ -40,6 +40,9 @@ class VisionConfig:
         return self.grid_size**2 + 1  # patches + class token
 
     def validate(self) -> None:
+        _positive("vision", image_size=self.image_size, patch_size=self.patch_size,
+                  width=self.width, layers=self.layers, head_width=self.head_width,
+                  mlp_ratio=self.mlp_ratio)
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"vision.image_size={self.image_size} is not a multiple of "
@@ -64,6 +67,9 @@ class TextConfig:
     mlp_ratio: float = 4.0  # MLP hidden size = width * mlp_ratio
 
     def validate(self) -> None:
+        _positive("text", context_length=self.context_length, vocab_size=self.vocab_size,
+                  width=self.width, heads=self.heads, layers=self.layers,
+                  mlp_ratio=self.mlp_ratio)
         if self.width % self.heads:
             raise ValueError(
                 f"text.width={self.width} is not a multiple of text.heads={self.heads}"
@@ -81,6 +87,7 @@ class CLIPConfig:
     init_logit_scale: float = math.log(1 / 0.07)  # CLIP paper's temperature 0.07
 
     def __post_init__(self) -> None:
+        _positive("model", embed_dim=self.embed_dim)
         self.vision.validate()
         self.text.validate()
 
@@ -128,6 +135,28 @@ class CLIPConfig:
             },
             "quick_gelu": self.quick_gelu,
         }
+
+
+def _positive(section: str, **values: float) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"{section}.{name}={value!r} must be a positive number")
+
+
+def resolve_model(preset: str, overrides: dict[str, Any]) -> CLIPConfig:
+    """A preset with `overrides` merged into it ({"vision": {"layers": 2}, "embed_dim": 128});
+    a ValueError names an unknown key or an impossible architecture."""
+    return CLIPConfig.from_dict(_merge(get_preset(preset).to_dict(), overrides))
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            merged[key] = _merge(base[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 @dataclass(frozen=True)
@@ -229,6 +258,14 @@ PRESETS: dict[str, CLIPConfig] = {
         embed_dim=256,
         vision=VisionConfig(image_size=64, patch_size=8, width=256, layers=4, head_width=64),
         text=TextConfig(context_length=32, width=256, heads=4, layers=4),
+    ),
+    # The default run's model (params.yaml): tiny at half width with 16-px patches (17 image tokens
+    # instead of 65). A step costs a fraction of tiny's, so the default run's minutes buy the many
+    # steps that learning shape (not only colour) needs: benchmarks/RESULTS.md, "Learnability".
+    "mini": CLIPConfig(
+        embed_dim=128,
+        vision=VisionConfig(image_size=64, patch_size=16, width=128, layers=4, head_width=32),
+        text=TextConfig(context_length=32, width=128, heads=4, layers=3),
     ),
     # A step up for a longer CPU run or a single accelerator: 8x8 patches of 128 px, ViT-S widths.
     "small": CLIPConfig(

@@ -12,7 +12,7 @@ Training
   `build_train_dataset(shards_dir, tokenizer, preprocess, batch_size, *, epochs=1, start_step=0,
                        seed=0, rank=0, world_size=1, workers=2, augment=False, split="train",
                        shuffle_window_shards=0) -> mindspore.dataset.Dataset`
-      Yields (image float32 (B, 3, S, S), text int32 (B, context_length)) for the global steps
+      Yields (image uint8 (B, 3, S, S), text int32 (B, context_length)) for the global steps
       start_step .. epochs * steps_per_epoch - 1 in order (so `start_step` resumes mid-run and the
       batches are the ones an uninterrupted run would have seen). Iterate it once:
       `for image, text in ds.create_tuple_iterator(num_epochs=1, output_numpy=True)`.
@@ -68,10 +68,11 @@ from clipms.preprocess import (
     INTERPOLATIONS,
     PreprocessConfig,
     PreprocessError,
+    center_crop,
     check_pixels,
     decode_image,
     preprocess_image,
-    to_normalized_array,
+    resize_shorter_side,
 )
 from clipms.tokenizer import Tokenizer
 from clipms.webds import DataError  # the shard format's error type, raised for loader errors too
@@ -233,6 +234,21 @@ def random_resized_crop(image: Image.Image, size: int, interpolation: str,
     return image.resize((size, size), INTERPOLATIONS[interpolation], box=box)
 
 
+def to_uint8_chw(image: Image.Image) -> np.ndarray:
+    """(3, H, W) uint8 pixels of an RGB image: `to_normalized_array`'s input, channels first."""
+    return np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
+
+
+def normalize_pixels(pixels: np.ndarray, cfg: PreprocessConfig) -> np.ndarray:
+    """uint8 (..., 3, H, W) -> float32 (x / 255 - mean) / std: on the host what the train step
+    does on the device (clipms.train_step.PixelNormalize), the operations and order of
+    `to_normalized_array`, so the result is bit for bit `preprocess_image`'s."""
+    shape = (3, 1, 1)
+    mean = np.asarray(cfg.mean, dtype=np.float32).reshape(shape)
+    std = np.asarray(cfg.std, dtype=np.float32).reshape(shape)
+    return (pixels.astype(np.float32) / np.float32(255.0) - mean) / std
+
+
 class TrainSamples:
     """Random-access training samples for one rank: item i = sample `within` of step `step`."""
 
@@ -287,21 +303,24 @@ class TrainSamples:
         return self.load(sample, step // self.steps_per_epoch)
 
     def load(self, sample: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(image (3, S, S) float32, tokens (ctx,) int32) of a sample as drawn in `epoch`."""
+        """(image (3, S, S) uint8, tokens (ctx,) int32) of a sample as drawn in `epoch`: the
+        pixels `preprocess_image` would normalise (the train step normalises them on the
+        device, so a batch moves at 1 byte a pixel)."""
         if os.getpid() != self._pid:  # a forked worker: its own file handles
             self._handles, self._pid = {}, os.getpid()
         key = self.index.keys[sample]
         image_bytes, meta = self.index.read(sample, self._handles)
         text = self.caption(sample, epoch, captions_of(meta, key))
         try:
+            cfg = self.preprocess
+            rgb = decode_image(image_bytes, key, cfg.max_pixels)
             if self.augment:
                 rng = sample_rng(self.seed + 1, epoch, key)  # independent of the caption draw
-                cfg = self.preprocess
-                crop = random_resized_crop(decode_image(image_bytes, key), cfg.image_size,
-                                           cfg.interpolation, rng)
-                image = to_normalized_array(crop, cfg)
+                crop = random_resized_crop(rgb, cfg.image_size, cfg.interpolation, rng)
             else:
-                image = preprocess_image(image_bytes, self.preprocess, name=key)
+                resized = resize_shorter_side(rgb, cfg.image_size, cfg.interpolation)
+                crop = center_crop(resized, cfg.image_size)
+            image = to_uint8_chw(crop)
         except PreprocessError as err:
             raise DataError(f"{self.index.shards[self.index.shard_of[sample]]}: {err}") from err
         return image, self.tokenizer.encode([text])[0]

@@ -16,7 +16,7 @@ from clipms.webds import DataError
 MAX_AUTO_WORKERS = 16  # "auto" stops here: more decode processes mostly cost shared memory
 # Where training images are decoded: "pil" in Python worker processes (the evaluation and serving
 # transform, exactly); "cpu" / "ascend" by MindSpore's vision ops in the dataset's C++ threads,
-# Decode/Resize/Normalize on the NPU's DVPP for "ascend" (not runnable without one).
+# Decode/Resize on the NPU's DVPP for "ascend" (not runnable without one).
 DECODERS = ("pil", "cpu", "ascend")
 DEVICE_DECODE_FORMATS = ("JPEG", "PNG")  # what the device decoders take; shards hold JPEG
 
@@ -45,18 +45,16 @@ def loader_workers(setting: int | str, local_ranks: int = 1, cores: int | None =
 
 
 def device_transforms(preprocess: PreprocessConfig, decode: str) -> list[Any]:
-    """MindSpore's vision ops doing what `clipms.preprocess.preprocess_image` does: decode,
-    shorter side to `image_size`, centre crop, normalise, CHW. With "ascend", Decode, Resize and
-    Normalize run on the NPU (`.device("Ascend")`); CenterCrop and HWC2CHW have no Ascend
-    implementation and stay on the host."""
+    """MindSpore's vision ops doing what the "pil" training path does: decode, shorter side to
+    `image_size`, centre crop, CHW, as uint8 pixels (the train step normalises them on the device:
+    clipms.train_step.PixelNormalize). With "ascend", Decode and Resize run on the NPU
+    (`.device("Ascend")`); CenterCrop and HWC2CHW have no Ascend implementation and stay on the
+    host."""
     from mindspore.dataset import vision
 
     inter = {"bicubic": vision.Inter.BICUBIC, "bilinear": vision.Inter.LINEAR}
     size = preprocess.image_size
     on_device = [vision.Decode(), vision.Resize(size, inter[preprocess.interpolation])]
-    normalize = vision.Normalize([255 * m for m in preprocess.mean],
-                                 [255 * s for s in preprocess.std], is_hwc=True)
     if decode == "ascend":
         on_device = [op.device("Ascend") for op in on_device]
-        normalize = normalize.device("Ascend")
-    return [*on_device, vision.CenterCrop(size), normalize, vision.HWC2CHW()]
+    return [*on_device, vision.CenterCrop(size), vision.HWC2CHW()]

@@ -5,6 +5,13 @@ every rank (AllGather's gradient is a reduce-scatter, so gradients flow back to 
 each feature: open_clip's `gather_with_grad`) and scores the local rows against the global columns
 (open_clip's `local_loss=True`). The mean of the ranks' losses is then exactly the single-process
 loss of the global batch, which is what averaging gradients across ranks optimises.
+
+The cross entropy is LogSoftmax + the positive pair's entry, not `ops.cross_entropy`: MindSpore
+expands that one into Exp/ReduceSum/Log ops, and its CPU Log kernel's result for the (n, 1) row
+sums depends on how many times that kernel has run (it re-splits its work across threads over its
+first launches, and the split decides which rows take a vectorised path), so a resumed process
+logged a loss one float32 ulp away from the uninterrupted run's (docs/training.md, "Bitwise
+resume"). The weights were never affected (that Log feeds only the loss value, not a gradient).
 """
 
 from __future__ import annotations
@@ -30,10 +37,16 @@ def contrastive_loss(
     n = image_features.shape[0]
     logits_per_image = logit_scale * ops.matmul(image_features, all_text_features.T)  # (n, R*n)
     logits_per_text = logit_scale * ops.matmul(text_features, all_image_features.T)  # (n, R*n)
-    labels = ops.arange(n, dtype=ms.int32) + rank * n  # (n,)
-    image_to_text = ops.cross_entropy(logits_per_image, labels)
-    text_to_image = ops.cross_entropy(logits_per_text, labels)
+    labels = (ops.arange(n, dtype=ms.int32) + rank * n).reshape(n, 1)  # (n, 1)
+    image_to_text = _cross_entropy(logits_per_image, labels)
+    text_to_image = _cross_entropy(logits_per_text, labels)
     return (image_to_text + text_to_image) / 2
+
+
+def _cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """mean_i -log softmax(logits_i)[labels_i] for (n, C) logits and (n, 1) int32 labels."""
+    log_probs = ops.log_softmax(logits, 1)
+    return -ops.mean(ops.gather_elements(log_probs, 1, labels))
 
 
 class ClipLoss(nn.Cell):

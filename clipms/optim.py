@@ -6,29 +6,27 @@ recipes tuned for it) by the factor c1 / sqrt(c2) below (CLIP's betas 0.9/0.98: 
 1.07 at step 100, within 0.2% of 1 from step 300); `mindspore.experimental.optim.AdamW` is exact
 but slower here
 (docs/training.md, "Optimizer note"). This module keeps the fused kernel and folds the bias
-correction into the three scalars the kernel takes, computed on the host for each step t:
+correction into the three scalars the kernel takes, for each step t:
 
     torch:  p <- p - lr*wd*p - lr * (m / c1) / (sqrt(v / c2) + eps),   c1 = 1-b1^t, c2 = 1-b2^t
     kernel: p <- p - lr_t * (m / (sqrt(v) + eps_t) + wd_t * p)
     with    lr_t = lr * sqrt(c2) / c1,  eps_t = eps * sqrt(c2),  wd_t = lr * wd / lr_t
 
 which is the same update, algebraically exact (tests/test_optim.py checks it against a numpy AdamW).
+`Schedule` computes the learning rate and these scalars inside the compiled step from the step
+counters, so the host never feeds (or waits for) them; `clipms.schedule` has the same formulas on
+the host (`cosine_lr`, `folded_hyper`: for logs, tests and the reference).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
-# open_clip's defaults for CLIP training (open_clip/src/open_clip_train/params.py for ViT models).
-BETAS = (0.9, 0.98)
-EPS = 1.0e-6
-WEIGHT_DECAY = 0.2
+from clipms.schedule import BETAS, EPS, WEIGHT_DECAY
 
 # open_clip's rule (open_clip_train/main.py, `exclude`): no weight decay for tensors with fewer than
 # 2 dimensions (gains, biases, the class embedding, logit_scale) or whose name says norm, bias or
@@ -56,44 +54,39 @@ def split_decay(named_shapes: Iterable[tuple[str, Sequence[int]]],
     return decay, no_decay
 
 
-def cosine_lr(step: int, base_lr: float, warmup_steps: int, total_steps: int) -> float:
-    """Learning rate for optimizer step `step` (0-based), as open_clip's `cosine_lr`.
+class Schedule(nn.Cell):
+    """`construct(step, t) -> (lr_t, eps_t, wd_t)`: `cosine_lr(step)` folded with AdamW's bias
+    correction for update t (`folded_hyper`), in fp32, inside the graph. `step` (0-based optimizer
+    step) and `t` (1-based AdamW update) are int32 scalar tensors."""
 
-    Linear warmup from base_lr/warmup to base_lr over `warmup_steps`, then half a cosine down to 0
-    at `total_steps`.
-    """
-    if step < warmup_steps:
-        return base_lr * (step + 1) / warmup_steps
-    decay_steps = total_steps - warmup_steps
-    if decay_steps <= 0:
-        return base_lr
-    progress = min(step - warmup_steps, decay_steps) / decay_steps
-    return 0.5 * (1.0 + math.cos(math.pi * progress)) * base_lr
+    def __init__(self, base_lr: float, warmup_steps: int, total_steps: int,
+                 betas: tuple[float, float] = BETAS, eps: float = EPS,
+                 weight_decay: float = WEIGHT_DECAY) -> None:
+        super().__init__()
+        self.base_lr, self.warmup = float(base_lr), int(warmup_steps)
+        self.decay_steps = int(total_steps) - int(warmup_steps)
+        self.beta1 = ms.Tensor(np.float32(betas[0]))
+        self.beta2 = ms.Tensor(np.float32(betas[1]))
+        self.eps, self.weight_decay = float(eps), float(weight_decay)
 
+    def learning_rate(self, step: ms.Tensor) -> ms.Tensor:
+        s = ops.cast(step, ms.float32)
+        if self.decay_steps <= 0:
+            after = ops.fill(ms.float32, (), self.base_lr)
+        else:
+            progress = ops.minimum(s - self.warmup, float(self.decay_steps)) / self.decay_steps
+            after = 0.5 * (1.0 + ops.cos(np.pi * progress)) * self.base_lr
+        if self.warmup <= 0:
+            return after
+        return ops.select(s < self.warmup, self.base_lr * (s + 1.0) / self.warmup, after)
 
-@dataclass(frozen=True)
-class AdamWHyper:
-    """The per-step scalars fed to the fused kernel (bias correction folded in)."""
-
-    lr: float
-    eps: float
-    weight_decay: float
-
-    def tensors(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return (np.array(self.lr, np.float32), np.array(self.eps, np.float32),
-                np.array(self.weight_decay, np.float32))
-
-
-def folded_hyper(lr: float, t: int, betas: tuple[float, float] = BETAS, eps: float = EPS,
-                 weight_decay: float = WEIGHT_DECAY) -> AdamWHyper:
-    """Kernel scalars for AdamW step t (1-based) at learning rate `lr`; see the module docstring."""
-    if t < 1:
-        raise ValueError(f"AdamW step t must be >= 1, got {t}")
-    c1 = 1.0 - betas[0] ** t
-    root_c2 = math.sqrt(1.0 - betas[1] ** t)
-    lr_t = lr * root_c2 / c1
-    wd_t = weight_decay * c1 / root_c2 if lr > 0 else 0.0
-    return AdamWHyper(lr=lr_t, eps=eps * root_c2, weight_decay=wd_t)
+    def construct(self, step, t):  # noqa: ANN001, ANN201
+        lr = self.learning_rate(step)
+        t = ops.cast(t, ms.float32)
+        c1 = 1.0 - ops.pow(self.beta1, t)
+        root_c2 = ops.sqrt(1.0 - ops.pow(self.beta2, t))
+        wd_t = ops.select(lr > 0.0, self.weight_decay * c1 / root_c2, ops.zeros_like(lr))
+        return lr * root_c2 / c1, self.eps * root_c2, wd_t
 
 
 def build_adamw(named_params: Sequence[tuple[str, ms.Parameter]],

@@ -287,7 +287,7 @@ def preflight(params: dict[str, Any], manifest: Path, checkpoints: Path,
     model = model_config(params)
     count = parameter_count(model)
     workers = loader_workers(plan.workers, plan.local_ranks)
-    row_bytes = 3 * plan.image_size**2 * 4 + 4 * model.text.context_length  # float32 image
+    row_bytes = 3 * plan.image_size**2 + 4 * model.text.context_length  # uint8 pixels, int32 ids
     samples, source = train_split_size(manifest)
     checks = [check_mindspore(), check_devices(plan), *check_launcher(plan),
               check_shared_memory(plan, workers, row_bytes),

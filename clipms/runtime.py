@@ -45,7 +45,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict
+
+from clipms.params import Section
+from clipms.schema import cadence
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +65,13 @@ SWITCH = "CLIPMS_KERNEL_FUSION"
 DEFAULT_JIT_LEVEL = {"Ascend": "O1"}  # elsewhere MindSpore's own default (O0)
 
 
-class RuntimeConfig(BaseModel):
+class RuntimeConfig(Section):
     """The `runtime` params section (params.yaml documents each key)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     device_target: Literal["CPU", "GPU", "Ascend"] = "CPU"
-    device_id: int | None = Field(None, ge=0)  # None: MindSpore's choice (0; negotiated by msrun)
+    device_id: int | None = cadence(None, ge=0)  # None: MindSpore's choice (msrun: per rank)
     mode: Literal["graph", "pynative"] = "graph"
     jit_level: Literal["O0", "O1"] | None = None  # None: DEFAULT_JIT_LEVEL of the device
     kernel_fusion: bool = True  # CPU only: graph-kernel fusion (FUSION_FLAGS)
@@ -89,6 +92,21 @@ class RuntimeSettings:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+
+def for_precision(config: RuntimeConfig, precision: str) -> RuntimeConfig:
+    """`config` as a training run of `precision` applies it: CPU kernel fusion stays off under
+    amp. AKG builds fp16 kernels far more slowly than fp32 ones, a fused amp step holds many of
+    them (142 for the micro test model), and MindSpore gives a graph's whole kernel build a fixed
+    300 s (`TIME_OUT` of its akg_kernel_build.cc, not configurable): on a busy machine the first
+    fused amp compile missed it and training failed ("Response is empty"). amp is for Ascend/GPU
+    (on CPU it is slower than fp32 either way), so this is deliberate (docs/training.md, "Mixed
+    precision"); fp32 runs and the fp32 graphs of evaluate/export keep fusion."""
+    if precision == "amp" and config.device_target == "CPU" and config.kernel_fusion:
+        log.info("train.precision amp on CPU: kernel fusion off for training (AKG's fp16 kernel "
+                 "build is too slow for MindSpore's fixed 300 s deadline; docs/training.md)")
+        return config.model_copy(update={"kernel_fusion": False})
+    return config
 
 
 def kernel_cache_dir(environ: Mapping[str, str] | None = None) -> Path:

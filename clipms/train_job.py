@@ -11,11 +11,15 @@ import io
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clipms.atomic import write_text
+from clipms.codehash import code_digest, module_closure
 from clipms.jsonio import read_json, write_json
-from clipms.trainer import Callback, TrainConfig, TrainResult
+from clipms.train_config import TrainConfig
+
+if TYPE_CHECKING:
+    from clipms.trainer import Callback, TrainResult
 
 CSV_COLUMNS = ("step", "epoch", "loss", "lr", "logit_scale", "samples_per_s", "grad_norm")
 
@@ -40,8 +44,6 @@ class TrainJob:
     checkpoint_dir: str
     outputs: Outputs
     resume: bool = True
-    loader_workers: int = 2
-    augment: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -56,21 +58,20 @@ class TrainJob:
         return cls(**d)
 
 
-# The library modules whose code decides what a training step computes.
-TRAINING_CODE = ("config", "model", "loss", "optim", "train_step", "trainer", "data",
-                 "preprocess", "tokenizer")
+# The module whose import closure (clipms.codehash) is the code a training step runs.
+TRAINING_ENTRY = "clipms.train_job"
 
 
 def data_fingerprint(shards_dir: Path | str, tokenizer: Path | str) -> str:
     """Hash of the shard manifest (which holds every shard's sha256), the tokenizer file and the
     training code: a checkpoint is resumed only when all of them are what it was trained with
-    (as DVC would rerun the stage for any of them)."""
+    (as DVC would rerun the stage for any of them). The code part is `clipms.codehash`'s digest
+    of the modules the training imports, so a comment or docstring edit keeps a checkpoint."""
+    root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    package = Path(__file__).resolve().parent
-    paths = [Path(shards_dir) / "manifest.json", Path(tokenizer),
-             *(package / f"{name}.py" for name in TRAINING_CODE)]
-    for path in paths:
+    for path in (Path(shards_dir) / "manifest.json", Path(tokenizer)):
         digest.update(path.read_bytes())
+    digest.update(code_digest(module_closure(TRAINING_ENTRY, root), root).encode())
     return digest.hexdigest()[:16]
 
 
@@ -78,23 +79,23 @@ def run(job: TrainJob, callbacks: Sequence[Callback] = (),
         distributed: bool = False) -> TrainResult:
     """Train as `job` says and (on rank 0) write its outputs."""
     from clipms.preprocess import PreprocessConfig
-    from clipms.runtime import configure
+    from clipms.runtime import configure, for_precision
     from clipms.tokenizer import Tokenizer
     from clipms.trainer import ShardBatches, init_distributed, train
 
     tokenizer = Tokenizer.load(job.tokenizer)
     preprocess = PreprocessConfig(image_size=job.config.model.vision.image_size)
     if distributed:
-        configure(job.config.runtime)  # before init(): it binds the device
+        configure(for_precision(job.config.runtime, job.config.precision))  # before init()
         rank, group_size = init_distributed()
     else:
         rank, group_size = 0, 1
-    source = ShardBatches(job.shards_dir, tokenizer, preprocess, job.config.batch_size,
-                          seed=job.config.seed, rank=rank, group_size=group_size,
-                          workers=job.loader_workers, augment=job.augment,
-                          decode=job.config.decode)
-    result = train(job.config, source, job.checkpoint_dir, callbacks=callbacks,
-                   resume=job.resume, distributed=distributed)
+    cfg = job.config
+    source = ShardBatches(job.shards_dir, tokenizer, preprocess, cfg.batch_size, seed=cfg.seed,
+                          rank=rank, group_size=group_size, workers=cfg.workers,
+                          augment=cfg.augment, decode=cfg.decode)
+    result = train(cfg, source, job.checkpoint_dir, callbacks=callbacks, resume=job.resume,
+                   distributed=distributed, preprocess=preprocess)
     if rank == 0:
         write_outputs(job, result, preprocess.to_dict(), group_size)
     return result

@@ -34,7 +34,7 @@ from prefect.tasks import exponential_backoff
 from clipms.redact import redact_text
 from flows import dvc_cli, summary, workspace
 from flows.notify import notify_failure
-from registry.gatelock import ensure_one_slot_limit
+from registry.prefect_limits import ensure_one_slot_limit
 
 ARTIFACT_KEY = "clip-pipeline-summary"
 # Network-bound stages get retries with exponential backoff (10 s, 20 s, 40 s, +-50% jitter).

@@ -84,10 +84,12 @@ def _remove(checkout: Path, worktree: Path) -> None:
 
 
 def _copy_uncommitted(checkout: Path, worktree: Path) -> None:
-    """The checkout's working state: modified, deleted and untracked (not ignored) files."""
-    listed = _git(["ls-files", "-z", "--modified", "--deleted", "--others", "--exclude-standard"],
-                  checkout)
-    for rel in dict.fromkeys(p for p in listed.split("\0") if p):
+    """The checkout's working state: every file that differs from HEAD, staged or not (DVC's
+    `core.autostage` stages dvc.lock; `ls-files --modified` compares with the index and would miss
+    it), deleted ones included, and the untracked (not ignored) files."""
+    changed = _git(["diff", "--name-only", "--no-renames", "-z", "HEAD"], checkout)
+    untracked = _git(["ls-files", "-z", "--others", "--exclude-standard"], checkout)
+    for rel in dict.fromkeys(p for p in (changed + untracked).split("\0") if p):
         source, target = checkout / rel, worktree / rel
         if source.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from registry.gate import decided_alias, logged_metrics
 from registry.journal import mlflow_key
 
 DEFAULT_METRICS = ("i2t_R@1", "i2t_R@5", "t2i_R@1", "t2i_R@5", "mAP@10", "zeroshot_top1")
@@ -22,10 +23,21 @@ class VersionRow:
     run_id: str
     tags: dict[str, str]
     params: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # its logged model's, MLflow names
+    description: str = ""  # the gate's decision
+
+    @property
+    def decision(self) -> str:
+        return decided_alias(self.description) or self.tags.get("gate.alias", "-")
+
+    @property
+    def reason(self) -> str | None:
+        return self.description or self.tags.get("gate.reason")
 
 
 def collect(mlflow_client: Any, name: str, limit: int = 20) -> list[VersionRow]:
-    """The newest `limit` versions of `name`, with their run's params."""
+    """The newest `limit` versions of `name`, with their run's params and their logged model's
+    metrics."""
     versions = mlflow_client.search_model_versions(f"name = '{name}'")
     versions = sorted(versions, key=lambda v: int(v.version))[-limit:]
     aliases = _aliases(mlflow_client, name) if versions else {}
@@ -38,8 +50,16 @@ def collect(mlflow_client: Any, name: str, limit: int = 20) -> list[VersionRow]:
             except Exception:  # the run may have been deleted; the version still lists
                 params = {}
         rows.append(VersionRow(int(v.version), aliases.get(str(v.version), []),
-                               v.run_id or "", dict(v.tags or {}), params))
+                               v.run_id or "", dict(v.tags or {}), params,
+                               _model_metrics(mlflow_client, v), v.description or ""))
     return rows
+
+
+def _model_metrics(mlflow_client: Any, version: Any) -> dict[str, float]:
+    try:
+        return logged_metrics(mlflow_client, version)
+    except Exception:  # the model may have been deleted; the version still lists
+        return {}
 
 
 def _aliases(mlflow_client: Any, name: str) -> dict[str, list[str]]:
@@ -60,7 +80,7 @@ def _short(value: str | None, n: int = 8) -> str:
 
 
 def _metric(row: VersionRow, key: str) -> str:
-    raw = row.tags.get(f"metric.{mlflow_key(key)}")
+    raw = row.metrics.get(mlflow_key(key), row.tags.get(f"metric.{mlflow_key(key)}"))
     return "-" if raw in (None, "") else f"{float(raw):.4f}"
 
 
@@ -86,7 +106,7 @@ def render(name: str, rows: Sequence[VersionRow], metrics: Sequence[str] = DEFAU
             _short(row.tags.get("lineage.data_shards_md5")),
             _short(row.tags.get("lineage.tokenizer_md5")),
             _short(row.tags.get("lineage.git_commit"), 7) + dirty,
-            row.tags.get("gate.alias", "-")])
+            row.decision])
     out = [f"registered model '{name}': {len(rows)} version(s)", format_table(header, body)]
     keys = differing_params(rows)
     if keys:
@@ -95,8 +115,7 @@ def render(name: str, rows: Sequence[VersionRow], metrics: Sequence[str] = DEFAU
             [[k, *(r.params.get(k, "-") for r in rows)] for k in keys])]
     else:
         out += ["", "params: identical across these versions"]
-    reasons = [f"  v{r.version}: {r.tags['gate.reason']}"
-               for r in rows if r.tags.get("gate.reason")]
+    reasons = [f"  v{r.version}: {r.reason}" for r in rows if r.reason]
     if reasons:
         out += ["", "gate decisions:", *reasons]
     return "\n".join(out)

@@ -123,7 +123,7 @@ def current_champion(mlflow_client: Any, name: str, primary_metric: str) -> Cand
             if CHAMPION in (mlflow_client.get_registered_model(name).aliases or {}):
                 raise  # the alias exists: "not found" was something else
             return None
-        return candidate_from_version(version, primary_metric)
+        return candidate_from_version(version, primary_metric, mlflow_client)
     except Exception as err:  # a locked database, a 5xx, a timeout: never "no champion"
         raise GateError(f"could not read the current champion of '{name}' from the registry "
                         f"({_first_line(err)}); no alias was moved") from err
@@ -134,22 +134,59 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
-def candidate_from_version(version: Any, primary_metric: str) -> Candidate:
+def metric_tag(primary_metric: str) -> str:
+    """The version tag holding the gate's input value (`metric.i2t_R_at_5`)."""
+    from registry.journal import mlflow_key
+
+    return f"metric.{mlflow_key(primary_metric)}"
+
+
+def logged_model_id(version: Any) -> str | None:
+    """The id of the logged model a version was registered from. MLflow's SQL registry leaves the
+    version's `model_id` empty and keeps the id in its source, `models:/<model_id>`."""
+    if getattr(version, "model_id", None):
+        return str(version.model_id)
+    rest = (getattr(version, "source", None) or "").removeprefix("models:/")
+    return rest if rest != version.source and rest and "/" not in rest else None
+
+
+def logged_metrics(mlflow_client: Any, version: Any) -> dict[str, float]:
+    """The metrics on the version's logged model (MLflow names; the last value of each), {} for a
+    version without one. Registry errors propagate."""
+    model_id = logged_model_id(version)
+    if model_id is None:
+        return {}
+    return {m.key: float(m.value) for m in mlflow_client.get_logged_model(model_id).metrics or []}
+
+
+def candidate_from_version(version: Any, primary_metric: str,
+                           mlflow_client: Any | None = None) -> Candidate:
+    """The version's value of `primary_metric`: its tag, else (a version registered while another
+    metric was primary) the metric on its logged model, read through `mlflow_client`."""
     from registry.journal import mlflow_key
 
     tags = version.tags or {}
-    raw = tags.get(f"metric.{mlflow_key(primary_metric)}")
-    return Candidate(str(version.version), float(raw) if raw not in (None, "") else None,
-                     tags.get("lineage.val_digest") or None)
+    raw = tags.get(metric_tag(primary_metric))
+    value = float(raw) if raw not in (None, "") else None
+    if value is None and mlflow_client is not None:
+        value = logged_metrics(mlflow_client, version).get(mlflow_key(primary_metric))
+    return Candidate(str(version.version), value, tags.get("lineage.val_digest") or None)
+
+
+def describe(decision: Decision) -> str:
+    """The version's one-line description in the registry: the gate's decision and why."""
+    value = "none" if decision.new_value is None else f"{decision.new_value:.6g}"
+    return f"{decision.alias} ({decision.primary_metric} {value}): {decision.reason}"
+
+
+def decided_alias(description: str | None) -> str | None:
+    """The alias the gate decided, read back from a description `describe` wrote."""
+    head = (description or "").split(" ", 1)[0]
+    return head if head in (CHAMPION, CHALLENGER) else None
 
 
 def apply(mlflow_client: Any, name: str, version: str, decision: Decision) -> None:
-    """Record the decision on the version, then point the decided alias at it (the alias move
-    comes last: if anything before it fails, no alias has moved)."""
-    for key, value in decision_tags(decision).items():
-        mlflow_client.set_model_version_tag(name, version, key, value)
+    """Record the decision as the version's description, then point the decided alias at it
+    (the alias move comes last: if anything before it fails, no alias has moved)."""
+    mlflow_client.update_model_version(name, version, description=describe(decision))
     mlflow_client.set_registered_model_alias(name, decision.alias, version)
-
-
-def decision_tags(decision: Decision) -> dict[str, str]:
-    return {f"gate.{k}": "" if v is None else str(v) for k, v in decision.to_dict().items()}

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from registry.prefect_limits import ensure_one_slot_limit
 from registry.settings import sqlite_path
 
 LIMIT_PREFIX = "mlflow-gate-"
@@ -101,24 +102,6 @@ def _file_lock(path: Path, timeout_s: float) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def ensure_one_slot_limit(name: str) -> None:
-    """Create the Prefect global concurrency limit `name` (one slot) unless it exists.
-
-    Prefect's upsert reads, then creates: two processes that start together (two workers, two
-    machines registering) both find no limit, and the slower create is answered 409 Conflict.
-    The limit then exists, which is all either needs, so a conflict is followed by one more
-    upsert (which reads it back and fixes its size if it differs); any other error is raised.
-    """
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectAlreadyExists
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.upsert_global_concurrency_limit_by_name(name=name, limit=1)
-        except ObjectAlreadyExists:  # the 409
-            client.upsert_global_concurrency_limit_by_name(name=name, limit=1)
 
 
 @contextmanager

@@ -107,9 +107,11 @@ def _check_active_run(project_uri: str) -> None:
                            "both") from None
 
 
-def log_model(bundle_dir: Path | str, name: str = "clip", run_id: str | None = None) -> Any:
+def log_model(bundle_dir: Path | str, name: str = "clip", run_id: str | None = None,
+              step: int = 0) -> Any:
     """Log the bundle as a pyfunc into run `run_id` (opened against the project's tracking URI)
-    or into the caller's active run, in the store that run lives in; returns its ModelInfo."""
+    or into the caller's active run, in the store that run lives in, at `step` (MLflow links the
+    run's metrics of that step to the logged model); returns its ModelInfo."""
     import mlflow
 
     from registry.settings import tracking_uri
@@ -125,7 +127,7 @@ def log_model(bundle_dir: Path | str, name: str = "clip", run_id: str | None = N
         kwargs: dict[str, Any] = dict(
             name=name, python_model=str(MODEL_CODE), artifacts={BUNDLE_ARTIFACT: str(bundle)},
             code_paths=[str(code)], signature=signature(), input_example=input_example(),
-            pip_requirements=pinned_requirements())
+            pip_requirements=pinned_requirements(), step=step)
         if run_id is None:
             return mlflow.pyfunc.log_model(**kwargs)
         with mlflow.start_run(run_id=run_id):

@@ -12,15 +12,30 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from clipms.metrics import metric_direction
 from registry import gate, pyfunc
 from registry.gatelock import gate_lock
-from registry.journal import mlflow_key
+from registry.journal import mlflow_key, now_ms
 from registry.lineage import val_digest
 from registry.run import PipelineRun
 from registry.settings import RegisterParams, client, tracking_uri
 
 MODEL_ARTIFACT = "clip"  # the logged model's name inside the run
 INDEX_ARTIFACT = "index"  # the search index's folder among the run's artifacts (serving/ reads it)
+# MLflow's log_model links every run metric of the model's step to the logged model. Step 0 holds
+# every stage's summary (counts, chance levels, train and export figures), so the model is logged
+# at a step no stage uses and only the quality metrics are linked to it, at that step.
+MODEL_STEP = -1
+
+
+MODEL_DESCRIPTION_START = "CLIP image-text embedding model (MindSpore, exported MindIR)"
+MODEL_DESCRIPTION = (
+    MODEL_DESCRIPTION_START + " registered by the clipms pipeline's register stage. Alias "
+    "`champion`: the version the gate promoted, best `{metric}` ({better} is better, margin "
+    "{margin:g}) on the same evaluation set (tag `lineage.val_digest`); `challenger`: the latest "
+    "version that did not beat it. Each version's description is the gate's decision; its tags "
+    "are its lineage and the gate's inputs; its metrics are on its logged model (experiment > "
+    "Models).")
 
 
 class RegistryError(RuntimeError):
@@ -43,6 +58,43 @@ def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
             if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
+def quality_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The metrics that rank models (counts and chance levels left out), under MLflow's names."""
+    return {mlflow_key(k): v for k, v in metrics.items() if metric_direction(k)}
+
+
+def link_metrics(mlflow_client: Any, run_id: str, model_id: str,
+                 metrics: Mapping[str, float]) -> None:
+    """The evaluation metrics again, attached to the logged model (MLflow 3's LoggedModel
+    metrics): the experiment's Models view and `search_logged_models` compare versions by them."""
+    from mlflow.entities import Metric
+
+    now = now_ms()
+    mlflow_client.log_batch(run_id, metrics=[
+        Metric(key, value, now, MODEL_STEP, model_id=model_id)
+        for key, value in quality_metrics(metrics).items()])
+
+
+def version_tags(run_tags: Mapping[str, str], digest: str | None, primary_metric: str,
+                 metrics: Mapping[str, float]) -> dict[str, str]:
+    """A version's tags: its lineage (from the run) and the gate's inputs (the val digest, the
+    primary metric's value). Every other metric is on the logged model, not in the tags."""
+    tags = {k: v for k, v in run_tags.items() if k.startswith("lineage.")}
+    tags["lineage.val_digest"] = digest or run_tags.get("lineage.val_digest", "")
+    tags[gate.metric_tag(primary_metric)] = repr(metrics[primary_metric])
+    return tags
+
+
+def describe_model(mlflow_client: Any, params: RegisterParams) -> None:
+    """The registered model's description, unless someone wrote another one."""
+    text = MODEL_DESCRIPTION.format(metric=params.primary_metric,
+                                    better=metric_direction(params.primary_metric),
+                                    margin=params.margin)
+    current = mlflow_client.get_registered_model(params.model_name).description or ""
+    if current != text and (not current or current.startswith(MODEL_DESCRIPTION_START)):
+        mlflow_client.update_registered_model(params.model_name, description=text)
+
+
 def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterParams,
                      eval_metrics: Mapping[str, Any],
                      index_dir: Path | str | None = None) -> dict[str, Any]:
@@ -56,18 +108,17 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
     run.require_sent()  # replays anything earlier stages could not send; raises if unreachable
     mlflow_client = client()
     with _step("logging the model"):
-        info = pyfunc.log_model(bundle_dir, name=MODEL_ARTIFACT, run_id=run.run_id)
+        info = pyfunc.log_model(bundle_dir, name=MODEL_ARTIFACT, run_id=run.run_id,
+                                step=MODEL_STEP)
         if index_dir is not None:
             mlflow_client.log_artifacts(run.run_id, str(index_dir), INDEX_ARTIFACT)
+        link_metrics(mlflow_client, run.run_id, info.model_id, metrics)
     with _step(f"registering a new version of '{params.model_name}'"):
         number = str(mlflow.register_model(info.model_uri, params.model_name).version)
+        describe_model(mlflow_client, params)
     with _step(f"tagging version {number}"):
-        run_tags = mlflow_client.get_run(run.run_id).data.tags
-        tags = {k: v for k, v in run_tags.items() if k.startswith("lineage.")}
-        tags["lineage.val_digest"] = (val_digest(run.files.manifest)
-                                     or run_tags.get("lineage.val_digest", ""))
-        tags.update({f"metric.{mlflow_key(k)}": repr(v) for k, v in metrics.items()})
-        tags["run_id"] = run.run_id or ""
+        tags = version_tags(mlflow_client.get_run(run.run_id).data.tags,
+                            val_digest(run.files.manifest), params.primary_metric, metrics)
         for key, value in tags.items():
             mlflow_client.set_model_version_tag(params.model_name, number, key, value)
 

@@ -63,8 +63,8 @@ from registry.settings import (
     DEFAULT_TRACKING_URI,
     TrackingFiles,
     client,
+    ensure_experiment,
     is_local_store,
-    local_artifact_location,
     register_params,
     tracking_uri,
 )
@@ -479,15 +479,6 @@ def _raise_on_sigterm() -> Any:
         raise Terminated(f"terminated by signal {signum} (SIGTERM)")
 
     return signal.signal(signal.SIGTERM, handler)
-
-
-def ensure_experiment(mlflow_client: Any, name: str) -> str:
-    """The experiment's id, created if missing (artifacts beside the database for a local store)."""
-    experiment = mlflow_client.get_experiment_by_name(name)
-    if experiment is not None:
-        return str(experiment.experiment_id)
-    location = local_artifact_location() if is_local_store(tracking_uri()) else None
-    return str(mlflow_client.create_experiment(name, artifact_location=location))
 
 
 def replay_journals(files: TrackingFiles, exclude: str | None = None,

@@ -93,3 +93,22 @@ def local_artifact_location() -> str:
     db = sqlite_path(tracking_uri())
     folder = db.parent if db is not None else project_root()
     return (folder / LOCAL_ARTIFACTS_DIR).resolve().as_uri()
+
+
+# MLflow 3's UI opens an experiment without this tag as a GenAI one ("Agent versions", traces);
+# "custom_model_development" is its kind for model training ("Machine learning": runs, models).
+EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
+
+
+def ensure_experiment(mlflow_client: Any, name: str) -> str:
+    """The experiment's id, created if missing (artifacts beside the database for a local store),
+    marked as a model-training experiment unless it already says what kind it is."""
+    experiment = mlflow_client.get_experiment_by_name(name)
+    if experiment is None:
+        location = local_artifact_location() if is_local_store(tracking_uri()) else None
+        return str(mlflow_client.create_experiment(
+            name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND}))
+    if not (experiment.tags or {}).get(EXPERIMENT_KIND_TAG):  # made before this tag existed
+        mlflow_client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG,
+                                         MODEL_TRAINING_KIND)
+    return str(experiment.experiment_id)

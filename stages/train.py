@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from clipms.runtime import RuntimeConfig
+from clipms.train_config import TrainSettings
 from stages import paths
 from stages.params import ParamsError, Section, load_section
 
@@ -42,31 +43,26 @@ class DistributedParams(Section):
                        master_addr=self.master_addr, master_port=self.master_port)
 
 
-class TrainParams(Section):
+class TrainParams(TrainSettings):
+    """The `train` section: the library's TrainSettings (clipms.train_config, the one train
+    schema) plus the stage's own keys. params.yaml documents every key."""
+
+    model_config = ConfigDict(frozen=False)
+
     preset: str = "tiny"  # tiny | small | ViT-B-32 | ViT-B-16
     model: dict[str, Any] = Field(default_factory=dict)  # overrides, e.g. {vision: {layers: 2}}
-    precision: Literal["fp32", "amp"] = "fp32"
-    batch_size: int = Field(64, ge=1)  # per device and micro-batch
-    accum_steps: int = Field(1, ge=1)  # micro-batches per optimizer step
-    epochs: int = Field(8, ge=1)
-    max_steps: int | None = Field(None, ge=1)  # stop early after this many optimizer steps
-    lr: float = Field(5.0e-4, ge=0)
-    warmup_steps: int = Field(30, ge=0)
-    weight_decay: float = Field(0.2, ge=0)
-    decay_embeddings: bool = True  # open_clip: token/positional embedding tables are decayed
-    grad_clip_norm: float | None = Field(1.0, ge=0)  # null/0: no clipping
-    seed: int = 0
-    augment: bool = False  # open_clip's RandomResizedCrop(0.9-1.0) on training images
-    decode: Literal["pil", "cpu", "ascend"] = "pil"  # where images decode (clipms.loader)
-    workers: Literal["auto"] | Annotated[int, Field(ge=0)] = "auto"  # decode processes per rank
-    checkpoint_every: int = Field(100, ge=1)  # optimizer steps
-    keep_checkpoints: int = Field(2, ge=1)
-    log_every: int = Field(10, ge=1)
     resume: Literal["auto", "never"] = "auto"
-    init_from: str | None = None  # a MindSpore checkpoint from `python -m clipms.convert`
-    lock_image: bool = False
-    lock_text: bool = False
     distributed: DistributedParams = Field(default_factory=DistributedParams)
+
+    @field_validator("model")
+    @classmethod
+    def _buildable(cls, overrides: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """The preset with these overrides must be a valid architecture (patch size divides the
+        image size, widths and layer counts positive, heads divide widths)."""
+        from clipms.config import resolve_model
+
+        resolve_model(info.data.get("preset", "tiny"), overrides)  # ValueError names the key
+        return overrides
 
 
 def callbacks() -> list[Any]:
@@ -75,46 +71,36 @@ def callbacks() -> list[Any]:
 
 
 def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
-    from clipms.config import CLIPConfig, get_preset
+    """The TrainJob the params describe; a ParamsError when the train split cannot fill one
+    global batch (before anything compiles)."""
+    from clipms.config import resolve_model
+    from clipms.data import split_sample_count
     from clipms.loader import loader_workers
     from clipms.tokenizer import Tokenizer
+    from clipms.train_config import TrainConfig
     from clipms.train_job import Outputs, TrainJob, data_fingerprint
-    from clipms.trainer import TrainConfig
 
+    cluster = params.distributed.cluster()
+    global_batch = params.batch_size * params.accum_steps * cluster.workers
+    samples = split_sample_count(paths.SHARDS, "train")
+    if samples < global_batch:
+        raise ParamsError(
+            f"train: the train split holds {samples} samples, fewer than one global batch of "
+            f"{global_batch} (train.batch_size {params.batch_size} x train.accum_steps "
+            f"{params.accum_steps} x train.distributed.workers {cluster.workers})")
     tokenizer = Tokenizer.load(paths.TOKENIZER)
-    base = get_preset(params.preset).to_dict()
-    model = CLIPConfig.from_dict(_merge(base, params.model))
+    model = resolve_model(params.preset, params.model)
     model = dataclasses.replace(model, text=dataclasses.replace(
         model.text, vocab_size=tokenizer.vocab_size, context_length=tokenizer.context_length))
-    config = TrainConfig(
-        model=model, batch_size=params.batch_size, epochs=params.epochs,
-        max_steps=params.max_steps, lr=params.lr, warmup_steps=params.warmup_steps,
-        weight_decay=params.weight_decay, decay_embeddings=params.decay_embeddings,
-        grad_clip_norm=params.grad_clip_norm or None,
-        accum_steps=params.accum_steps, precision=params.precision, seed=params.seed,
-        lock_image=params.lock_image, lock_text=params.lock_text, init_from=params.init_from,
-        runtime=runtime,
-        checkpoint_every=params.checkpoint_every, keep_checkpoints=params.keep_checkpoints,
-        log_every=params.log_every, decode=params.decode,
-        data_fingerprint=data_fingerprint(paths.SHARDS, paths.TOKENIZER))
+    settings = params.model_dump(include=set(TrainSettings.model_fields))
+    settings["workers"] = loader_workers(params.workers, cluster.local_workers)
+    config = TrainConfig(**settings, model=model, runtime=runtime,
+                         data_fingerprint=data_fingerprint(paths.SHARDS, paths.TOKENIZER))
     outputs = Outputs(checkpoint=str(paths.CHECKPOINT), run_config=str(paths.RUN_CONFIG),
                       metrics=str(paths.TRAIN_METRICS), plot=str(paths.TRAIN_CURVE))
     return TrainJob(config=config, shards_dir=str(paths.SHARDS), tokenizer=str(paths.TOKENIZER),
                     checkpoint_dir=str(paths.CHECKPOINTS), outputs=outputs,
-                    resume=params.resume == "auto",
-                    loader_workers=loader_workers(params.workers,
-                                                  params.distributed.cluster().local_workers),
-                    augment=params.augment)
-
-
-def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            merged[key] = _merge(base[key], value)
-        else:
-            merged[key] = value
-    return merged
+                    resume=params.resume == "auto")
 
 
 def main() -> int:

@@ -19,6 +19,7 @@ from clipms.data import (
     index_shards,
     iter_captions,
     iter_eval_batches,
+    normalize_pixels,
     steps_per_epoch,
 )
 from clipms.preprocess import PreprocessConfig, preprocess_image
@@ -35,8 +36,11 @@ def colour_of(i: int) -> tuple[int, int, int]:
 
 
 def decode_colour(image: np.ndarray) -> int:
+    """The generator's colour index of an image: training batches are uint8 pixels, evaluation
+    batches normalised floats."""
     mean, std = np.array(PRE.mean), np.array(PRE.std)
-    rgb = (image[:, 8, 8] * std + mean) * 255
+    rgb = image[:, 8, 8].astype(float) if image.dtype == np.uint8 else (
+        (image[:, 8, 8] * std + mean) * 255)
     r, g, b = (int(round((v - 20) / 40)) for v in rgb)
     return r + 6 * g + 36 * b
 
@@ -110,11 +114,12 @@ def test_counts_shapes_and_drop_remainder(shards: Path, tok: Tokenizer) -> None:
     batches = run_loader(shards, tok, 4, epochs=2, workers=1)
     assert len(batches) == 12  # 25 samples, batch 4: 6 full batches an epoch, 1 sample dropped
     for images, texts in batches:
-        assert images.shape == (4, 3, 16, 16) and images.dtype == np.float32
+        assert images.shape == (4, 3, 16, 16) and images.dtype == np.uint8  # normalised later
         assert texts.shape == (4, CTX) and texts.dtype == np.int32
     epochs = ids_of(batches, tok)
     first_sample = epochs[0][0][0]  # the pixels are exactly the shared preprocessing's
-    assert np.array_equal(batches[0][0][0], preprocess_image(jpeg(first_sample), PRE))
+    assert np.array_equal(normalize_pixels(batches[0][0][0], PRE),
+                          preprocess_image(jpeg(first_sample), PRE))
     for epoch in (epochs[:6], epochs[6:]):
         samples = [s for batch in epoch for s, _ in batch]
         assert len(set(samples)) == 24 and set(samples) <= set(range(25))  # no duplicates

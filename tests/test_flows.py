@@ -166,6 +166,7 @@ def test_an_override_run_never_writes_the_checkout(toy: Path) -> None:
     _commit(toy, "outputs")
     uncommitted = yaml.safe_dump({**TOY_PARAMS, "lone": {"z": 4}})
     (toy / "params.yaml").write_text(uncommitted)
+    run(["git", "add", "params.yaml"], toy)  # staged, not committed (as DVC's autostage does)
     before = {p: (toy / p).read_bytes() for p in ("params.yaml", "a.txt", "m.json", "dvc.lock")}
     with experiment_workspace(toy, "clip-0000-run-id", dvc=dvc_cli.dvc) as private:
         assert private != toy and private.parent.name.startswith(PREFIX + "clip-0000-run-id")

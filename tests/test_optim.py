@@ -1,5 +1,5 @@
-"""AdamW (fused kernel + folded bias correction) against a numpy AdamW, the schedule, decay groups,
-and global-norm clipping, all on real MindSpore graphs."""
+"""AdamW (fused kernel + folded bias correction) against a numpy AdamW, the host schedule
+(clipms.schedule), decay groups, and global-norm clipping, all on real MindSpore graphs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mindspore import nn
 
-from clipms import optim
+from clipms import optim, schedule
 
 
 def numpy_adamw(params, grads_per_step, lrs, decayed, betas=(0.9, 0.98), eps=1e-6, wd=0.2):
@@ -54,7 +54,7 @@ def test_adamw_matches_numpy_reference_with_bias_correction():
     grads_seq = [[rng.normal(size=p.shape).astype(np.float32) * 10 ** rng.uniform(-4, 1)
                   for p in init] for _ in lrs]
     for t, (grads, lr) in enumerate(zip(grads_seq, lrs, strict=True), start=1):
-        hyper = optim.folded_hyper(lr, t)
+        hyper = schedule.folded_hyper(lr, t)
         step(tuple(ms.Tensor(g) for g in grads), *(ms.Tensor(x) for x in hyper.tensors()))
     expected = numpy_adamw(init, grads_seq, lrs, decayed=[True, False])
     for param, ref in zip(params, expected, strict=True):
@@ -69,7 +69,7 @@ def test_adamw_matches_numpy_reference_with_bias_correction():
 
 def test_schedule_warmup_then_cosine_to_zero():
     base, warmup, total = 1e-3, 10, 110
-    lrs = [optim.cosine_lr(s, base, warmup, total) for s in range(total + 1)]
+    lrs = [schedule.cosine_lr(s, base, warmup, total) for s in range(total + 1)]
     assert lrs[0] == pytest.approx(base / warmup)
     assert lrs[warmup - 1] == pytest.approx(base)
     assert all(a < b for a, b in zip(lrs[:warmup - 1], lrs[1:warmup], strict=True))
@@ -78,16 +78,16 @@ def test_schedule_warmup_then_cosine_to_zero():
     assert all(a >= b for a, b in zip(lrs[warmup:-1], lrs[warmup + 1:], strict=True))
     assert lrs[total] == pytest.approx(0.0, abs=1e-12)
     expected = 0.5 * (1 + math.cos(math.pi * 3 / 4)) * base
-    assert optim.cosine_lr(3, base, 0, 4) == pytest.approx(expected)
+    assert schedule.cosine_lr(3, base, 0, 4) == pytest.approx(expected)
 
 
 def test_folded_hyper_is_torch_adamw_step_one():
-    hyper = optim.folded_hyper(1e-3, 1)
+    hyper = schedule.folded_hyper(1e-3, 1)
     assert hyper.lr == pytest.approx(1e-3 * math.sqrt(0.02) / 0.1)
     assert hyper.eps == pytest.approx(1e-6 * math.sqrt(0.02))
     assert hyper.lr * hyper.weight_decay == pytest.approx(1e-3 * 0.2)  # decoupled decay lr*wd
     with pytest.raises(ValueError, match="step t"):
-        optim.folded_hyper(1e-3, 0)
+        schedule.folded_hyper(1e-3, 0)
 
 
 def test_decay_groups_follow_open_clip_and_can_spare_the_embeddings():

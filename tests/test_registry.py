@@ -133,12 +133,15 @@ def test_negative_margin_is_an_error() -> None:
         decide(Candidate("2", 0.9, DIGEST), None, "m", -0.1)
 
 
-def test_decision_tags_hold_both_numbers_and_the_reason() -> None:
+def test_the_description_is_the_decision_with_both_numbers_and_the_reason() -> None:
     d = decide(Candidate("2", 0.4, DIGEST), Candidate("1", 0.5, DIGEST), "i2t_R@5", 0.0)
-    tags = gate.decision_tags(d)
-    assert tags["gate.alias"] == CHALLENGER
-    assert tags["gate.new_value"] == "0.4" and tags["gate.champion_value"] == "0.5"
-    assert tags["gate.reason"] == d.reason
+    line = gate.describe(d)
+    assert line.startswith("challenger (i2t_R@5 0.4): ") and line.endswith(d.reason)
+    assert "0.5" in d.reason and "\n" not in line
+    assert gate.decided_alias(line) == CHALLENGER
+    first = gate.describe(decide(Candidate("1", 0.7, DIGEST), None, "i2t_R@5", 0.0))
+    assert gate.decided_alias(first) == "champion" and "0.7" in first
+    assert gate.decided_alias("a description a user wrote") is None
 
 
 def test_params_are_flattened_and_never_leak_secrets_or_home(monkeypatch) -> None:
@@ -255,12 +258,18 @@ def test_compare_shows_only_params_that_differ() -> None:
                    {"train.lr": "0.001", "train.epochs": "1"}),
         VersionRow(2, ["challenger"], "r2" * 16, {"metric.i2t_R_at_5": "0.25"},
                    {"train.lr": "0.002", "train.epochs": "1"}),
+        # as versions are registered now: metrics on the logged model, the decision described
+        VersionRow(3, [], "r3" * 16, {}, {"train.lr": "0.002", "train.epochs": "1"},
+                   {"i2t_R_at_5": 0.125}, "challenger (i2t_R@5 0.125): does not beat v1"),
     ]
     assert differing_params(rows) == ["train.lr"]
     text = render("clip", rows, ["i2t_R@5"])
     assert "train.lr" in text and "train.epochs" not in text
     assert "0.5000" in text and "0.2500" in text and "champion" in text and "challenger" in text
     assert "v1: first" in text
+    assert "0.1250" in text and "v3: challenger (i2t_R@5 0.125): does not beat v1" in text
+    v3 = text.splitlines()[5]
+    assert v3.startswith("v3") and v3.split()[1] == "-" and v3.split()[-1] == "challenger"
 
 
 def test_tracking_uri_defaults_to_the_project_database(monkeypatch, tmp_path: Path) -> None:

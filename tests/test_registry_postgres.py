@@ -214,7 +214,7 @@ def champion_of(model: str) -> str:
 def test_two_machines_registering_together_are_serialised_by_prefect(
         server: MlflowOnPostgres, prefect: PrefectStack, bundle: Path, tmp_path: Path) -> None:
     """Also: both create the gate's limit at once (Prefect's upsert is read-then-create; the
-    slower create gets 409, which `gatelock.ensure_one_slot_limit` absorbs)."""
+    slower create gets 409, which `registry.prefect_limits` absorbs)."""
     model = "pg-race-prefect"
     worse, better = race(server, bundle, tmp_path, model,
                          {"PREFECT_API_URL": prefect.api_url, "PREFECT_HOME": str(prefect.home)})

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from registry import lineage, settings
+from registry import gate, lineage, settings
 from registry import run as tracking_run
 from stages.tracking import FILES
 from tests import mlflow_server as server_fixtures
@@ -224,7 +224,8 @@ def test_gate_sequence_on_real_registered_models(workspace: Path, bundle: Path) 
     assert client.get_model_version_by_alias(MODEL, "champion").version == "3"
     assert client.get_model_version_by_alias(MODEL, "challenger").version == "4"
     v2 = client.get_model_version(MODEL, "2")
-    assert v2.tags["gate.alias"] == "challenger" and v2.tags["metric.i2t_R_at_5"] == "0.4"
+    assert gate.decided_alias(v2.description) == "challenger"
+    assert v2.tags["metric.i2t_R_at_5"] == "0.4"
     assert v2.tags["lineage.data_shards_md5"] == "1" * 32
     assert v2.run_id == worse["run_id"]
     run = client.get_run(worse["run_id"])
@@ -383,6 +384,11 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     version = client.get_model_version_by_alias("clip-e2e", "champion")
     assert version.version == "1" and version.run_id == info["run_id"]
     assert float(version.tags["metric.i2t_R_at_5"]) == pytest.approx(evaluation["i2t_R@5"])
+    # The logged model carries the quality metrics only (the Models view's columns), not every
+    # step-0 summary of the run (train_steps, counts, chance levels) that log_model would link.
+    linked = {m.key for m in client.get_logged_model(gate.logged_model_id(version)).metrics}
+    assert {"i2t_R_at_5", "mAP_at_10"} <= linked and "train_steps" not in linked, linked
+    assert not any(k.startswith("chance_") for k in linked), linked
     assert train_summary  # train.json exists; its values are logged as train_* metrics
     # The index stage ran after export; register logged it with the version's run, so the
     # champion's model and its index come back from MLflow alone and belong together.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 
@@ -20,6 +21,51 @@ def test_params_reject_unknown_keys_and_bad_values():
         validate_section("train", TrainParams, {"distributed": {"hosts": 2}})
     params = validate_section("train", TrainParams, {"distributed": {"workers": 8}})
     assert params.resume == "auto" and params.distributed.workers == 8
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"vision": {"patch_size": 7}}, "vision.image_size=64 is not a multiple of vision.patch_size"),
+    ({"vision": {"layers": 0}}, "vision.layers=0 must be a positive number"),
+    ({"text": {"width": -256}}, "text.width=-256 must be a positive number"),
+    ({"text": {"heads": 3}}, "text.width=256 is not a multiple of text.heads=3"),
+    ({"vision": {"width": 100}}, "vision.width=100 is not a multiple of vision.head_width=64"),
+    ({"embed_dim": 0}, "model.embed_dim=0 must be a positive number"),
+    ({"vision": {"depth": 2}}, "unknown vision config key"),
+])
+def test_model_overrides_that_cannot_be_built_are_params_errors(overrides, message):
+    with pytest.raises(ParamsError, match=r"train\.model = .*" + re.escape(message)):
+        validate_section("train", TrainParams, {"preset": "tiny", "model": overrides})
+
+
+def test_a_train_split_smaller_than_one_global_batch_stops_before_any_work(tmp_path, monkeypatch):
+    from clipms.runtime import RuntimeConfig
+    from stages.train import build_job
+
+    (tmp_path / "data/shards").mkdir(parents=True)
+    manifest = {"splits": {"train": {"samples": 48, "shards": []}}}
+    (tmp_path / "data/shards/manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.chdir(tmp_path)  # no tokenizer, no model: the check comes first
+    params = validate_section("train", TrainParams, {"batch_size": 16, "accum_steps": 2,
+                                                     "distributed": {"workers": 2}})
+    with pytest.raises(ParamsError, match=r"holds 48 samples, fewer than one global batch of 64 "
+                       r"\(train.batch_size 16 x train.accum_steps 2 x train.distributed.workers "
+                       r"2\)"):
+        build_job(params, RuntimeConfig())
+
+
+def test_params_yaml_documents_every_key_of_the_train_and_runtime_schemas():
+    from clipms.params import read_params
+    from clipms.runtime import RuntimeConfig
+    from tests.workspace import PROJECT_ROOT
+
+    params = read_params(PROJECT_ROOT / "params.yaml")
+    assert set(params["train"]) == set(TrainParams.model_fields)
+    assert set(params["runtime"]) == set(RuntimeConfig.model_fields)
+    text = (PROJECT_ROOT / "params.yaml").read_text()
+    section = text[text.index("\ntrain:"):text.index("\nevaluate:")]
+    undocumented = [line for line in section.splitlines()[1:]
+                    if line.startswith("  ") and not line.startswith("    ") and "#" not in line]
+    assert undocumented == []  # every key carries its comment (the user's docs)
 
 
 @pytest.mark.slow

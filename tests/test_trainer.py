@@ -1,23 +1,22 @@
-"""The compiled train step and loop on a real (micro) CLIP in GRAPH_MODE: accumulation equivalence,
-clipping, the logit-scale clamp, tower locking, NaN handling, and amp on CPU."""
+"""The training loop on a real (micro) CLIP in GRAPH_MODE: the host-sync-free loop against the
+former host-fed step, non-finite steps named exactly with nothing bad saved, bitwise resume,
+tower locking, amp on CPU, checkpoints of another configuration set aside, the one schema."""
 
 from __future__ import annotations
 
-import clipms  # noqa: F401  - sets MindSpore's environment before mindspore is imported
-
-# isort: split
 import math
 
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import nn, ops
+from mindspore import Parameter, Tensor, nn
 
-from clipms import checkpoint, optim
+from clipms import checkpoint, schedule
 from clipms.config import CLIPConfig, TextConfig, VisionConfig
 from clipms.model import CLIP
-from clipms.train_step import ClipWithLoss, TrainStep
-from clipms.trainer import NonFiniteLossError, RandomBatches, TrainConfig, train
+from clipms.runtime import RuntimeConfig
+from clipms.train_config import TrainConfig, TrainSettings
+from clipms.trainer import NonFiniteLossError, RandomBatches, Training, train
 
 MICRO = CLIPConfig(
     embed_dim=16,
@@ -26,77 +25,52 @@ MICRO = CLIPConfig(
 )
 
 
-class PerSampleLoss(nn.Cell):
-    """A per-sample-mean surrogate: mean_i(scale * (1 - <img_i, txt_i>)) -- unlike the contrastive
-    loss, the mean of k micro-batch losses is exactly the loss of their concatenation."""
+class HostSchedule(nn.Cell):
+    """The former step's inputs: lr_t, eps_t, wd_t computed on the host and fed each step."""
 
-    def construct(self, image_features, text_features, logit_scale):
-        return ops.mean(logit_scale * (1.0 - ops.sum(image_features * text_features, -1)))
+    def __init__(self) -> None:
+        super().__init__()
+        self.values = [Parameter(Tensor(np.float32(0)), name=f"host_{k}", requires_grad=False)
+                       for k in ("lr", "eps", "wd")]
+        self.lr, self.eps, self.wd = self.values
 
-
-def _step_cell(accum_steps: int, max_grad_norm: float = 0.0):
-    ms.set_seed(0)
-    model = CLIP(MICRO)
-    named = list(model.parameters_and_names())
-    opt = optim.build_adamw(named)
-    cell = TrainStep(ClipWithLoss(model, PerSampleLoss()), opt, accum_steps=accum_steps,
-                     max_grad_norm=max_grad_norm, logit_scale=model.logit_scale)
-    return model, cell
+    def construct(self, step, t):  # noqa: ARG002 - the host decided them
+        return self.lr, self.eps, self.wd
 
 
-def _first_moments(cell) -> list[np.ndarray]:
-    """After one AdamW step, adam_m = (1 - beta1) * grad: the gradient, recovered exactly."""
-    return [m.asnumpy() / (1 - optim.BETAS[0]) for m in cell.optimizer.exp_avg]
+def former_step_losses(cfg: TrainConfig, source: RandomBatches, total: int) -> list[float]:
+    """The loop as it was: host-computed learning rate and bias correction fed into every step,
+    and every step's loss read back before the next one is launched."""
+    ms.set_seed(cfg.seed)
+    run = Training.build(cfg, total)
+    host = HostSchedule()
+    run.step_cell.schedule = host
+    losses = []
+    for step, (images, tokens) in enumerate(source.stream(0, total)):
+        hyper = schedule.folded_hyper(schedule.cosine_lr(step, cfg.lr, cfg.warmup_steps, total),
+                                      step + 1, cfg.betas, cfg.eps, cfg.weight_decay)
+        for param, value in zip(host.values, hyper.tensors(), strict=True):
+            param.set_data(Tensor(value))
+        loss, *_ = run.step_cell(Tensor(images), Tensor(tokens), True)
+        losses.append(float(loss.asnumpy()))
+    return losses
 
 
-def _scalars(lr: float = 1e-3) -> list[ms.Tensor]:
-    return [ms.Tensor(x) for x in optim.folded_hyper(lr, 1).tensors()]
-
-
-def test_accumulating_k_micro_batches_equals_one_batch_of_k_times_the_size():
-    ms.set_context(mode=ms.GRAPH_MODE)
-    images, tokens = RandomBatches(MICRO, 8, 1, seed=3).global_batch(0, 0)
-    _, whole = _step_cell(accum_steps=1)
-    whole(ms.Tensor(images), ms.Tensor(tokens), *_scalars(), True)
-    _, accum = _step_cell(accum_steps=2)
-    accum(ms.Tensor(images[:4]), ms.Tensor(tokens[:4]), *_scalars(), False)
-    accum(ms.Tensor(images[4:]), ms.Tensor(tokens[4:]), *_scalars(), True)
-    grads_whole, grads_accum = _first_moments(whole), _first_moments(accum)
-    assert max(np.abs(g).max() for g in grads_whole) > 1e-4  # a real gradient, not zeros
-    for a, b in zip(grads_whole, grads_accum, strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
-    # the buffers are drained: a second accumulated step does not see the first one's gradients
-    assert all(float(np.abs(buf.asnumpy()).max()) == 0.0 for buf in accum.accum)
-
-
-def test_clipping_scales_the_update_to_the_max_norm_and_reports_the_raw_norm():
-    ms.set_context(mode=ms.GRAPH_MODE)
-    images, tokens = RandomBatches(MICRO, 4, 1, seed=4).global_batch(0, 0)
-    _, free = _step_cell(accum_steps=1)
-    _, raw_norm, _ = free(ms.Tensor(images), ms.Tensor(tokens), *_scalars(), True)
-    raw = _first_moments(free)
-    norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in raw))
-    assert float(raw_norm.asnumpy()) == pytest.approx(norm, rel=1e-4)
-    _, clipped_cell = _step_cell(accum_steps=1, max_grad_norm=norm / 10)
-    _, reported, _ = clipped_cell(ms.Tensor(images), ms.Tensor(tokens), *_scalars(), True)
-    assert float(reported.asnumpy()) == pytest.approx(norm, rel=1e-4)
-    clipped = _first_moments(clipped_cell)
-    clipped_norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in clipped))
-    assert clipped_norm == pytest.approx(norm / 10, rel=1e-3)
-    np.testing.assert_allclose(clipped[0], raw[0] / 10, rtol=1e-3, atol=1e-7)
-
-
-def test_logit_scale_is_clamped_to_ln_100_after_the_step():
-    ms.set_context(mode=ms.GRAPH_MODE)
-    model, cell = _step_cell(accum_steps=1)
-    model.logit_scale.set_data(ms.Tensor(np.float32(6.0)))  # exp(6) = 403 > 100
-    images, tokens = RandomBatches(MICRO, 4, 1).global_batch(0, 0)
-    cell(ms.Tensor(images), ms.Tensor(tokens), *_scalars(lr=0.0), True)
-    assert float(model.logit_scale.asnumpy()) == pytest.approx(math.log(100), abs=1e-6)
+def test_the_host_sync_free_loop_gives_the_former_steps_losses_over_20_steps():
+    cfg = TrainConfig(model=MICRO, batch_size=8, max_steps=20, lr=2e-3, warmup_steps=5,
+                      log_every=10, runtime=RuntimeConfig(kernel_fusion=False))
+    source = RandomBatches(MICRO, 8, 20, seed=11)
+    result = train(cfg, source, None)
+    former = former_step_losses(cfg, source, 20)
+    new = [row["loss"] for row in result.history]
+    assert len(new) == 20 and new[-1] < new[0]  # it trains
+    np.testing.assert_allclose(new, former, rtol=1e-5)  # fp32 rounding of the lr only
+    lrs = [row["lr"] for row in result.history]
+    assert lrs == [schedule.cosine_lr(s, cfg.lr, 5, 20) for s in range(20)]
 
 
 class NaNAt(RandomBatches):
-    """Random batches whose batch `bad` holds a NaN pixel."""
+    """Random batches whose batch `bad` holds a NaN pixel (float images, normalised already)."""
 
     def __init__(self, *args, bad: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -104,24 +78,61 @@ class NaNAt(RandomBatches):
 
     def global_batch(self, epoch: int, index: int):
         images, tokens = super().global_batch(epoch, index)
+        images = images.astype(np.float32) / 255
         if epoch * self.batches_per_epoch + index == self.bad:
             images[0, 0, 0, 0] = np.nan
         return images, tokens
 
 
-def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+def test_a_planted_nan_is_named_at_its_exact_step_although_results_are_read_every_10(tmp_path):
     cfg = TrainConfig(model=MICRO, batch_size=4, epochs=1, lr=1e-3, warmup_steps=1,
-                      checkpoint_every=2, keep_checkpoints=5)
+                      log_every=10, checkpoint_every=100)
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 7 \(epoch 0\)"):
+        train(cfg, NaNAt(MICRO, 4, 12, bad=6), None)
+
+
+def test_nothing_of_a_bad_step_is_saved_and_the_last_good_checkpoint_is_intact(tmp_path):
+    cfg = TrainConfig(model=MICRO, batch_size=4, epochs=1, lr=1e-3, warmup_steps=1,
+                      checkpoint_every=2, keep_checkpoints=5, log_every=10)
     with pytest.raises(NonFiniteLossError, match=r"at step 5 \(epoch 0\)"):
         train(cfg, NaNAt(MICRO, 4, 8, bad=4), tmp_path / "ckpt", resume=False)
     saved = checkpoint.list_checkpoints(tmp_path / "ckpt")
     assert [p.name for p in saved] == ["step-00000002.ckpt", "step-00000004.ckpt"]
     last = checkpoint.load(saved[-1])
-    assert last.meta["step"] == 4
+    assert last.meta["step"] == 4 and int(last.tensors["first_bad_step"]) == 0
     assert all(np.isfinite(v).all() for v in last.tensors.values())
 
 
-def test_locked_image_tower_does_not_move_and_text_tower_does(tmp_path):
+class DiesAt(RandomBatches):
+    """Random batches that stop the run (as a crash would) when batch `dies` is asked for."""
+
+    def __init__(self, *args, dies: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dies = dies
+
+    def global_batch(self, epoch: int, index: int):
+        if epoch * self.batches_per_epoch + index == self.dies:
+            raise RuntimeError("the machine went away")
+        return super().global_batch(epoch, index)
+
+
+def test_a_run_resumed_from_a_checkpoint_ends_bitwise_where_an_uninterrupted_one_does(tmp_path):
+    cfg = TrainConfig(model=MICRO, batch_size=4, max_steps=6, lr=2e-3, warmup_steps=2,
+                      checkpoint_every=3, log_every=4, accum_steps=2)
+    whole = train(cfg, RandomBatches(MICRO, 4, 12, seed=2), tmp_path / "whole")
+    folder = tmp_path / "resumed"
+    with pytest.raises(RuntimeError, match="went away"):  # during step 5 (micro-batches 8, 9)
+        train(cfg, DiesAt(MICRO, 4, 12, seed=2, dies=8), folder)
+    assert checkpoint.load_latest(folder).meta["step"] == 3
+    resumed = train(cfg, RandomBatches(MICRO, 4, 12, seed=2), folder)
+    assert [r["step"] for r in resumed.history] == list(range(1, 7))
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in whole.history]
+    want = dict(whole.model.parameters_and_names())
+    for name, param in resumed.model.parameters_and_names():
+        np.testing.assert_array_equal(param.asnumpy(), want[name].asnumpy(), err_msg=name)
+
+
+def test_locked_image_tower_does_not_move_and_text_tower_does():
     cfg = TrainConfig(model=MICRO, batch_size=4, epochs=1, lr=1e-2, warmup_steps=1,
                       lock_image=True, checkpoint_every=100)
     ms.set_seed(cfg.seed)
@@ -145,7 +156,7 @@ def test_amp_runs_on_cpu_with_a_dynamic_loss_scale():
     assert names == [name for name, _ in CLIP(MICRO).parameters_and_names()]  # CLIP's own names
 
 
-def test_checkpoints_of_another_config_are_discarded_not_resumed(tmp_path, caplog):
+def test_checkpoints_of_another_config_are_set_aside_not_resumed(tmp_path, caplog):
     folder = tmp_path / "ckpt"
     cfg = TrainConfig(model=MICRO, batch_size=4, epochs=1, lr=1e-3, warmup_steps=1,
                       checkpoint_every=1)
@@ -160,3 +171,24 @@ def test_checkpoints_of_another_config_are_discarded_not_resumed(tmp_path, caplo
     saved = checkpoint.list_checkpoints(folder)
     assert [p.name for p in saved] == ["step-00000001.ckpt"]
     assert checkpoint.load(saved[0]).meta["fingerprint"] == other.fingerprint()
+
+
+def test_the_fingerprint_covers_every_setting_but_the_cadence_ones():
+    cfg = TrainConfig(model=MICRO)
+    values = {"precision": "amp", "batch_size": 3, "accum_steps": 2, "epochs": 2, "max_steps": 5,
+              "lr": 1e-3, "warmup_steps": 1, "weight_decay": 0.1, "decay_embeddings": False,
+              "betas": (0.8, 0.9), "eps": 1e-8, "grad_clip_norm": 2.0, "loss_scale": 8.0,
+              "loss_scale_window": 3, "seed": 1, "augment": True, "decode": "cpu",
+              "lock_image": True, "lock_text": True, "init_from": "x.ckpt",
+              "workers": 7, "checkpoint_every": 1, "keep_checkpoints": 9, "log_every": 1}
+    assert set(values) == set(TrainSettings.model_fields)  # every setting of the schema is here
+    cadence = {"workers", "checkpoint_every", "keep_checkpoints", "log_every"}
+    for name, value in values.items():
+        changed = cfg.model_copy(update={name: value}).fingerprint() != cfg.fingerprint()
+        assert changed is (name not in cadence), name
+    for update in ({"runtime": RuntimeConfig(kernel_fusion=False)},
+                   {"data_fingerprint": "other"},
+                   {"model": CLIPConfig(embed_dim=8, vision=MICRO.vision, text=MICRO.text)}):
+        assert cfg.model_copy(update=update).fingerprint() != cfg.fingerprint()
+    assert cfg.model_copy(update={"runtime": RuntimeConfig(device_id=3)}).fingerprint() == (
+        cfg.fingerprint())  # which device of the host: the same weights

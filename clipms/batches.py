@@ -1,0 +1,79 @@
+"""Where training batches come from: the `BatchSource` contract, random batches (tests and
+benchmarks) and the webdataset shards. Images travel as uint8 pixels (N, 3, S, S); the train step
+normalises them on the device (`clipms.train_step.PixelNormalize`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from clipms.config import CLIPConfig
+
+
+class BatchSource(Protocol):
+    """Deterministic batches. `stream(start, stop)` yields this rank's batches of global batch
+    indices start..stop-1 (batch i is in epoch i // batches_per_epoch), identical for identical
+    (seed, i) whatever `start` is -- what makes a resumed run exact. Images are uint8 pixels (or
+    float32 already normalised), tokens int32."""
+
+    batches_per_epoch: int
+
+    def stream(self, start: int, stop: int) -> Iterable[tuple[np.ndarray, np.ndarray]]: ...
+
+
+class RandomBatches:
+    """Random pixels and token rows, a pure function of (seed, epoch, batch index): for benchmarks
+    and tests. Tokens end in the highest id (EOT) like real captions."""
+
+    def __init__(self, cfg: CLIPConfig, batch_size: int, batches_per_epoch: int, seed: int = 0,
+                 rank: int = 0, group_size: int = 1) -> None:
+        self.cfg, self.batch_size, self.batches_per_epoch = cfg, batch_size, batches_per_epoch
+        self.seed, self.rank, self.group_size = seed, rank, group_size
+
+    def global_batch(self, epoch: int, index: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng([self.seed, epoch, index])
+        n, v, t = self.batch_size * self.group_size, self.cfg.vision, self.cfg.text
+        images = rng.integers(0, 256, (n, 3, v.image_size, v.image_size), dtype=np.uint8)
+        tokens = rng.integers(1, t.vocab_size - 1, (n, t.context_length), dtype=np.int32)
+        lengths = rng.integers(2, t.context_length + 1, n)
+        for row, length in zip(tokens, lengths, strict=True):
+            row[length - 1] = t.vocab_size - 1
+            row[length:] = 0
+        return images, tokens
+
+    def stream(self, start: int, stop: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        lo, hi = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        for index in range(start, stop):
+            images, tokens = self.global_batch(*divmod(index, self.batches_per_epoch))
+            yield images[lo:hi], tokens[lo:hi]
+
+
+class ShardBatches:
+    """The webdataset shards through `clipms.data.build_train_dataset` as a BatchSource."""
+
+    def __init__(self, shards_dir: Path | str, tokenizer: Any, preprocess: Any, batch_size: int,
+                 seed: int = 0, rank: int = 0, group_size: int = 1, workers: int = 2,
+                 augment: bool = False, decode: str = "pil") -> None:
+        from clipms import data
+
+        self.shards_dir, self.tokenizer, self.preprocess = shards_dir, tokenizer, preprocess
+        self.batch_size, self.seed, self.rank, self.group_size = batch_size, seed, rank, group_size
+        self.workers, self.augment, self.decode = workers, augment, decode
+        self.batches_per_epoch = data.steps_per_epoch(shards_dir, batch_size, group_size)
+
+    def stream(self, start: int, stop: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        from clipms import data
+
+        if start >= stop:
+            return
+        dataset = data.build_train_dataset(
+            self.shards_dir, self.tokenizer, self.preprocess, self.batch_size,
+            epochs=-(-stop // self.batches_per_epoch), start_step=start, seed=self.seed,
+            rank=self.rank, world_size=self.group_size, workers=self.workers,
+            augment=self.augment, decode=self.decode)
+        batches = dataset.create_tuple_iterator(num_epochs=1, output_numpy=True)
+        for _, (images, tokens) in zip(range(stop - start), batches, strict=False):
+            yield images, tokens
