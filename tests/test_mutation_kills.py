@@ -300,15 +300,16 @@ def test_missing_values_are_recorded_as_not_compared_with_their_reason():
         decide(Candidate("2", 0.9, DIGEST), champion, "i2t_R@5", 0.0, direction="up")
 
 
-def test_decision_tags_record_none_as_empty_and_every_field():
-    """x_decision_tags__mutmut_1/3: a missing value is an empty tag, not 'None' or 'XXXX'."""
-    from registry.gate import Candidate, decide, decision_tags
+def test_the_recorded_description_names_alias_metric_value_and_reason():
+    """describe/decided_alias (they replaced decision_tags, whose mutants 1/3 wrote a missing
+    value wrongly): a missing value reads 'none', and the alias reads back from the text."""
+    from registry.gate import CHALLENGER, Candidate, decide, decided_alias, describe
 
-    tags = decision_tags(decide(Candidate("1", 0.9, DIGEST), None, "i2t_R@5", 0.0))
-    assert tags == {"gate.alias": "champion", "gate.reason": "first version: there is no champion "
-                    "yet", "gate.primary_metric": "i2t_R@5", "gate.direction": "higher",
-                    "gate.margin": "0.0", "gate.new_value": "0.9", "gate.champion_value": "",
-                    "gate.champion_version": "", "gate.compared": "False"}
+    d = decide(Candidate("2", None, DIGEST), Candidate("1", 0.5, DIGEST), "i2t_R@5", 0.0)
+    text = describe(d)
+    assert text == "challenger (i2t_R@5 none): this version has no 'i2t_R@5' value"
+    assert decided_alias(text) == CHALLENGER
+    assert decided_alias("champions are made") is None and decided_alias(None) is None
 
 
 def test_primary_direction_lists_exactly_the_ranking_metrics_allowed():
