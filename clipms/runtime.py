@@ -109,6 +109,14 @@ def for_precision(config: RuntimeConfig, precision: str) -> RuntimeConfig:
     return config
 
 
+def prepare_import(config: RuntimeConfig) -> None:
+    """Export what MindSpore reads at import (`import_env`: OMP_WAIT_POLICY on CPU) for a process
+    that imports MindSpore-backed modules before it can call configure(): the train stage builds
+    and checks its job first. Its msrun workers inherit the environment."""
+    if "mindspore" not in sys.modules:
+        os.environ.update(settings_for(config).import_env)
+
+
 def kernel_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     """Where compiled kernels (and, on Ascend, compiled graphs) live: $CLIPMS_KERNEL_CACHE, else the
     user's cache folder (not the working directory, which is often a git or DVC checkout)."""

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from clipms.runtime import RuntimeConfig
+from clipms.runtime import RuntimeConfig, for_precision, prepare_import
 from clipms.train_config import TrainSettings
 from stages import paths
 from stages.params import ParamsError, Section, load_section
@@ -108,8 +108,10 @@ def main() -> int:
                         stream=sys.stdout)
     try:
         params = load_section("train", TrainParams)
+        runtime = load_section("runtime", RuntimeConfig)
+        prepare_import(for_precision(runtime, params.precision))  # before MindSpore's import
         cluster = params.distributed.cluster()  # bad combinations fail here, before any work
-        job = build_job(params, load_section("runtime", RuntimeConfig))
+        job = build_job(params, runtime)
     except (ParamsError, ValueError, FileNotFoundError) as err:
         print(f"train: error: {err}", file=sys.stderr)
         return 1
