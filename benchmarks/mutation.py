@@ -38,7 +38,8 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     # the pure decision; current_champion/apply talk to MLflow (tests/test_registry_gate.py, slow)
     "gate": ("registry/gate.py", ("registry.gate.x_decide__*",
                                   "registry.gate.x_primary_direction__*",
-                                  "registry.gate.x_decision_tags__*",
+                                  "registry.gate.x_describe__*",
+                                  "registry.gate.x_decided_alias__*",
                                   "registry.gate.x_candidate_from_version__*")),
     "params": ("clipms/params.py", ("clipms.params.*",)),
     "loss": ("clipms/loss.py", ("clipms.loss.*",)),

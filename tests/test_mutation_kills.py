@@ -67,6 +67,19 @@ def test_check_url_names_the_reason_and_what_is_allowed():
     err = refused("http://public.test:99999/a.jpg", FetchPolicy(), Resolver())
     assert err.reason == "bad_url" and "'http://public.test:99999/a.jpg': Port out of range" \
         in str(err)
+    assert str(refused("http://:80/a.jpg", FetchPolicy())) == \
+        "refused (bad_url): 'http://:80/a.jpg': no host"  # x__host_port__mutmut_19
+    # x_resolve_checked__mutmut_22/25/26/27: the address (not the port) and the setting named
+    assert str(refused("http://inside.test/a.jpg", FetchPolicy(), Resolver("10.9.8.7"))) == (
+        "refused (private_address): inside.test resolves to 10.9.8.7 "
+        "(download.allow_private_addresses is false)")
+
+    def no_such_host(host, *_args, **_kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    gone = refused("http://gone.test/a.jpg", FetchPolicy(), no_such_host)  # _13
+    assert (gone.reason, str(gone)) == ("unresolvable_host", "refused (unresolvable_host): "
+                                        "gone.test: [Errno -2] Name or service not known")
 
 
 def test_check_url_resolves_nothing_for_file_urls_or_when_private_addresses_are_allowed():
@@ -135,6 +148,8 @@ def test_a_body_of_exactly_the_limit_is_read_whole_in_any_chunk_size(site):
             assert response.read(0) == b""
             assert response.read(10) == want[:10]
             assert response.read() == want[10:]
+        with opened(policy, site.base + path) as response:  # _32: one read may ask for it all
+            assert response.read(2 * LIMIT) == want
         with opened(policy, site.base + path) as response:
             chunks = iter(lambda: response.read(1000), b"")
             assert [len(c) for c in chunks] == [1000] * 4 + [96]
@@ -166,6 +181,53 @@ def test_read_up_to_stops_at_the_size_even_when_the_source_answers_in_small_piec
     assert sum(served) == 30
 
 
+def test_https_connections_check_the_address_where_they_connect():
+    """xǁ_CheckedHTTPSHandlerǁhttps_open__mutmut_*, xǁ_CheckedHTTPSConnectionǁ__init____mutmut_*
+    (no fast test opened an https URL): refused at connect, before any TLS (port 9 is discard;
+    nothing is sent)."""
+    assert refusal_of(FetchPolicy(), "https://127.0.0.1:9/a.jpg").reason == "loopback_address"
+    assert refusal_of(FetchPolicy(), "https://localhost:9/a.jpg").reason == "loopback_address"
+
+
+def test_the_opener_reads_local_files_only_when_the_file_scheme_is_allowed(tmp_path):
+    """x_build_opener__mutmut_6..9: the FileHandler is there for the synthetic source only."""
+    import urllib.error
+
+    local = tmp_path / "a.jpg"
+    local.write_bytes(b"local bytes")
+    with pytest.raises(urllib.error.URLError, match="unknown url type: file"):
+        build_opener(FetchPolicy()).open(local.as_uri())
+    with build_opener(FetchPolicy(allowed_schemes=frozenset({"file"}))).open(local.as_uri()) as f:
+        assert f.read() == b"local bytes"
+
+
+def test_the_timeout_reaches_the_checked_socket(site):
+    """x__checked_connection__mutmut_16/17 and xǁ_CheckedHTTPConnectionǁ__init____mutmut_2 (the
+    timeout dropped: a stalled server would hold the download for as long as it likes). The
+    stalled path answers after 60 s at most; the fetch must give up after 0.5 s."""
+    import time
+
+    policy = FetchPolicy(allow_private_addresses=True)
+    started = time.monotonic()
+    with pytest.raises(OSError, match="timed out"):
+        build_opener(policy).open(site.base + "/stall/1.jpg", timeout=0.5).read()
+    assert time.monotonic() - started < 30
+
+
+def test_the_timeout_reaches_the_checked_https_socket():
+    """xǁ_CheckedHTTPSConnectionǁ__init____mutmut_2 (the timeout dropped for https): a loopback
+    listener that never answers stalls the TLS handshake; the fetch gives up after 0.5 s."""
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never speaks
+        url = f"https://127.0.0.1:{silent.getsockname()[1]}/a.jpg"
+        policy = FetchPolicy(allowed_networks=("127.0.0.1/32",))
+        started = time.monotonic()
+        with pytest.raises(OSError, match="timed out"):
+            build_opener(policy).open(url, timeout=0.5)
+        assert time.monotonic() - started < 30
+
+
 def test_redirect_http_to_https_is_an_upgrade_not_a_scheme_change(site):
     """xǁ_CheckedRedirectHandlerǁredirect_request__mutmut_9..13: http -> https is followed to the
     address check (0.0.0.0 is refused: private; it would only reach this machine anyway), _6: a
@@ -178,3 +240,188 @@ def test_redirect_http_to_https_is_an_upgrade_not_a_scheme_change(site):
     same = refusal_of(only_https, site.base + "/to-same.jpg")
     assert same.reason == "redirect_scheme"
     assert f"redirect from http: to '{site.base}/limit.bin'" in str(same)
+
+
+# ---------------------------------------------------------------- the gate's decision
+
+DIGEST = "a" * 32
+
+
+def test_a_gain_of_exactly_the_margin_promotes():
+    """registry.gate.x_decide__mutmut_107 (>= margin became > margin). 0.75 - 0.5 == 0.25 exactly
+    in binary floating point (tests/test_registry.py's 0.55 - 0.50 is 0.05000000000000004)."""
+    from registry.gate import CHAMPION, Candidate, decide
+
+    d = decide(Candidate("2", 0.75, DIGEST), Candidate("1", 0.5, DIGEST), "i2t_R@5", 0.25)
+    assert (d.alias, d.compared, d.margin, d.primary_metric) == (CHAMPION, True, 0.25, "i2t_R@5")
+    assert d.reason == ("i2t_R@5 0.75 beats champion v1's 0.5 (higher is better) by 0.25 >= "
+                        "margin 0.25")
+    worse = decide(Candidate("2", 12.0, DIGEST), Candidate("1", 10.0, DIGEST), "i2t_mean_rank",
+                   0.0, direction="lower")
+    assert worse.reason == ("i2t_mean_rank 12 does not beat champion v1's 10 (lower is better) "
+                            "by more than 0 and at least margin 0 (gain -2)")
+
+
+@pytest.mark.parametrize(("new", "champion", "unknown"), [
+    (None, DIGEST, "this version"),
+    (DIGEST, None, "champion v1"),
+    (None, None, "this version and champion v1"),
+])
+def test_an_unknown_val_set_on_either_side_is_named_and_not_compared(new, champion, unknown):
+    """x_decide__mutmut_46 (either -> both unknown: the 'different set' path), _55.._72 (which
+    side the reason names), _8/_10 (the decision's fields)."""
+    from registry.gate import CHALLENGER, Candidate, decide
+
+    d = decide(Candidate("2", 0.9, new), Candidate("1", 0.1, champion), "i2t_R@5", 0.1)
+    assert (d.alias, d.compared) == (CHALLENGER, False)
+    assert d.reason == f"not compared: unknown evaluation set (no val digest on {unknown})"
+    assert (d.primary_metric, d.margin, d.new_value, d.champion_value) == ("i2t_R@5", 0.1, 0.9,
+                                                                            0.1)
+
+
+def test_missing_values_are_recorded_as_not_compared_with_their_reason():
+    """x_decide__mutmut_40/41/45 (no value on the new version), _84/_85/_89 (none on the
+    champion), _77 (a different set), _35 (the first version's reason), _5 (direction)."""
+    from registry.gate import CHALLENGER, CHAMPION, Candidate, decide
+
+    champion = Candidate("1", 0.5, DIGEST)
+    no_value = decide(Candidate("2", None, DIGEST), champion, "i2t_R@5", 0.0)
+    assert (no_value.alias, no_value.compared, no_value.reason) == (
+        CHALLENGER, False, "this version has no 'i2t_R@5' value")
+    no_champion_value = decide(Candidate("2", 0.9, DIGEST), Candidate("1", None, DIGEST),
+                               "i2t_R@5", 0.0)
+    assert (no_champion_value.compared, no_champion_value.reason) == (
+        False, "not compared: champion v1 has no 'i2t_R@5' value")
+    other_set = decide(Candidate("2", 0.9, "b" * 32), champion, "i2t_R@5", 0.0)
+    assert other_set.compared is False
+    first = decide(Candidate("1", 0.9, DIGEST), None, "i2t_R@5", 0.0)
+    assert (first.alias, first.reason) == (CHAMPION, "first version: there is no champion yet")
+    with pytest.raises(ValueError, match="direction must be 'higher' or 'lower', got 'up'"):
+        decide(Candidate("2", 0.9, DIGEST), champion, "i2t_R@5", 0.0, direction="up")
+
+
+def test_the_recorded_description_names_alias_metric_value_and_reason():
+    """describe/decided_alias (they replaced decision_tags, whose mutants 1/3 wrote a missing
+    value wrongly): a missing value reads 'none', and the alias reads back from the text."""
+    from registry.gate import CHALLENGER, Candidate, decide, decided_alias, describe
+
+    d = decide(Candidate("2", None, DIGEST), Candidate("1", 0.5, DIGEST), "i2t_R@5", 0.0)
+    text = describe(d)
+    assert text == "challenger (i2t_R@5 none): this version has no 'i2t_R@5' value"
+    assert decided_alias(text) == CHALLENGER
+    assert decided_alias("champions are made") is None and decided_alias(None) is None
+
+
+def test_primary_direction_lists_exactly_the_ranking_metrics_allowed():
+    """x_primary_direction__mutmut_3/4 (what is allowed), _18/_23 (the message)."""
+    from registry.gate import GateError, primary_direction
+
+    metrics = {"i2t_R@5": 0.5, "i2t_mean_rank": 3.0, "num_images": 10, "chance_i2t_R@5": 0.1,
+               "zeroshot_top1": True, "mAP@10": "0.4"}
+    with pytest.raises(GateError) as err:
+        primary_direction("num_images", metrics)
+    assert str(err.value) == ("register.primary_metric 'num_images' does not rank models (a count "
+                              "or a chance level); allowed: i2t_R@5 (higher is better), "
+                              "i2t_mean_rank (lower is better)")
+    with pytest.raises(GateError, match="'zeroshot_top1' is not in the evaluation metrics"):
+        primary_direction("zeroshot_top1", {"i2t_R@5": 0.5})
+    with pytest.raises(GateError, match="allowed: i2t_R@5"):  # a bool is not a metric value
+        primary_direction("zeroshot_top1", metrics)
+
+
+def test_candidate_from_version_reads_the_metric_and_digest_tags():
+    """x_candidate_from_version__mutmut_* (no fast test read a version: the gate against a real
+    MLflow server is slow). A real MLflow ModelVersion entity, no server."""
+    from mlflow.entities.model_registry import ModelVersion, ModelVersionTag
+
+    from registry.gate import Candidate, candidate_from_version
+
+    def version(tags):
+        return ModelVersion("clip", 7, 0, tags=[ModelVersionTag(k, v) for k, v in tags.items()])
+
+    tagged = version({"metric.i2t_R_at_5": "0.25", "lineage.val_digest": DIGEST})
+    assert candidate_from_version(tagged, "i2t_R@5") == Candidate("7", 0.25, DIGEST)
+    assert candidate_from_version(version({"metric.i2t_R_at_5": "", "lineage.val_digest": ""}),
+                                  "i2t_R@5") == Candidate("7", None, None)
+    assert candidate_from_version(version({}), "i2t_R@5") == Candidate("7", None, None)
+
+
+# ---------------------------------------------------------------- params
+
+
+def _params_models():
+    from clipms.params import Section
+
+    class Leaf(Section):
+        depth: int = 1
+        width: int = 2
+
+    class Middle(Section):
+        leaf: Leaf = Leaf()
+        name: str = "m"
+
+    class Top(Section):
+        middle: Middle = Middle()
+        leaves: list[Leaf] = []
+        rate: float = 0.5
+
+    return Top
+
+
+def test_unknown_keys_list_the_keys_of_the_model_that_holds_them(tmp_path):
+    """clipms.params.x__describe__mutmut_14 (the separator), _21 (which parent: three levels
+    deep), x__allowed_keys__mutmut_13 (a list of models is not a model: no TypeError)."""
+    from clipms.params import ParamsError, load_section
+
+    top, path = _params_models(), tmp_path / "params.yaml"
+    path.write_text("top:\n  middle:\n    leaf:\n      dept: 3\n")
+    with pytest.raises(ParamsError) as err:
+        load_section("top", top, path)
+    assert str(err.value) == (f"{path}: invalid 'top' params:\n  top.middle.leaf.dept: unknown "
+                              "key (allowed keys here: depth, width)")
+    path.write_text("top:\n  leaves:\n    - dept: 3\n")
+    with pytest.raises(ParamsError, match=r"top\.leaves\.0\.dept: unknown key \(allowed keys "
+                                          r"here: \)"):
+        load_section("top", top, path)
+
+
+def test_a_missing_section_is_all_defaults_and_a_non_mapping_is_named(tmp_path):
+    """x_load_section__mutmut_5 (a missing section), _7 (its message), _11/_15/_16 (the file is
+    the source the error names)."""
+    from clipms.params import ParamsError, load_section
+
+    top, path = _params_models(), tmp_path / "params.yaml"
+    path.write_text("other: {}\n")
+    assert load_section("top", top, path) == top()
+    path.write_text("top: [1, 2]\n")
+    with pytest.raises(ParamsError) as err:
+        load_section("top", top, path)
+    assert str(err.value) == f"{path}: section 'top' must be a mapping, got [1, 2]"
+    path.write_text("top:\n  rate: fast\n")
+    with pytest.raises(ParamsError) as err:
+        load_section("top", top, path)
+    assert str(err.value).startswith(f"{path}: invalid 'top' params:\n  top.rate = 'fast': ")
+
+
+def test_each_params_file_problem_has_its_own_message(tmp_path):
+    """x_read_params__mutmut_7/9 (bad YAML, not a mapping), x__describe__mutmut_26/27 (a missing
+    required key), x_validate_section__mutmut_1/2/13 (the default source, one line a problem)."""
+    from clipms.params import ParamsError, Section, read_params, validate_section
+
+    path = tmp_path / "params.yaml"
+    path.write_text("top: [unclosed\n")
+    with pytest.raises(ParamsError, match=f"^{path}: not valid YAML: "):
+        read_params(path)
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ParamsError) as err:
+        read_params(path)
+    assert str(err.value) == f"{path}: the top level must be a mapping of sections"
+
+    class Needs(Section):
+        size: int
+        name: str
+
+    with pytest.raises(ParamsError) as err:
+        validate_section("needs", Needs, {"name": 3})
+    assert str(err.value) == ("params: invalid 'needs' params:\n  needs.size: required but "
+                              "missing\n  needs.name = 3: Input should be a valid string")
