@@ -16,7 +16,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from clipms.runtime import RuntimeConfig, configure
+from clipms.runtime import RuntimeConfig, configure, for_precision
 from stages import paths
 from stages.params import ParamsError, Section, load_section
 
@@ -54,7 +54,9 @@ def main() -> int:
     except ParamsError as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 1
-    configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
+    # the device and mode of the `runtime` section, before any graph compiles; an fp16 bundle's
+    # parity graphs run unfused on CPU, as amp training does (clipms.runtime.for_precision)
+    configure(for_precision(runtime, params.precision))
     from clipms.export import ParityError, assert_parity, export_bundle, parity_report
     from clipms.jsonio import read_json, write_json
     from clipms.tokenizer import Tokenizer

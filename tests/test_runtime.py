@@ -75,6 +75,7 @@ def test_amp_training_on_cpu_runs_unfused_and_nothing_else_changes():
     cpu = RuntimeConfig()
     assert for_precision(cpu, "amp") == RuntimeConfig(kernel_fusion=False)
     assert for_precision(cpu, "fp32") is cpu
+    assert for_precision(cpu, "fp16") == RuntimeConfig(kernel_fusion=False)  # an fp16 export
     ascend = RuntimeConfig(device_target="Ascend")
     assert for_precision(ascend, "amp") is ascend  # fusion there is jit_level's, untouched
 
