@@ -96,12 +96,13 @@ class RuntimeSettings:
 
 def for_precision(config: RuntimeConfig, precision: str) -> RuntimeConfig:
     """`config` as a training run (`amp`) or an export (`fp16`) of `precision` applies it: CPU
-    kernel fusion stays off for half-precision graphs. AKG builds fp16 kernels far more slowly
-    than fp32 ones, a fused amp step holds many of them (142 for the micro test model), and MindSpore gives a graph's whole kernel build a fixed
-    300 s (`TIME_OUT` of its akg_kernel_build.cc, not configurable): on a busy machine the first
-    fused amp compile missed it and training failed ("Response is empty"). amp is for Ascend/GPU
-    (on CPU it is slower than fp32 either way), so this is deliberate (docs/training.md, "Mixed
-    precision"); fp32 runs and the fp32 graphs of evaluate/export keep fusion."""
+    kernel fusion stays off for half-precision graphs. AKG builds fp16 kernels far more slowly than
+    fp32 ones, a fused amp step holds many of them (142 for the micro test model), and MindSpore
+    gives a graph's whole kernel build a fixed 300 s (`TIME_OUT` of its akg_kernel_build.cc, not
+    configurable): on a busy machine the first fused amp compile missed it and training failed
+    ("Response is empty"). amp is for Ascend/GPU (on CPU it is slower than fp32 either way), so this
+    is deliberate (docs/training.md, "Mixed precision"); fp32 runs and the fp32 graphs of
+    evaluate/export keep fusion."""
     if precision in ("amp", "fp16") and config.device_target == "CPU" and config.kernel_fusion:
         log.info("precision %s on CPU: kernel fusion off for its graphs (AKG's fp16 kernel "
                  "build is too slow for MindSpore's fixed 300 s deadline; docs/training.md)",
