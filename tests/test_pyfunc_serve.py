@@ -222,6 +222,10 @@ def test_logging_into_a_run_of_another_store_names_both_stores(tmp_path, monkeyp
     other, project = (tmp_path / "other").as_uri(), (tmp_path / "project").as_uri()
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.chdir(tmp_path)
+    # set_tracking_uri sets the variable too: record its value from before, so that teardown puts
+    # that back (a later test's subprocesses inherit the variable: a leaked `other` sent test_amp's
+    # `dvc repro` register stage to this file store)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", project)  # (delenv of an unset one records nothing)
     mlflow.set_tracking_uri(other)  # (it sets the variable too, as test_pyfunc_serve undid)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", project)
     try:
