@@ -9,6 +9,7 @@ the errors either way.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Literal
@@ -54,6 +55,10 @@ def main() -> int:
     except ParamsError as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 1
+    # The parity texts are tokenised before MindSpore forks its kernel-build servers, and HF
+    # tokenizers' Rust pool does not survive a fork (it warns, then runs serially): a few texts
+    # need no pool, so say so up front (`make run` printed that warning here).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # the device and mode of the `runtime` section, before any graph compiles; an fp16 bundle's
     # parity graphs run unfused on CPU, as amp training does (clipms.runtime.for_precision)
     configure(for_precision(runtime, params.precision))
