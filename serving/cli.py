@@ -80,11 +80,11 @@ def check_bind(host: str, token: str | None) -> None:
 
 def default_model_name() -> str:
     """register.model_name of the project's params.yaml (the name the pipeline registers)."""
-    from clipms.params import ParamsError
+    from clipms.params import PARAMS_FILE, ParamsError
     from registry.settings import register_params
 
     try:
-        return register_params().model_name
+        return register_params(PARAMS_FILE).model_name
     except ParamsError:  # not in a project checkout: the pipeline's default name
         from registry.settings import RegisterParams
 

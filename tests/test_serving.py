@@ -306,3 +306,12 @@ def test_the_service_runs_mindspore_as_the_runtime_section_says(tmp_path, monkey
     refused = subprocess.run([sys.executable, "-m", "serving", "--model", "unused"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "runtime.device_target = 'TPU'" in refused.stderr
+
+
+def test_the_default_model_is_the_registered_name_of_the_projects_params(tmp_path, monkeypatch):
+    """`make serve` passes no --model: the service follows register.model_name's champion."""
+    from serving.cli import default_model_name
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("register:\n  model_name: clip-nightly\n")
+    assert default_model_name() == "clip-nightly"
