@@ -337,9 +337,17 @@ def add_loader_arguments(parser: argparse.ArgumentParser) -> None:
 DEVICE_RATE = round(256 / 0.619)
 
 
+# The kernel counts CPU time in clock ticks (10 ms at USER_HZ 100): a run that used less than ten
+# ticks has no usable CPU cost per sample, so nothing is sized from it.
+MIN_MEASURABLE_CPU_S = 0.1
+
+
 def loader_needs(result: dict[str, Any], ranks: int, device_rate: float) -> dict[str, Any]:
     """What `ranks` devices training `device_rate` samples/s each need from this loader: decode
     processes per rank and busy cores, from the CPU cost per sample measured here."""
+    if result["cpu_ms_per_sample"] <= 0:
+        raise ValueError(f"cpu_ms_per_sample must be positive to size a loader, got "
+                         f"{result['cpu_ms_per_sample']}")
     per_core = 1000.0 / result["cpu_ms_per_sample"]  # samples/s of one fully busy core
     return {"ranks": ranks, "device_samples_per_s": device_rate,
             "host_samples_per_s": round(ranks * device_rate),
@@ -389,7 +397,13 @@ def run_loader(args: argparse.Namespace) -> dict[str, Any]:
               "cpu_ms_per_sample": round(1000 * cpu_s / (len(batch_ms) * args.batch_size), 2),
               "build_s": round(build_s, 2), "first_batch_s": round(batch_ms[0] / 1000, 2),
               "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
-    result["needs"] = loader_needs(result, args.ranks, args.device_rate)
+    if cpu_s < MIN_MEASURABLE_CPU_S:
+        result["needs"] = None
+        result["needs_unmeasured"] = (f"the timed batches used {cpu_s:.3f} CPU-s, under the "
+                                      f"{MIN_MEASURABLE_CPU_S} s the clock resolves; time more "
+                                      "or larger batches")
+    else:
+        result["needs"] = loader_needs(result, args.ranks, args.device_rate)
     return result
 
 

@@ -48,13 +48,23 @@ def test_needs_turn_the_cpu_cost_per_sample_into_workers_and_cores():
                      "samples_per_s_per_core": 200.0, "workers_per_rank": 3, "busy_cores": 17}
 
 
+def test_needs_refuse_a_cpu_cost_the_clock_did_not_resolve():
+    from clipms.bench import loader_needs
+
+    with pytest.raises(ValueError, match="cpu_ms_per_sample must be positive"):
+        loader_needs({"cpu_ms_per_sample": 0.0}, ranks=8, device_rate=414)
+
+
 def test_loader_benchmark_reports_per_worker_rates_and_what_the_devices_need(capsys):
     from clipms.bench import main
 
-    assert main(["loader", "--samples", "24", "--source-size", "48", "--image-size", "32",
-                 "--batch-size", "8", "--warmup", "1", "--batches", "2", "--workers", "1",
+    # Large source images, so decoding costs well over the 0.1 CPU-s the benchmark needs to size
+    # a loader (a 48 px set used less than one 10 ms clock tick in CI and had no CPU cost at all).
+    assert main(["loader", "--samples", "128", "--source-size", "512", "--image-size", "32",
+                 "--batch-size", "8", "--warmup", "1", "--batches", "15", "--workers", "1",
                  "--ranks", "8", "--device-rate", "100"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["needs"] is not None, result.get("needs_unmeasured")
     assert result["samples_per_s_per_worker"] == pytest.approx(result["samples_per_s"], abs=0.1)
     needs = result["needs"]
     per_core = 1000 / result["cpu_ms_per_sample"]
