@@ -287,6 +287,11 @@ PRESETS: dict[str, CLIPConfig] = {
 }
 
 
+# The preset of a train section that names none: the default run's (params.yaml says the same, and
+# tests/test_train_stage.py checks that the two agree).
+DEFAULT_PRESET = "mini"
+
+
 def get_preset(name: str) -> CLIPConfig:
     """A preset by name; an unknown name raises an error listing the known ones."""
     try:

@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from clipms.config import DEFAULT_PRESET
 from clipms.runtime import RuntimeConfig, configure
 from stages import paths
 from stages.params import ParamsError, Section, load_section, read_params
@@ -83,7 +84,7 @@ def benchmark_names(params: EvaluateParams) -> tuple[str, str]:
     """(dataset, model) of the CLIP_benchmark files: given, or from metadata.source/train.preset."""
     others = read_params()
     source = (others.get("metadata") or {}).get("source", "synthetic")
-    preset = (others.get("train") or {}).get("preset", "tiny")
+    preset = (others.get("train") or {}).get("preset", DEFAULT_PRESET)
     names = params.clip_benchmark
     return names.dataset or f"{source}_{params.split}", names.model or f"clipms-{preset}"
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
+from clipms.config import DEFAULT_PRESET, resolve_model
 from clipms.runtime import RuntimeConfig, for_precision, prepare_import
 from clipms.train_config import TrainSettings
 from stages import paths
@@ -49,7 +50,7 @@ class TrainParams(TrainSettings):
 
     model_config = ConfigDict(frozen=False)
 
-    preset: str = "tiny"  # tiny | small | ViT-B-32 | ViT-B-16
+    preset: str = DEFAULT_PRESET  # a name of clipms.config.PRESETS
     model: dict[str, Any] = Field(default_factory=dict)  # overrides, e.g. {vision: {layers: 2}}
     resume: Literal["auto", "never"] = "auto"
     distributed: DistributedParams = Field(default_factory=DistributedParams)
@@ -58,10 +59,9 @@ class TrainParams(TrainSettings):
     @classmethod
     def _buildable(cls, overrides: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         """The preset with these overrides must be a valid architecture (patch size divides the
-        image size, widths and layer counts positive, heads divide widths)."""
-        from clipms.config import resolve_model
-
-        resolve_model(info.data.get("preset", "tiny"), overrides)  # ValueError names the key
+        image size, widths and layer counts positive, heads divide widths); the ValueError
+        names the key."""
+        resolve_model(info.data.get("preset", DEFAULT_PRESET), overrides)
         return overrides
 
 
@@ -73,7 +73,6 @@ def callbacks() -> list[Any]:
 def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
     """The TrainJob the params describe; a ParamsError when the train split cannot fill one
     global batch (before anything compiles)."""
-    from clipms.config import resolve_model
     from clipms.data import split_sample_count
     from clipms.loader import loader_workers
     from clipms.tokenizer import Tokenizer

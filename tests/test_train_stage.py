@@ -68,6 +68,18 @@ def test_params_yaml_documents_every_key_of_the_train_and_runtime_schemas():
     assert undocumented == []  # every key carries its comment (the user's docs)
 
 
+def test_the_schema_default_preset_is_the_default_runs_and_every_preset_is_documented():
+    from clipms.config import DEFAULT_PRESET, PRESETS
+    from clipms.params import read_params
+    from tests.workspace import PROJECT_ROOT
+
+    assert TrainParams().preset == DEFAULT_PRESET == read_params(PROJECT_ROOT / "params.yaml")[
+        "train"]["preset"]
+    text = (PROJECT_ROOT / "params.yaml").read_text()
+    preset_line = next(line for line in text.splitlines() if line.startswith("  preset:"))
+    assert all(name in preset_line for name in PRESETS)  # the comment lists every preset
+
+
 @pytest.mark.slow
 def test_dvc_repro_train_writes_its_contract_outputs_and_resumes(tmp_path):
     ws = make_workspace(tmp_path)
