@@ -3,6 +3,9 @@
 `python -m stages.download`; reads the `download` section and `metadata.source` (which decides
 whether `file://` URLs may be fetched). `data/download` is a `persist: true` out in dvc.yaml, so a
 rerun after an interruption resumes: shards img2dataset finished are kept, the rest are fetched.
+With `download.output` (any fsspec URL: `s3://bucket/prefix`, `file:///mnt/shared/...`) the
+shards go there instead, resumed there the same way, and `data/download` holds only the pointer
+to them (`clipms.prep.remote`: the URL without credentials and what arrived, shard by shard).
 Exits 1 when img2dataset did not finish, or when fewer than `min_success_rate` of the rows arrived
 (metrics/download.json is written first, so the reasons are on record).
 """
@@ -14,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from clipms.jsonio import write_json
 from clipms.prep.download import (
@@ -24,7 +27,9 @@ from clipms.prep.download import (
     download_images,
 )
 from clipms.prep.engines import DISTRIBUTORS, EngineError, EngineSettings
+from clipms.prep.remote import RemoteError, check_output_url
 from clipms.prep.urlguard import FetchPolicy
+from clipms.redact import redact_text
 from stages import paths
 from stages.params import PARAMS_FILE, ParamsError, Section, read_params, validate_section
 from stages.urlpolicy import FetchParams, read_source
@@ -52,6 +57,12 @@ class DownloadParams(FetchParams):
     spark_master: str | None = Field(None, min_length=1)
     executors: int | None = Field(None, ge=1)
     ray_address: str | None = Field(None, min_length=1)
+    output: str | None = Field(None, min_length=1)  # null: data/download; else an fsspec URL
+
+    @field_validator("output")
+    @classmethod
+    def _output(cls, value: str | None) -> str | None:
+        return None if value is None else check_output_url(value, [Path.cwd()])
 
     def settings(self) -> DownloadSettings:
         return DownloadSettings(**_fields_of(self, DownloadSettings))
@@ -75,10 +86,13 @@ def load_download(path: Path | str = PARAMS_FILE) -> tuple[DownloadParams, Fetch
 def main() -> int:
     try:
         params, policy = load_download()
-        metrics = download_images(paths.IMAGES, paths.DOWNLOAD, params.settings(),
-                                  params.engine(), policy)
-    except (ParamsError, DownloadError, EngineError, FileNotFoundError, ValueError) as err:
-        print(f"download: error: {err}", file=sys.stderr)
+        pointer = paths.DOWNLOAD if params.output else None
+        metrics = download_images(paths.IMAGES, params.output or paths.DOWNLOAD,
+                                  params.settings(), params.engine(), policy,
+                                  pointer_folder=pointer)
+    except (ParamsError, DownloadError, EngineError, RemoteError, FileNotFoundError, OSError,
+            ValueError) as err:  # OSError: the store at download.output (permissions, network)
+        print(f"download: error: {redact_text(str(err))}", file=sys.stderr)
         return 1
     write_json(paths.DOWNLOAD_METRICS, metrics)
     try:

@@ -1,18 +1,29 @@
 """Stage `shard`: data/download/*.tar -> validated data/shards/{train,val}/*.tar + manifest.json.
 
-`python -m stages.shard`; reads the `shard` section.
+`python -m stages.shard`; reads the `shard` section, and `download.output`: when the download
+stage wrote to that URL, data/download holds its pointer and the tars are read from the URL
+(`clipms.prep.remote`), refused when they are not the ones the pointer records.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 
 from clipms.jsonio import write_json
+from clipms.prep.remote import (
+    POINTER_FILE,
+    RemoteError,
+    check_output_url,
+    read_pointer,
+)
 from clipms.prep.shards import ShardError, ShardSettings, build_shards
+from clipms.redact import redact_url
 from stages import paths
-from stages.params import ParamsError, Section, load_section
+from stages.params import PARAMS_FILE, ParamsError, Section, load_section, read_params
 
 READS = (paths.DOWNLOAD,)
 WRITES = (paths.SHARDS_TRAIN, paths.SHARDS_VAL, paths.MANIFEST, paths.SHARD_METRICS)
@@ -25,10 +36,38 @@ class ShardParams(Section):
     workers: int = Field(2, ge=1, le=256)
 
 
+def download_source() -> tuple[str, list[dict[str, Any]] | None]:
+    """Where the download stage's tars are (data/download, or the URL of `download.output`) and,
+    for a URL, the shards its pointer records; ParamsError/ShardError when the two disagree."""
+    output = (read_params(PARAMS_FILE).get("download") or {}).get("output")
+    if output is not None:
+        try:
+            check_output_url(str(output), [Path.cwd()])
+        except ValueError as err:
+            raise ParamsError(f"{PARAMS_FILE}: download.output: {err}") from None
+    try:
+        pointer = read_pointer(paths.DOWNLOAD)
+    except RemoteError as err:
+        raise ShardError(str(err)) from None
+    pointer_file = paths.DOWNLOAD / POINTER_FILE
+    if pointer is None and output is None:
+        return str(paths.DOWNLOAD), None
+    if pointer is None:
+        raise ShardError(f"download.output is {redact_url(output)} but {paths.DOWNLOAD} holds no "
+                         f"{POINTER_FILE}: run the download stage first")
+    if output is None or redact_url(output) != pointer["url"]:
+        shown = "null" if output is None else redact_url(output)
+        raise ShardError(f"{pointer_file} points at {pointer['url']} but download.output is "
+                         f"{shown}: rerun the download stage")
+    return str(output), pointer["shards"]
+
+
 def main() -> int:
     try:
         params = load_section("shard", ShardParams)
-        metrics = build_shards(paths.DOWNLOAD, paths.SHARDS, ShardSettings(**params.model_dump()))
+        source, recorded = download_source()
+        metrics = build_shards(source, paths.SHARDS, ShardSettings(**params.model_dump()),
+                               recorded=recorded)
     except (ParamsError, ShardError) as err:
         print(f"shard: error: {err}", file=sys.stderr)
         return 1

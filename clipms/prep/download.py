@@ -11,13 +11,16 @@ from their header, before they are decoded.
 Resume: img2dataset's default incremental mode skips every shard that already has a
 `NNNNN_stats.json`. The output folder (a local path or any fsspec URL) carries a fingerprint of the
 input, the download settings and the policy; a rerun with the same fingerprint resumes, on any
-distributor, any other fingerprint clears the folder first.
+distributor, any other fingerprint clears the folder first. A folder without a fingerprint is
+cleared only when it is the project's own; at a URL the user named it must be empty (it is not
+ours to delete). For a URL, the project keeps a pointer instead of the tars (`clipms.prep.remote`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -29,8 +32,10 @@ import fsspec
 import pandas as pd
 import pyarrow.parquet as pq
 
+from clipms.prep import remote
 from clipms.prep.engines import EngineSettings, engine_session
 from clipms.prep.urlguard import FetchPolicy, precheck, refusal_counts
+from clipms.redact import redact_url
 
 # Not *.json: img2dataset counts every *.json in the folder as a finished shard.
 FINGERPRINT_FILE = "clipms_input.sha256"
@@ -88,18 +93,26 @@ def fingerprint(images_file: Path, settings: DownloadSettings, policy: FetchPoli
     return digest.hexdigest()
 
 
-def prepare_output(output: str, print_fn=print, *, expected: str) -> None:
+def prepare_output(output: str, print_fn=print, *, expected: str, owned: bool = True) -> None:
     """Keep a folder whose fingerprint matches (resume); otherwise start from an empty folder.
-    `output` is a local path or any fsspec URL."""
-    fs, root = fsspec.core.url_to_fs(output)
+    `output` is a local path or any fsspec URL. A folder this stage did not make (no fingerprint)
+    is cleared only when it is `owned` (the project's DVC out); otherwise it must be empty."""
+    fs, root = fsspec.core.url_to_fs(output, use_listings_cache=False)
     marker = f"{root}/{FINGERPRINT_FILE}"
-    if fs.isfile(marker) and fs.cat_file(marker).decode().strip() == expected:
+    shown = redact_url(output)
+    ours = fs.isfile(marker)
+    if ours and fs.cat_file(marker).decode().strip() == expected:
         done = len(fs.glob(f"{root}/*_stats.json"))
-        print_fn(f"download: resuming in {output} ({done} finished shard(s) are kept)")
+        print_fn(f"download: resuming in {shown} ({done} finished shard(s) are kept)")
         return
-    if fs.exists(root):
-        print_fn(f"download: {output} holds another input or settings; clearing it")
-        fs.rm(root, recursive=True)
+    contents = fs.ls(root, detail=False) if fs.isdir(root) else []
+    if contents and not (ours or owned):
+        raise DownloadError(f"{shown} holds files this stage did not write (no {FINGERPRINT_FILE})"
+                            "; choose an empty folder for download.output or empty this one")
+    if contents:
+        print_fn(f"download: {shown} holds another input or settings; clearing it")
+        for path in contents:  # the folder's contents, not the folder: it may be a bucket
+            fs.rm(path, recursive=True)
     fs.makedirs(root, exist_ok=True)
     fs.pipe_file(marker, (expected + "\n").encode())
 
@@ -158,7 +171,7 @@ def expected_shards(rows: int, samples_per_shard: int) -> int:
 def summarise(output: str, rows: int, refused: dict[str, int],
               samples_per_shard: int) -> dict[str, Any]:
     """Aggregate img2dataset's NNNNN_stats.json files into one metrics dict."""
-    fs, root = fsspec.core.url_to_fs(output)
+    fs, root = fsspec.core.url_to_fs(output, use_listings_cache=False)
     totals = Counter()
     reasons: Counter[str] = Counter()
     stats_files = sorted(fs.glob(f"{root}/*_stats.json"))
@@ -192,21 +205,29 @@ def download_images(
     engine: EngineSettings,
     policy: FetchPolicy,
     print_fn=print,
+    pointer_folder: Path | None = None,
 ) -> dict[str, Any]:
     """images.parquet -> img2dataset webdataset in `output` (a path or an fsspec URL); returns the
-    metrics dict."""
+    metrics dict. With `pointer_folder` (`output` is then a URL: not the project's own folder),
+    that folder is emptied first and, once every shard is done, holds only the pointer to
+    `output` (`clipms.prep.remote`); a folder at `output` this stage did not write is refused."""
     images_file = Path(images_file)
     # Absolute for a local folder: img2dataset 1.47 means to do it (make_path_absolute) but compares
     # fsspec's protocol with "file", which is now a tuple, so a Ray worker whose working directory
     # differs from ours looked for its shards elsewhere.
-    output = str(output) if "://" in str(output) else str(Path(output).resolve())
+    output = str(output) if remote.is_url(output) else str(Path(output).resolve())
+    shown = redact_url(output)
     started = time.perf_counter()
     allowed, refused = filter_urls(_read_images(images_file), policy)
     if sum(refused.values()):
         reasons = ", ".join(f"{k} {v:,}" for k, v in refused.items() if v)
         print_fn(f"download: refusing {sum(refused.values()):,} row(s) before any download "
                  f"({reasons})")
-    prepare_output(output, print_fn, expected=fingerprint(images_file, settings, policy))
+    expected = fingerprint(images_file, settings, policy)
+    prepare_output(output, print_fn, expected=expected, owned=pointer_folder is None)
+    if pointer_folder is not None:  # until every shard is done, no pointer says they are
+        shutil.rmtree(pointer_folder, ignore_errors=True)
+        pointer_folder.mkdir(parents=True)
     if len(allowed):
         run_img2dataset(allowed, output, settings, engine, policy)
     metrics = summarise(output, len(allowed), refused, settings.samples_per_shard)
@@ -214,8 +235,12 @@ def download_images(
     if metrics["shards_done"] < metrics["shards_expected"]:
         raise DownloadError(
             f"img2dataset finished {metrics['shards_done']} of {metrics['shards_expected']} shards "
-            f"in {output}; rerun the stage to resume the unfinished ones"
+            f"in {shown}; rerun the stage to resume the unfinished ones"
         )
+    if pointer_folder is not None:
+        pointer = remote.write_pointer(pointer_folder, output, expected)
+        print_fn(f"download: {len(pointer['shards'])} shard(s) in {shown}, recorded in "
+                 f"{pointer_folder / remote.POINTER_FILE}")
     print_fn(summary(metrics))
     return metrics
 

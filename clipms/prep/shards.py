@@ -1,10 +1,11 @@
 """Validate downloaded webdataset samples and rewrite them as train/val shards with a manifest.
 
-Input: img2dataset's `NNNNN.tar` files (`<k>.jpg`, `<k>.txt`, `<k>.json` carrying our `captions`,
-`split`, `image_key`, `labels`). Every sample is decoded with PIL and checked; a bad sample is
-dropped and counted by reason, a truncated or corrupt input tar is reported and skipped whole. The
-output key is the sample's `image_key` (dedupe's stable key), checked against the shard key format
-of `clipms.webds` here, where keys enter the shards; the format itself is `clipms.webds`'.
+Input: img2dataset's `NNNNN.tar` files, in a local folder or at an fsspec URL (`<k>.jpg`,
+`<k>.txt`, `<k>.json` carrying our `captions`, `split`, `image_key`, `labels`). Every sample is
+decoded with PIL and checked; a bad sample is dropped and counted by reason, a truncated or
+corrupt input tar is reported and skipped whole. The output key is the sample's `image_key`
+(dedupe's stable key), checked against the shard key format of `clipms.webds` here, where keys
+enter the shards; the format itself is `clipms.webds`'.
 
 Output is a pure function of the input samples and the settings: samples are sorted by key,
 shuffled once with a seeded RNG per split, and written to tars whose headers carry fixed
@@ -18,6 +19,7 @@ import io
 import json
 import random
 import shutil
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -26,10 +28,13 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+import fsspec
 from PIL import Image
 
 from clipms import webds
+from clipms.prep import remote
 from clipms.preprocess import PixelLimitError, open_image
+from clipms.redact import redact_text, redact_url
 
 SPLITS = ("train", "val")
 DROP_REASONS = (
@@ -208,13 +213,51 @@ def shuffled(samples: list[Sample], seed: int, split: str) -> list[Sample]:
 
 
 def build_shards(input_dir: Path | str, output_dir: Path | str, settings: ShardSettings,
-                 print_fn: Callable[[str], None] = print) -> dict[str, Any]:
-    """Validate every input sample and write `output_dir/{train,val}/*.tar` + `manifest.json`."""
-    input_dir, output_dir = Path(input_dir), Path(output_dir)
+                 print_fn: Callable[[str], None] = print,
+                 recorded: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Validate every input sample and write `output_dir/{train,val}/*.tar` + `manifest.json`.
+
+    `input_dir` is a local folder or an fsspec URL. The tars at a URL must be exactly the
+    `recorded` ones (the download stage's pointer, `clipms.prep.remote`); they are copied into a
+    temporary folder beside `output_dir` first (removed after), so validating and writing read
+    local files, as for a local input."""
+    output_dir = Path(output_dir)
+    if remote.is_url(input_dir):
+        url = str(input_dir)
+        try:
+            sources = remote.check_shards(url, recorded or [])
+        except (remote.RemoteError, OSError) as err:
+            raise ShardError(redact_text(str(err))) from None
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".shard-input-", dir=output_dir.parent) as tmp:
+            started = time.perf_counter()
+            tars = fetch_tars(url, sources, Path(tmp))
+            print_fn(f"shard: copied {len(tars)} tar(s) from {redact_url(url)} "
+                     f"({time.perf_counter() - started:.1f} s)")
+            return _build(tars, output_dir, settings, print_fn)
+    input_dir = Path(input_dir)
     if not input_dir.is_dir():
         raise ShardError(f"{input_dir}: input folder not found (run the download stage first)")
+    return _build(sorted(input_dir.glob("*.tar")), output_dir, settings, print_fn)
+
+
+def fetch_tars(url: str, sources: list[str], folder: Path) -> list[Path]:
+    """Copy the tars (fsspec paths of `url`'s filesystem) into `folder`, in one call (concurrent
+    on stores that support it); the local copies, in the same (name) order."""
+    fs, _root = fsspec.core.url_to_fs(url)
+    local = [folder / source.rsplit("/", 1)[-1] for source in sources]
+    try:
+        if sources:
+            fs.get(sources, [str(path) for path in local])
+    except OSError as err:
+        raise ShardError(f"copying the tars from {redact_url(url)}: "
+                         f"{redact_text(str(err))}") from None
+    return local
+
+
+def _build(tars: list[Path], output_dir: Path, settings: ShardSettings,
+           print_fn: Callable[[str], None]) -> dict[str, Any]:
     started = time.perf_counter()
-    tars = sorted(input_dir.glob("*.tar"))
     samples, metrics = _collect(tars, settings, print_fn, started)
     if output_dir.exists():
         shutil.rmtree(output_dir)
