@@ -45,10 +45,12 @@ def download_with(folder: Path, site: Site, env: dict[str, str] | None = None,
 
 
 def resume_after_losing_shard_1(folder: Path, site: Site, env: dict[str, str] | None = None,
+                                out: Path | None = None,
                                 **engine: object) -> tuple[list[str], float]:
-    """Remove shard 1's outputs (an interruption while it was fetching) and rerun, on new engine
-    settings when given (they are not part of the resume fingerprint); the requests, seconds."""
-    out = folder / "data/download"
+    """Remove shard 1's outputs (an interruption while it was fetching) from `out` (default: the
+    stage's data/download) and rerun, on new engine settings when given (they are not part of the
+    resume fingerprint); the requests, seconds."""
+    out = out or folder / "data/download"
     kept = (out / "00000.tar").stat().st_mtime_ns
     for path in out.glob("00001*"):
         path.unlink()
