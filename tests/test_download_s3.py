@@ -1,0 +1,117 @@
+"""`download.output: s3://bucket/prefix` against a real S3 API: moto's server, started by the test
+on 127.0.0.1 (the `dev` extra), reached by img2dataset and the shard stage through s3fs (the
+`distributed` extra) with the standard AWS variables (AWS_ENDPOINT_URL, keys). The same shards as
+the default local run, and a stage killed mid-download resumes on the bucket (issue 11.1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clipms import webds
+from clipms.prep.remote import POINTER_FILE
+from tests.distributor_runs import samples_of, site_urls
+from tests.image_site import Site, images_parquet, run_stage, stage_env, write_params
+
+pytest.importorskip("s3fs", reason="the `distributed` extra is not installed")
+moto_server = pytest.importorskip("moto.server", reason="the `dev` extra is not installed")
+
+BUCKET = "clip-data"
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[tuple[dict[str, str], object]]:
+    """A moto S3 server on a free loopback port with one bucket: the stages' environment for it
+    and an s3fs filesystem on it (listings never cached: the stages change the bucket)."""
+    import s3fs
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "test-key",
+           "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+    try:
+        fs = s3fs.S3FileSystem(key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
+                               endpoint_url=env["AWS_ENDPOINT_URL"], use_listings_cache=False,
+                               skip_instance_cache=True)
+        fs.mkdir(BUCKET)
+        yield {**stage_env(), **env}, fs
+    finally:
+        server.stop()
+
+
+def tars_in(fs, prefix: str, folder: Path) -> set[tuple[str, str, str]]:
+    """samples_of() for the tars under `prefix` of the bucket (copied into `folder`)."""
+    folder.mkdir()
+    for path in fs.glob(f"{prefix}/*.tar"):
+        fs.get(path, str(folder / path.rsplit("/", 1)[-1]))
+    return samples_of(folder)
+
+
+@pytest.mark.slow
+def test_download_to_s3_then_shard_gives_the_default_runs_shards(tmp_path, s3):
+    env, fs = s3
+    prefix = f"{BUCKET}/runs/same-samples"
+    with Site() as site:
+        for name, extra in (("local", {}), ("s3", {"output": f"s3://{prefix}"})):
+            folder = tmp_path / name
+            folder.mkdir()
+            images_parquet(folder, site_urls(site))
+            write_params(folder, samples_per_shard=3, **extra)
+            run_stage("download", folder, env=env)
+            run_stage("shard", folder, env=env)
+    reference = samples_of(tmp_path / "local/data/download")
+    assert len(reference) == 6 and tars_in(fs, prefix, tmp_path / "copy") == reference
+    pointer = json.loads((tmp_path / "s3/data/download" / POINTER_FILE).read_text())
+    assert pointer["url"] == f"s3://{prefix}" and pointer["samples"] == 6
+    assert [s["name"] for s in pointer["shards"]] == ["00000.tar", "00001.tar", "00002.tar"]
+    for name in ("data/shards/manifest.json", "metrics/shard.json"):  # byte-identical shards
+        assert (tmp_path / "s3" / name).read_text() == (tmp_path / "local" / name).read_text()
+
+
+@pytest.mark.slow
+def test_a_download_killed_mid_shard_resumes_on_the_bucket(tmp_path, s3):
+    """SIGKILL the stage (and img2dataset's workers) while shard 1 is fetching: the rerun keeps
+    shard 0's objects in the bucket and fetches only shards 1 and 2."""
+    env, fs = s3
+    prefix = f"{BUCKET}/runs/killed"
+    write_params(tmp_path, samples_per_shard=2, timeout=10, output=f"s3://{prefix}")
+    with Site() as site:
+        urls = [f"{site.base}/good/{i}.jpg" for i in range(6)]
+        urls[2:4] = [f"{site.base}/stall/{i}.jpg" for i in (2, 3)]  # shard 1 stalls
+        images_parquet(tmp_path, urls)
+        stage = subprocess.Popen([sys.executable, "-m", "stages.download"], cwd=tmp_path,
+                                 env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 180
+            while not fs.exists(f"{prefix}/00000_stats.json") or not any(
+                    r.startswith("/stall/") for r in site.requests):
+                assert stage.poll() is None and time.monotonic() < deadline, "never reached shard 1"
+                time.sleep(0.2)
+        finally:
+            os.killpg(stage.pid, signal.SIGKILL)  # the stage and every worker it spawned
+            stage.wait(timeout=30)
+        site.stall.set()  # from now on the stalled URLs answer at once
+        assert not fs.exists(f"{prefix}/00001_stats.json")
+        assert not (tmp_path / "data/download" / POINTER_FILE).exists()  # no shards claimed
+        finished = {k: fs.info(f"{prefix}/00000.tar")[k] for k in ("ETag", "LastModified")}
+        site.requests.clear()
+        proc = run_stage("download", tmp_path, env=env)
+        assert "resuming" in proc.stdout and "1 finished shard(s) are kept" in proc.stdout
+        assert sorted(site.requests) == ["/good/4.jpg", "/good/5.jpg", "/stall/2.jpg",
+                                         "/stall/3.jpg"]
+    assert {k: fs.info(f"{prefix}/00000.tar")[k] for k in ("ETag", "LastModified")} == finished
+    metrics = json.loads((tmp_path / "metrics/download.json").read_text())
+    assert metrics["successes"] == 6 and metrics["shards_done"] == 3
+    run_stage("shard", tmp_path, env=env)
+    manifest = webds.read_manifest(tmp_path / "data/shards")
+    assert manifest["splits"]["train"]["samples"] == 6
