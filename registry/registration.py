@@ -21,7 +21,13 @@ from registry.run import PipelineRun
 from registry.settings import RegisterParams, client, tracking_uri
 
 MODEL_ARTIFACT = "clip"  # the logged model's name inside the run
-INDEX_ARTIFACT = "index"  # the search index's folder among the run's artifacts (serving/ reads it)
+# The search index's folder inside the logged model's own artifacts (serving/ reads it), beside
+# the bundle: the version points at one folder that holds both, and every log_model makes a new
+# model id, so nothing logged later (export/index/register rerun in the same pipeline run, which
+# continues the same MLflow run) can overwrite an earlier version's index. A folder in the run
+# would be shared by every version registered from that run. (The pyfunc's own loaders download
+# it too: the model's size includes its index.)
+INDEX_ARTIFACT = "index"
 # MLflow's log_model links every run metric of the model's step to the logged model. Step 0 holds
 # every stage's summary (counts, chance levels, train and export figures), so the model is logged
 # at a step no stage uses and only the quality metrics are linked to it, at that step.
@@ -100,7 +106,8 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
                      index_dir: Path | str | None = None) -> dict[str, Any]:
     """Log + register the bundle as a new version of `params.model_name`; returns the gate's
     record. GateError (before anything is logged) for a primary metric evaluate did not write.
-    `index_dir` (the index stage's output) is logged beside it: the version's run holds both."""
+    `index_dir` (the index stage's output) is logged into the logged model, before the version
+    exists: the version's model holds both, and no version is registered without its index."""
     import mlflow
 
     metrics = numeric(eval_metrics)
@@ -111,7 +118,7 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
         info = pyfunc.log_model(bundle_dir, name=MODEL_ARTIFACT, run_id=run.run_id,
                                 step=MODEL_STEP)
         if index_dir is not None:
-            mlflow_client.log_artifacts(run.run_id, str(index_dir), INDEX_ARTIFACT)
+            mlflow_client.log_model_artifacts(info.model_id, str(index_dir), INDEX_ARTIFACT)
         link_metrics(mlflow_client, run.run_id, info.model_id, metrics)
     with _step(f"registering a new version of '{params.model_name}'"):
         number = str(mlflow.register_model(info.model_uri, params.model_name).version)

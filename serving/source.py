@@ -1,9 +1,10 @@
 """Where the served model comes from: a local bundle + index, or the MLflow registry.
 
-`models:/NAME@ALIAS` (or `models:/NAME/VERSION`) resolves to a model version; its pyfunc artifacts
-hold the export bundle (`artifacts/bundle/`), and the version's run holds the index the `register`
-stage logged beside it (registry.registration.INDEX_ARTIFACT). Both are downloaded into a folder of
-their own per version, so any machine serves the champion from MLflow alone.
+`models:/NAME@ALIAS` (or `models:/NAME/VERSION`) resolves to a model version; its logged model holds
+the export bundle (the pyfunc's artifacts) and the index the `register` stage logged into it
+(registry.registration.INDEX_ARTIFACT), so one download of the version's own model brings both,
+into a folder of its own per version: any machine serves the champion from MLflow alone, and
+another version registered from the same run cannot change this version's index.
 """
 
 from __future__ import annotations
@@ -96,9 +97,10 @@ class RegistrySource:
         return str(version.version), version.run_id
 
     def fetch(self, version: str, run_id: str | None) -> Fetched:
-        """Download version `version`'s bundle and its run's index into a new folder."""
+        """Download version `version`'s model (its bundle and its index) into a new folder."""
         import mlflow
 
+        from clipms.index import INDEX_JSON
         from registry.registration import INDEX_ARTIFACT
 
         if self.cache_dir is not None:
@@ -115,12 +117,10 @@ class RegistrySource:
             if bundle is None or not (bundle / "bundle.json").is_file():
                 raise SourceError(f"{self.name} v{version}: no export bundle in the model's "
                                   "artifacts (not logged by registry.pyfunc?)")
-            if not run_id or not self._client().list_artifacts(run_id, INDEX_ARTIFACT):
-                raise SourceError(f"{self.name} v{version}: its run {run_id} has no "
+            index = model / INDEX_ARTIFACT
+            if not (index / INDEX_JSON).is_file():  # not the run's: the version's own index
+                raise SourceError(f"{self.name} v{version}: its model has no "
                                   f"'{INDEX_ARTIFACT}' artifact (registered without an index?)")
-            index = Path(mlflow.artifacts.download_artifacts(
-                run_id=run_id, artifact_path=INDEX_ARTIFACT, dst_path=str(folder / "run"),
-                tracking_uri=uri))
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise

@@ -39,7 +39,7 @@ def main() -> int:
         run = PipelineRun.open("register", {}, FILES, owns_run_file=False)
     run.log_params(flatten("register", params.model_dump()))
     try:
-        # The index is logged with the version's run (a test workspace may have none).
+        # The index is logged into the version's model (a test workspace may have none).
         record = register_version(run, paths.BUNDLE, params, read_json(paths.EVAL_METRICS),
                                   index_dir=paths.INDEX if paths.INDEX.is_dir() else None)
     except TrackingUnavailable as err:  # the journal keeps everything for the next attempt

@@ -243,6 +243,46 @@ def test_gate_sequence_on_real_registered_models(workspace: Path, bundle: Path) 
     assert "different evaluation set" in out.stdout
 
 
+def test_versions_registered_from_one_run_keep_their_own_index(workspace: Path,
+                                                               bundle: Path) -> None:
+    """`dvc repro -f -s register` or a re-export continues the pipeline's MLflow run: a second
+    version (another bundle, its own index) is registered from the same run. Version 1 must still
+    come back with version 1's index, so the service can serve it when it is the champion."""
+    import shutil
+
+    from clipms.index import ImageIndex, bundle_digest
+    from serving.source import RegistrySource
+    from tests.test_serving_swap import make_index
+    from tests.tiny_model import export_tiny_bundle
+
+    other = export_tiny_bundle(workspace / "other", seed=1)
+    root = prepare_workspace(workspace / "run", bundle, {"i2t_R@5": 0.5, "mAP@10": 0.2},
+                             model="clip-one-run")
+    digests = []
+    for source_bundle in (bundle, other):  # the second round: a re-export, then index, register
+        shutil.rmtree(root / "models" / "export")
+        shutil.rmtree(root / "models" / "index", ignore_errors=True)
+        shutil.copytree(source_bundle, root / "models" / "export")
+        make_index(root / "models" / "export", root / "models" / "index")
+        digests.append(bundle_digest(root / "models" / "export"))
+        code, record = register_in(root)
+        assert code == 0 and record is not None
+    assert digests[0] != digests[1]
+    client = settings.client()
+    first, second = (client.get_model_version("clip-one-run", v) for v in ("1", "2"))
+    assert first.run_id == second.run_id  # one pipeline run, two versions
+
+    for version, digest in (("1", digests[0]), ("2", digests[1])):
+        source = RegistrySource(f"models:/clip-one-run/{version}", settings.tracking_uri())
+        fetched = source.fetch(*source.current())
+        try:
+            assert bundle_digest(fetched.bundle_dir) == digest
+            index = ImageIndex.load(fetched.index_dir, digest)  # raises for another bundle's
+            assert index.bundle_digest == digest and len(index) == 12
+        finally:
+            fetched.cleanup()
+
+
 def champion_input(tmp_path: Path) -> tuple[object, list[str], list[str]]:
     import pandas as pd
 
@@ -390,14 +430,15 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     assert {"i2t_R_at_5", "mAP_at_10"} <= linked and "train_steps" not in linked, linked
     assert not any(k.startswith("chance_") for k in linked), linked
     assert train_summary  # train.json exists; its values are logged as train_* metrics
-    # The index stage ran after export; register logged it with the version's run, so the
+    # The index stage ran after export; register logged it into the version's model, so the
     # champion's model and its index come back from MLflow alone and belong together.
     from clipms.index import ImageIndex, bundle_digest
     from serving.source import RegistrySource
 
     indexed = read_json(ws / "metrics" / "index.json")
     assert indexed["rows"] > 0 and indexed["search"] == "exact"
-    logged = {a.path for a in client.list_artifacts(info["run_id"], "index")}
+    logged = {a.path for a in client.list_logged_model_artifacts(
+        gate.logged_model_id(version), "index")}  # the version's own model, not the shared run
     assert {"index/index.json", "index/embeddings.npy", "index/items.parquet"} <= logged
     source = RegistrySource("models:/clip-e2e@champion", server.uri)
     fetched = source.fetch(*source.current())

@@ -1,7 +1,7 @@
 """Live model swap: the service follows `champion` on a real MLflow server while clients query it.
 
 Versions are registered the way the `register` stage leaves them (the pyfunc of a bundle, its index
-logged to the version's run as `index`). A bounded client loop runs while a second version becomes
+logged into that logged model as `index`). A bounded client loop runs while a second version becomes
 champion: no request fails, the served version changes, and once a client saw the new version it
 never sees the old one again. Then a version whose index another bundle made becomes champion: it
 is refused, and so is a version registered without an index: the old one keeps serving, and
@@ -42,7 +42,8 @@ def make_index(bundle: Path, out: Path) -> Path:
 
 
 def register(bundle: Path, index: Path | None) -> str:
-    """A new version of MODEL from `bundle`, `index` logged to its run; returns its number."""
+    """A new version of MODEL from `bundle`, `index` logged into its model (as the register stage
+    does); returns its number."""
     import mlflow
 
     from registry import pyfunc
@@ -51,7 +52,7 @@ def register(bundle: Path, index: Path | None) -> str:
     with mlflow.start_run():
         info = pyfunc.log_model(bundle, name="clip")
         if index is not None:
-            mlflow.log_artifacts(str(index), INDEX_ARTIFACT)
+            mlflow.MlflowClient().log_model_artifacts(info.model_id, str(index), INDEX_ARTIFACT)
     return str(mlflow.register_model(info.model_uri, MODEL).version)
 
 
