@@ -1,15 +1,18 @@
 """`download.output: s3://bucket/prefix` against a real S3 API: moto's server, started by the test
 on 127.0.0.1 (the `dev` extra), reached by img2dataset and the shard stage through s3fs (the
 `distributed` extra) with the standard AWS variables (AWS_ENDPOINT_URL, keys). The same shards as
-the default local run, and a stage killed mid-download resumes on the bucket (issue 11.1)."""
+the default local run, a stage killed mid-download resumes on the bucket, and Spark's executors
+write there too, a lost shard then refetched by a local Ray (issue 11.1)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +21,7 @@ import pytest
 
 from clipms import webds
 from clipms.prep.remote import POINTER_FILE
-from tests.distributor_runs import samples_of, site_urls
+from tests.distributor_runs import SHARD_1_REQUESTS, samples_of, site_urls
 from tests.image_site import Site, images_parquet, run_stage, stage_env, write_params
 
 pytest.importorskip("s3fs", reason="the `distributed` extra is not installed")
@@ -103,15 +106,57 @@ def test_a_download_killed_mid_shard_resumes_on_the_bucket(tmp_path, s3):
         site.stall.set()  # from now on the stalled URLs answer at once
         assert not fs.exists(f"{prefix}/00001_stats.json")
         assert not (tmp_path / "data/download" / POINTER_FILE).exists()  # no shards claimed
-        finished = {k: fs.info(f"{prefix}/00000.tar")[k] for k in ("ETag", "LastModified")}
+        finished = object_version(fs, f"{prefix}/00000.tar")
         site.requests.clear()
         proc = run_stage("download", tmp_path, env=env)
         assert "resuming" in proc.stdout and "1 finished shard(s) are kept" in proc.stdout
         assert sorted(site.requests) == ["/good/4.jpg", "/good/5.jpg", "/stall/2.jpg",
                                          "/stall/3.jpg"]
-    assert {k: fs.info(f"{prefix}/00000.tar")[k] for k in ("ETag", "LastModified")} == finished
+    assert object_version(fs, f"{prefix}/00000.tar") == finished  # shard 0 was not rewritten
     metrics = json.loads((tmp_path / "metrics/download.json").read_text())
     assert metrics["successes"] == 6 and metrics["shards_done"] == 3
     run_stage("shard", tmp_path, env=env)
     manifest = webds.read_manifest(tmp_path / "data/shards")
     assert manifest["splits"]["train"]["samples"] == 6
+
+
+
+def object_version(fs, path: str) -> tuple[str, object]:
+    info = fs.info(path)
+    return info["ETag"], info["LastModified"]
+
+
+@pytest.mark.slow
+def test_spark_writes_to_the_bucket_and_a_local_ray_resumes_there(tmp_path, s3):
+    """pyspark `local[2]`: its Python workers write the shards to the bucket themselves; shard 1's
+    objects removed (an interruption), the rerun on a local Ray fetches only shard 1 there (the
+    engine is not part of the resume fingerprint)."""
+    pytest.importorskip("pyspark", reason="the `distributed` extra is not installed")
+    pytest.importorskip("ray", reason="the `distributed` extra is not installed")
+    env, fs = s3
+    prefix = f"{BUCKET}/runs/engines"
+    temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths
+    local_ray = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
+    local_ray["RAY_TMPDIR"] = str(temp)
+    engine = {"samples_per_shard": 3, "processes": 2, "output": f"s3://{prefix}"}
+    try:
+        with Site() as site:
+            images_parquet(tmp_path, site_urls(site))
+            write_params(tmp_path, distributor="pyspark", spark_master="local[2]", **engine)
+            run_stage("download", tmp_path, env=env)
+            first = tars_in(fs, prefix, tmp_path / "spark")
+            kept = object_version(fs, f"{prefix}/00000.tar")
+            for path in fs.glob(f"{prefix}/00001*"):
+                fs.rm(path)
+            write_params(tmp_path, distributor="ray", **engine)
+            site.requests.clear()
+            proc = run_stage("download", tmp_path, env=local_ray)
+            requests = sorted(site.requests)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert "resuming" in proc.stdout and "2 finished shard(s) are kept" in proc.stdout
+    assert requests == SHARD_1_REQUESTS
+    assert object_version(fs, f"{prefix}/00000.tar") == kept
+    assert len(first) == 6 and tars_in(fs, prefix, tmp_path / "ray") == first
+    run_stage("shard", tmp_path, env=env)
+    assert webds.read_manifest(tmp_path / "data/shards")["splits"]["train"]["samples"] == 6
