@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from clipms.prep.download import FINGERPRINT_FILE, DownloadError, prepare_output
 from clipms.prep.remote import POINTER_FILE, check_output_url
@@ -22,6 +23,7 @@ from tests.distributor_runs import (
     site_urls,
 )
 from tests.image_site import Site, images_parquet, run_stage, write_params
+from tests.workspace import make_workspace, run
 
 
 def quiet(_message: str) -> None:
@@ -176,3 +178,29 @@ def test_a_remote_download_leaves_only_its_pointer_in_data_download(tmp_path):
     assert [p.name for p in old.iterdir()] == [POINTER_FILE]
     pointer = json.loads((old / POINTER_FILE).read_text())
     assert pointer["samples"] == 0 and pointer["url"] == f"file://{store}"
+
+
+@pytest.mark.slow
+def test_dvc_versions_a_download_to_a_url_by_its_pointer(tmp_path):
+    """Real `dvc repro` (tiny synthetic config): data/download is the pointer, DVC caches it and
+    calls the pipeline up to date; `dvc repro -f download` resumes on the target."""
+    store = tmp_path / "store"
+    ws = make_workspace(tmp_path / "ws", {"download.output": f"file://{store}/tiny"})
+    run(["dvc", "repro", "shard"], ws)
+    pointer = json.loads((ws / "data/download" / POINTER_FILE).read_text())
+    assert pointer["samples"] == 48 and [p.name for p in (ws / "data/download").iterdir()] == [
+        POINTER_FILE]
+    assert json.loads((ws / "metrics/shard.json").read_text())["samples_out"] == 48
+    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
+    assert lock["shard"]["params"]["params.yaml"]["download.output"] == f"file://{store}/tiny"
+    again = run(["dvc", "repro", "shard"], ws)
+    assert "Running stage" not in again.stdout
+    assert "up to date" in run(["dvc", "status", "shard"], ws).stdout
+
+    kept = (store / "tiny/00000.tar").stat().st_mtime_ns
+    for path in (store / "tiny").glob("00001*"):
+        path.unlink()
+    resumed = run(["dvc", "repro", "-f", "download"], ws)
+    assert "resuming" in resumed.stdout and "1 finished shard(s) are kept" in resumed.stdout
+    assert (store / "tiny/00000.tar").stat().st_mtime_ns == kept
+    assert (store / "tiny/00001.tar").is_file()
