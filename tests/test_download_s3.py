@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from clipms import webds
+from clipms.prep.download import FINGERPRINT_FILE, DownloadError, prepare_output
 from clipms.prep.remote import POINTER_FILE
 from tests.distributor_runs import SHARD_1_REQUESTS, samples_of, site_urls
 from tests.image_site import Site, images_parquet, run_stage, stage_env, write_params
@@ -160,3 +161,25 @@ def test_spark_writes_to_the_bucket_and_a_local_ray_resumes_there(tmp_path, s3):
     assert len(first) == 6 and tars_in(fs, prefix, tmp_path / "ray") == first
     run_stage("shard", tmp_path, env=env)
     assert webds.read_manifest(tmp_path / "data/shards")["splits"]["train"]["samples"] == 6
+
+
+def test_the_bucket_is_cleared_for_a_new_input_only_when_the_stage_wrote_it(s3, monkeypatch):
+    """prepare_output on S3 itself, with a bucket root as the target: another fingerprint
+    empties it (img2dataset's `_tmp` scratch too); a prefix holding an object the stage did not
+    write is refused and the object kept."""
+    env, fs = s3
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                 "AWS_DEFAULT_REGION"):
+        monkeypatch.setenv(name, env[name])
+    fs.mkdir("whole-bucket")
+    prepare_output("s3://whole-bucket", print, expected="one", owned=False)
+    fs.pipe("whole-bucket/00000.tar", b"a shard")
+    fs.pipe("whole-bucket/_tmp/00001.feather", b"img2dataset's scratch")
+    prepare_output("s3://whole-bucket", print, expected="two", owned=False)
+    assert fs.ls("whole-bucket", detail=False) == [f"whole-bucket/{FINGERPRINT_FILE}"]
+    assert fs.cat("whole-bucket/" + FINGERPRINT_FILE) == b"two\n"
+
+    fs.pipe(f"{BUCKET}/theirs/report.csv", b"not ours")
+    with pytest.raises(DownloadError, match="did not write"):
+        prepare_output(f"s3://{BUCKET}/theirs", print, expected="one", owned=False)
+    assert fs.cat(f"{BUCKET}/theirs/report.csv") == b"not ours"
