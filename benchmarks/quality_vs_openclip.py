@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import http.server
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -47,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 DATA_STAGES = ("metadata", "dedupe", "download", "shard", "tokenizer")
 REPORTED = ("i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mAP@10")
+TABLED = REPORTED[:6]
 
 
 def _parse() -> argparse.Namespace:
@@ -214,38 +216,45 @@ def run(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------------------- table
 def table(args: argparse.Namespace) -> None:
+    """Per setting: every run's recalls (both directions), mean +- sample sd over the seeds both
+    sides ran, and ours / open_clip of the R@5 means."""
     rows = [json.loads(line) for line in (args.work / "results.jsonl").read_text().splitlines()
             if line.strip()]
     groups: dict[tuple, dict[str, dict[int, dict]]] = {}
     for row in rows:  # the last run of each (setting, side, seed) counts
-        key = (row["wd_rule"], row["steps"], row["lr"], row["batch_size"])
+        key = (row["preset"], row["wd_rule"], row["steps"], row["lr"], row["batch_size"])
         groups.setdefault(key, {}).setdefault(row["side"], {})[row["seed"]] = row
-    for (rule, steps, lr, batch), sides in sorted(groups.items()):
-        seeds = sorted(set(sides.get("ours", {})) & set(sides.get("open_clip", {})))
-        print(f"\nwd rule {rule}, {steps} steps, lr {lr}, batch {batch}; seeds {seeds}\n")
-        print("| seed | ours i2t R@5 | open_clip i2t R@5 | ratio | ours t2i R@5 | "
-              "open_clip t2i R@5 | ratio |")
-        print("|---|---|---|---|---|---|---|")
-        for seed in seeds:
-            ours, peer = sides["ours"][seed], sides["open_clip"][seed]
-            print(f"| {seed} | {ours['i2t_R@5']:.3f} | {peer['i2t_R@5']:.3f} | "
-                  f"{ours['i2t_R@5'] / peer['i2t_R@5']:.2f} | {ours['t2i_R@5']:.3f} | "
-                  f"{peer['t2i_R@5']:.3f} | {ours['t2i_R@5'] / peer['t2i_R@5']:.2f} |")
-        if seeds:
-            mean = {side: {k: statistics.mean(sides[side][s][k] for s in seeds)
-                           for k in ("i2t_R@5", "t2i_R@5")} for side in ("ours", "open_clip")}
-            o, p = mean["ours"], mean["open_clip"]
-            print(f"| mean | {o['i2t_R@5']:.3f} | {p['i2t_R@5']:.3f} | "
-                  f"{o['i2t_R@5'] / p['i2t_R@5']:.2f} | {o['t2i_R@5']:.3f} | "
-                  f"{p['t2i_R@5']:.3f} | {o['t2i_R@5'] / p['t2i_R@5']:.2f} |")
-        for side, by_seed in sides.items():
-            others = sorted(set(by_seed) - set(seeds))
-            if others:
-                print(f"\n({side} also ran seeds {others} without a counterpart)")
+    for (preset, rule, steps, lr, batch), sides in sorted(groups.items()):
+        paired = sorted(set(sides.get("ours", {})) & set(sides.get("open_clip", {})))
+        print(f"\n{preset}, wd rule {rule}, {steps} steps, lr {lr}, batch {batch}; "
+              f"seeds with both sides {paired}\n")
+        print("| side | seed | " + " | ".join(TABLED) + " | load 1m |")
+        print("|---" * (len(TABLED) + 3) + "|")
+        for side in ("ours", "open_clip"):
+            by_seed = sides.get(side, {})
+            for seed in sorted(by_seed):
+                print(f"| {side} | {seed} | " + " | ".join(
+                    f"{by_seed[seed][k]:.3f}" for k in TABLED) +
+                      f" | {by_seed[seed]['load_avg_1m']} |")
+            seeds = paired or sorted(by_seed)
+            if len(seeds) > 1:
+                print(f"| {side} | mean +- sd {seeds} | " + " | ".join(
+                    _mean_sd([by_seed[s][k] for s in seeds]) for k in TABLED) + " | |")
+        if paired:
+            ratio = {k: statistics.mean(sides["ours"][s][k] for s in paired)
+                     / statistics.mean(sides["open_clip"][s][k] for s in paired)
+                     for k in ("i2t_R@5", "t2i_R@5")}
+            print(f"\nours / open_clip (means over {paired}): i2t R@5 {ratio['i2t_R@5']:.2f}, "
+                  f"t2i R@5 {ratio['t2i_R@5']:.2f}")
+
+
+def _mean_sd(values: list[float]) -> str:
+    return f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}"
 
 
 def main() -> None:
     args = _parse()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     {"prepare": prepare, "run": run, "table": table}[args.command](args)
 
 
