@@ -5,12 +5,12 @@ of train, so a rerun or `dvc exp run` carries the right id and `dvc checkout` re
 `evaluate`, `export` and `register` continue it (`PipelineRun.resume` / `log_stage`).
 
 Nothing here may cost a trained model or stall training. Every write is a journal record
-(`registry.journal`) queued in memory; one background thread per run sends the queue in order, so
-the training loop never waits on the network (a step only appends to a list). A server that stops
-answering costs a stage at most `OPEN_TIMEOUT_S` when train opens the run and `CLOSE_TIMEOUT_S` (+
-`MONITOR_STOP_TIMEOUT_S`) when it ends; what was not sent by then is saved in the journal folder
-with a warning, and the next stage that reaches the server replays it (creating the run first
-if the server was already down when training started). Only `register` needs the server.
+(`registry.journal`) queued in memory; one background thread per run (`registry.sender`) sends the
+queue in order, so the training loop never waits on the network (a step only appends to a list). A
+server that stops answering costs a stage at most `OPEN_TIMEOUT_S` when train opens the run and
+`CLOSE_TIMEOUT_S` (+ `MONITOR_STOP_TIMEOUT_S`) when it ends; what was not sent by then is saved in
+the journal folder with a warning, and the next stage that reaches the server replays it (creating
+the run first if the server was already down when training started). Only `register` needs it.
 
 A training run that resumes from a checkpoint continues the MLflow run that wrote the checkpoint
 (`resume_record`, a small file beside the checkpoints), and a run that fails ends as FAILED with
@@ -25,14 +25,13 @@ import sys
 import threading
 import traceback
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from clipms.jsonio import read_json, write_json
 from clipms.redact import redact_text, redact_url
-from registry import journal
 from registry.journal import (
     CreateRun,
     Journal,
@@ -59,88 +58,44 @@ from registry.lineage import (
     read_lock,
     safe_params,
 )
+from registry.sender import (
+    CLOSE_TIMEOUT_S,
+    RUN_KEY_TAG,
+    RecordSender,
+    TrackingUnavailable,
+)
 from registry.settings import (
     DEFAULT_TRACKING_URI,
     TrackingFiles,
-    client,
-    ensure_experiment,
     is_local_store,
     register_params,
     tracking_uri,
 )
 
-# How long a stage waits for a server that has stopped answering (no record sent for that long):
-CLOSE_TIMEOUT_S = 15.0  # when it ends
+# How long a stage waits for a server that has stopped answering (no record sent for that long),
+# besides CLOSE_TIMEOUT_S when it ends (registry.sender):
 OPEN_TIMEOUT_S = 5.0  # when train opens the run (then training starts; the sender keeps trying)
 REPLAY_TIMEOUT_S = 10.0  # for the journals of earlier runs, replayed when a new run opens
 MONITOR_STOP_TIMEOUT_S = 5.0  # for the system-metrics monitor's last upload
-RUN_KEY_TAG = "pipeline.run_key"
 MAX_ERROR_CHARS = 5000
-
-
-class TrackingUnavailable(RuntimeError):
-    """The tracking server could not be reached; the message says what is safe and what to do."""
 
 
 class Terminated(BaseException):
     """SIGTERM arrived (a cancelled flow run, a stopped worker): unwind and record the failure."""
 
 
-class _Sender:
-    """A daemon thread that runs `work` in rounds; `kick` asks for a round, `wait` waits (bounded)
-    for every round asked so far. A hanging server blocks this thread, never its callers."""
 
-    def __init__(self, work: Callable[[], bool]) -> None:
-        self._work = work
-        self._cond = threading.Condition()
-        self._asked = self._done = 0
-        self.ok = True
-        self._thread = threading.Thread(target=self._loop, name="mlflow-sender", daemon=True)
-        self._thread.start()
-
-    def kick(self) -> int:
-        with self._cond:
-            self._asked += 1
-            self._cond.notify_all()
-            return self._asked
-
-    def wait(self, target: int, timeout: float | None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self._done >= target, timeout)
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._asked > self._done)
-                target = self._asked
-            try:
-                ok = self._work()
-            except BaseException:  # noqa: BLE001 - the thread must survive to report
-                ok = False
-            with self._cond:
-                self._done, self.ok = target, ok
-                self._cond.notify_all()
-
-
-class PipelineRun:
-    """The MLflow run of one pipeline run, with a local queue of what has not been sent yet."""
+class PipelineRun(RecordSender):
+    """The MLflow run of one pipeline run, with a local queue of what has not been sent yet
+    (sent in order by `registry.sender.RecordSender`)."""
 
     def __init__(self, run_key: str, run_id: str | None, experiment: str, files: TrackingFiles,
                  records: Iterable[Record] = ()) -> None:
-        self.run_key = run_key
-        self.run_id = run_id
-        self.experiment = experiment
+        super().__init__(run_key, run_id, experiment, records)
         self.files = files
-        self.pending: list[Record] = list(records)
-        self.last_error: str | None = None
         self.owns_run_file = False  # only train (which opened the run) writes its DVC out
         self.resume_record: Path | None = None  # train: which run wrote the checkpoints
-        self._lock = threading.RLock()  # guards pending, run_id, _held
-        self._in_flight: Record | None = None
-        self._progress = 0  # records sent so far: a flush waits while this moves
-        self._held = False  # sending waits until train knows whether it resumed (`resolve`)
         self._earlier: dict[str, Any] | None = None  # the run a resumed training continues
-        self._sender: _Sender | None = None
         self._monitor_interval: float | None = None
         self._monitor: Any = None
 
@@ -261,94 +216,6 @@ class PipelineRun:
         with self._lock:
             return sum(len(r.metrics) for r in self.pending if isinstance(r, LogMetrics))
 
-    # -- sending -----------------------------------------------------------------------------
-
-    def flush(self, timeout: float | None = CLOSE_TIMEOUT_S) -> bool:
-        """Send what is queued, in order; True when everything was sent. Waits while records
-        keep going out, and gives up once `timeout` seconds pass without one (a hung server);
-        None waits until the sender is done, 0 starts sending and returns at once."""
-        if self._sender is None:
-            self._sender = _Sender(self._send_all)
-        target = self._sender.kick()
-        if timeout == 0:
-            return False
-        while True:
-            before = self._progress
-            if self._sender.wait(target, timeout):
-                break
-            if self._progress == before:
-                self.last_error = f"no answer from the server within {timeout:g} s"
-                return False
-        with self._lock:
-            return self._sender.ok and not self.pending and self._in_flight is None
-
-    def _send_all(self) -> bool:
-        """The sender thread's round: records in order until the queue is empty or one fails."""
-        try:
-            mlflow_client = client()
-            while True:
-                with self._lock:
-                    if self._held or not self.pending:
-                        break
-                    record = self._in_flight = self._next_record()
-                try:
-                    self._send_one(mlflow_client, record)
-                except BaseException:
-                    with self._lock:  # unsent (or partly sent) records go back to the front
-                        self.pending.insert(0, record)
-                    raise
-                finally:
-                    with self._lock:
-                        self._in_flight = None
-                self._progress += 1
-        except Exception as err:  # an unreachable server surfaces as many exception types
-            first = str(err).splitlines()[0][:300] if str(err) else ""
-            self.last_error = redact_text(f"{type(err).__name__}: {first}")
-            return False
-        self.last_error = None
-        return True
-
-    def _next_record(self) -> Record:
-        """The first queued record, a big metrics batch cut to one request's worth (so that
-        progress is visible request by request); the caller holds the lock."""
-        record = self.pending[0]
-        if isinstance(record, LogMetrics) and len(record.metrics) > journal.MAX_METRICS:
-            head = LogMetrics(record.metrics[:journal.MAX_METRICS])
-            del record.metrics[:journal.MAX_METRICS]
-            return head
-        return self.pending.pop(0)
-
-    def _send_one(self, mlflow_client: Any, record: Record) -> None:
-        """Send one record; one the server rejects as invalid is reported and dropped, because
-        replaying it would fail forever and block everything queued behind it."""
-        from mlflow.exceptions import MlflowException
-
-        if isinstance(record, CreateRun):
-            self.run_id = self._create(mlflow_client, record)
-            self._start_monitor_if_wanted()
-            return
-        if self.run_id is None:
-            raise TrackingUnavailable("the MLflow run has not been created yet")
-        try:
-            journal.send(record, mlflow_client, self.run_id)
-        except MlflowException as err:
-            if err.error_code != "INVALID_PARAMETER_VALUE":
-                raise
-            print(f"[mlflow] WARNING: dropped a {record.kind} record the server rejected: "
-                  f"{str(err).splitlines()[0][:300]}", file=sys.stderr)
-        if isinstance(record, SetStatus) and record.status == "RUNNING":
-            self._start_monitor_if_wanted()
-
-    def _create(self, mlflow_client: Any, record: CreateRun) -> str:
-        """Create the run, or find it when an earlier attempt did but its answer was lost."""
-        experiment_id = ensure_experiment(mlflow_client, self.experiment)
-        found = mlflow_client.search_runs(
-            [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'",
-            max_results=1)
-        if found:
-            return str(found[0].info.run_id)
-        run = mlflow_client.create_run(experiment_id, tags=record.tags, run_name=record.run_name)
-        return str(run.info.run_id)
 
     # -- system metrics ----------------------------------------------------------------------
 
@@ -360,6 +227,9 @@ class PipelineRun:
             ready = self.run_id is not None and not self._held and not self.pending
         if ready:
             self._start_monitor_if_wanted()
+
+    def _run_started(self) -> None:
+        self._start_monitor_if_wanted()
 
     def _start_monitor_if_wanted(self) -> None:
         if self._monitor_interval is None or self._monitor is not None or self.run_id is None:
