@@ -7,6 +7,7 @@ against the same old champion. It fails closed (`gate.GateError`): no alias move
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -114,6 +115,11 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
     direction = gate.primary_direction(params.primary_metric, metrics)
     run.require_sent()  # replays anything earlier stages could not send; raises if unreachable
     mlflow_client = client()
+    # log_model checks the input example by running the model here, tokenising its two texts; HF
+    # tokenizers' Rust pool does not survive a later fork and prints a warning the user cannot act
+    # on (seen once in register on a fresh tiny `dvc repro`; three reruns did not fork). Two texts
+    # need no pool, as in the export stage.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     with _step("logging the model"):
         info = pyfunc.log_model(bundle_dir, name=MODEL_ARTIFACT, run_id=run.run_id,
                                 step=MODEL_STEP)

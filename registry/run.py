@@ -19,6 +19,7 @@ its error recorded (`failure_recorded`).
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -58,12 +59,7 @@ from registry.lineage import (
     read_lock,
     safe_params,
 )
-from registry.sender import (
-    CLOSE_TIMEOUT_S,
-    RUN_KEY_TAG,
-    RecordSender,
-    TrackingUnavailable,
-)
+from registry.sender import CLOSE_TIMEOUT_S, RUN_KEY_TAG, RecordSender, TrackingUnavailable
 from registry.settings import (
     DEFAULT_TRACKING_URI,
     TrackingFiles,
@@ -226,17 +222,19 @@ class PipelineRun(RecordSender):
         with self._lock:
             ready = self.run_id is not None and not self._held and not self.pending
         if ready:
-            self._start_monitor_if_wanted()
+            self._run_ready()
 
-    def _run_started(self) -> None:
-        self._start_monitor_if_wanted()
-
-    def _start_monitor_if_wanted(self) -> None:
+    def _run_ready(self) -> None:
+        """Start the monitor, if asked for, once the run exists (called by the sender too)."""
         if self._monitor_interval is None or self._monitor is not None or self.run_id is None:
             return
         try:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
+            # The monitor logs at INFO that it starts, stops and finds no GPU to sample ("Skip
+            # logging GPU metrics"), in the middle of training: nothing a user can act on. Only
+            # this logger, and its warnings (it could not start or sample) still show.
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
             self._monitor = SystemMetricsMonitor(self.run_id,
                                                  sampling_interval=self._monitor_interval,
                                                  tracking_uri=tracking_uri())

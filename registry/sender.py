@@ -78,7 +78,7 @@ class RecordSender:
         self._held = False  # sending waits until train knows whether it resumed (`resolve`)
         self._sender: Sender | None = None
 
-    def _run_started(self) -> None:
+    def _run_ready(self) -> None:
         """Called from the sender thread once the run exists (or is RUNNING again)."""
 
     def flush(self, timeout: float | None = CLOSE_TIMEOUT_S) -> bool:
@@ -143,7 +143,7 @@ class RecordSender:
 
         if isinstance(record, CreateRun):
             self.run_id = self._create(mlflow_client, record)
-            self._run_started()
+            self._run_ready()
             return
         if self.run_id is None:
             raise TrackingUnavailable("the MLflow run has not been created yet")
@@ -155,7 +155,7 @@ class RecordSender:
             print(f"[mlflow] WARNING: dropped a {record.kind} record the server rejected: "
                   f"{str(err).splitlines()[0][:300]}", file=sys.stderr)
         if isinstance(record, SetStatus) and record.status == "RUNNING":
-            self._run_started()
+            self._run_ready()
 
     def _create(self, mlflow_client: Any, record: CreateRun) -> str:
         """Create the run, or find it when an earlier attempt did but its answer was lost."""

@@ -4,6 +4,7 @@ compare table, the pyfunc's input decoding. Server-backed tests are in test_regi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -327,3 +328,25 @@ def test_the_pyfunc_model_code_runs_without_mlflow_warnings() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_system_metrics_are_logged_without_mlflow_info_lines(tmp_path: Path) -> None:
+    """Train's system-metrics monitor printed MLflow INFO lines in the middle of every run
+    ("Skip logging GPU metrics", started, stopping, terminated): noise the user cannot act on
+    (issue 12 item 10). It still samples: system/ metrics reach the run."""
+    code = ("import time\n"
+            "from registry import run, settings\n"
+            "from stages.tracking import FILES\n"
+            "c = settings.client()\n"
+            "run_id = c.create_run(settings.ensure_experiment(c, 'quiet')).info.run_id\n"
+            "pipeline_run = run.PipelineRun('key', run_id, 'quiet', FILES)\n"
+            "pipeline_run.start_system_metrics(sampling_interval=0.2)\n"
+            "time.sleep(2.0)\n"
+            "pipeline_run.stop_system_metrics()\n"
+            "print(sorted(k for k in c.get_run(run_id).data.metrics if k.startswith('system/')))\n")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120, cwd=tmp_path, env=env)
+    assert "system/cpu_utilization_percentage" in out.stdout, out.stdout + out.stderr
+    noise = [line for line in out.stderr.splitlines() if "mlflow.system_metrics" in line]
+    assert noise == [], noise
