@@ -77,3 +77,62 @@ class ShardBatches:
         batches = dataset.create_tuple_iterator(num_epochs=1, output_numpy=True)
         for _, (images, tokens) in zip(range(stop - start), batches, strict=False):
             yield images, tokens
+
+
+# ---- how batches reach the compiled step ----------------------------------------------------
+
+
+class HostFeed:
+    """Each micro-batch copied from the host when its step is launched (CPU, where MindSpore
+    sinks no data; and wherever `clipms.runtime`'s `data_sink` is off)."""
+
+    def __init__(self, step: Any, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> None:
+        import mindspore as ms
+
+        self.step, self.batches, self.to_tensor = step, batches, ms.Tensor
+
+    def __call__(self, apply: bool) -> Any:
+        images, tokens = next(self.batches)
+        return self.step(self.to_tensor(images), self.to_tensor(tokens), apply)
+
+
+class _Stream:
+    """`source.stream(start, stop)` as a sized iterable, the form `GeneratorDataset` accepts
+    without reading it through to count its rows."""
+
+    def __init__(self, source: BatchSource, start: int, stop: int) -> None:
+        self.source, self.start, self.stop = source, start, stop
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return iter(self.source.stream(self.start, self.stop))
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+
+def sink_dataset(source: BatchSource, start: int, stop: int) -> Any:
+    """Batches start..stop-1 of `source`, in order and unchanged, as a MindSpore dataset (what
+    `mindspore.data_sink` sends to the device queue)."""
+    from mindspore import dataset as ds
+
+    return ds.GeneratorDataset(_Stream(source, start, stop), ["images", "tokens"], shuffle=False)
+
+
+class SinkFeed:
+    """Micro-batches through MindSpore's device-side data queue (`mindspore.data_sink`, Ascend
+    and GPU only): the dataset engine sends them ahead while steps run, so launching a step copies
+    nothing. The wrapped function runs eagerly (no jit_config), so `apply` is read at every call
+    and accumulation works as with `HostFeed`; the step itself stays the compiled Cell."""
+
+    def __init__(self, step: Any, source: BatchSource, start: int, stop: int) -> None:
+        import mindspore as ms
+
+        self.step, self.apply = step, True
+        self.sink = ms.data_sink(self._run, sink_dataset(source, start, stop), sink_size=1)
+
+    def _run(self, images: Any, tokens: Any) -> Any:
+        return self.step(images, tokens, self.apply)
+
+    def __call__(self, apply: bool) -> Any:
+        self.apply = apply
+        return self.sink()

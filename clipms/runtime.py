@@ -31,6 +31,13 @@ used optimizations and automatic operator fusion" (the `mindspore.jit` docstring
 and `compile_cache_path`; https://www.mindspore.cn/docs/zh-CN/r2.10.0/api_python/env_var_list.html).
 Host blocking stays at MindSpore's default (off: multi-threaded dispatch), as MindSpore's Ascend
 performance checklist asks.
+
+Data sinking (Ascend and GPU, from MindSpore's documentation, not testable here): training batches
+reach the device through MindSpore's device-side data queue (`mindspore.data_sink`) instead of a
+host-to-device copy when each step is launched. `mindspore.data_sink` lists Ascend and GPU as its
+platforms and raises on any other device target (mindspore/train/data_sink.py of 2.10.0), and
+`Model.train` falls back to non-sink on CPU, so CPU always feeds from the host.
+`CLIPMS_DATA_SINK=0` turns sinking off for a process.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ log = logging.getLogger(__name__)
 FUSION_FLAGS = ("--opt_level=2 --enable_expand_ops=Erf,LayerNorm,LayerNormGrad "
                 "--disable_cluster_ops=MatMul,BatchMatMul,Cast")
 SWITCH = "CLIPMS_KERNEL_FUSION"
+SINK_SWITCH = "CLIPMS_DATA_SINK"
+DATA_SINK_DEVICES = ("Ascend", "GPU")  # mindspore.data_sink's "Supported Platforms"
 DEFAULT_JIT_LEVEL = {"Ascend": "O1"}  # elsewhere MindSpore's own default (O0)
 
 
@@ -87,6 +96,7 @@ class RuntimeSettings:
     mode: str
     jit_level: str | None  # None: leave MindSpore's default
     kernel_fusion: bool  # CPU graph-kernel fusion is on
+    data_sink: bool  # training batches go through MindSpore's device queue (mindspore.data_sink)
     import_env: dict[str, str] = field(default_factory=dict)  # needed before `import mindspore`
     env: dict[str, str] = field(default_factory=dict)  # needed before the first graph/launch
 
@@ -134,9 +144,9 @@ def settings_for(config: RuntimeConfig, environ: Mapping[str, str] | None = None
                  mindspore_dir: Path | None = None) -> RuntimeSettings:
     """The settings `config` asks for on its device; a pure function of its arguments.
 
-    `environ` (default: this process's) supplies the fusion switch, the cache location and the
-    user's own values, which win over computed ones; `mindspore_dir` is the installed package
-    (AKG's tiling repository lives in it)."""
+    `environ` (default: this process's) supplies the fusion and data-sink switches, the cache
+    location and the user's own values, which win over computed ones; `mindspore_dir` is the
+    installed package (AKG's tiling repository lives in it)."""
     environ = os.environ if environ is None else environ
     device = config.device_target
     fusion = device == "CPU" and config.kernel_fusion and environ.get(SWITCH, "1") != "0"
@@ -159,6 +169,7 @@ def settings_for(config: RuntimeConfig, environ: Mapping[str, str] | None = None
     return RuntimeSettings(
         device_target=device, device_id=config.device_id, mode=config.mode,
         jit_level=config.jit_level or DEFAULT_JIT_LEVEL.get(device), kernel_fusion=fusion,
+        data_sink=device in DATA_SINK_DEVICES and environ.get(SINK_SWITCH, "1") != "0",
         import_env={**import_env, **{k: v for k, v in keep.items() if k in import_env}},
         env={**env, **{k: v for k, v in keep.items() if k in env}})
 

@@ -3,12 +3,14 @@ never waits for the host.
 
 The step keeps its own counters on the device (optimizer step, AdamW update, the first non-finite
 step) and computes the learning rate and AdamW's bias correction from them, so the loop only
-launches steps. It reads results back every `log_every` steps, before every checkpoint and at the
-end: then the per-step rows (loss, grad norm, logit scale) of the steps since the last read are
-built, callbacks run, and a NaN/inf is reported at the exact step it happened, before anything of
-that step (or later) is saved. The data order is a function of (seed, epoch, batch index) and the
-checkpoint holds every bit of state, so a resumed run computes exactly the steps the interrupted
-one would have.
+launches steps. Batches reach it from the host (`HostFeed`) or, where the runtime's settings say
+`data_sink` (Ascend, GPU), through MindSpore's device queue (`SinkFeed`): same batches, same order.
+It reads results back every `log_every` steps, before every checkpoint and at the end: then the
+per-step rows (loss, grad norm, logit scale) of the steps since the last read are built, callbacks
+run, and a NaN/inf is reported at the exact step it happened, before anything of that step (or
+later) is saved. The data order is a function of (seed, epoch, batch index) and the checkpoint
+holds every bit of state, so a resumed run computes exactly the steps the interrupted one would
+have.
 
 A run's state is one object, `Training`: the config, the model, its step, the trainable
 parameters, the rank and the host's record of the steps.
@@ -20,7 +22,7 @@ import logging
 import math
 import resource
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,7 +31,7 @@ import numpy as np
 
 from clipms import checkpoint
 from clipms.atomic import atomic_write
-from clipms.batches import BatchSource, RandomBatches, ShardBatches
+from clipms.batches import BatchSource, HostFeed, RandomBatches, ShardBatches, SinkFeed
 from clipms.preprocess import PreprocessConfig
 from clipms.runtime import configure, for_precision
 from clipms.schedule import cosine_lr
@@ -80,10 +82,10 @@ class Training:
     model: Any  # clipms.model.CLIP
     step_cell: Any  # clipms.train_step.TrainStep
     trainable: list[tuple[str, Any]]  # (name relative to the model, Parameter)
-    to_tensor: Any  # mindspore.Tensor, bound once: nothing is imported per step
     rank: int = 0
     group_size: int = 1
     step: int = 0  # optimizer steps launched (the device's own count: step_cell.step)
+    data_sink: bool = False  # feed through mindspore.data_sink (clipms.runtime's settings)
     history: list[dict[str, float]] = field(default_factory=list)
 
     @classmethod
@@ -91,8 +93,6 @@ class Training:
               preprocess: PreprocessConfig | None = None, group_size: int = 1) -> Training:
         """The model and its compiled step for `cfg` (MindSpore's runtime must be configured;
         `train` does it). Benchmarks and tests use this directly."""
-        import mindspore as ms
-
         from clipms.model import CLIP, to_mixed_precision
 
         model = CLIP(cfg.model)
@@ -110,7 +110,7 @@ class Training:
         preprocess = preprocess or PreprocessConfig(image_size=cfg.model.vision.image_size)
         step_cell = _build_step(cfg, model, trainable, total_steps, preprocess,
                                 group_size if distributed else 1)
-        return cls(cfg, model, step_cell, trainable, ms.Tensor, group_size=group_size)
+        return cls(cfg, model, step_cell, trainable, group_size=group_size)
 
     @property
     def fingerprint(self) -> str:
@@ -119,15 +119,19 @@ class Training:
         base = self.cfg.fingerprint()
         return base if self.group_size == 1 else f"{base}x{self.group_size}"
 
-    def launch(self, batches: Iterator, per_epoch: int) -> Launched:
+    def feed(self, source: BatchSource, total: int) -> HostFeed | SinkFeed:
+        """What launches a micro-batch of the remaining steps (from `self.step` to `total`)."""
+        start, stop = self.step * self.cfg.accum_steps, total * self.cfg.accum_steps
+        if self.data_sink:
+            return SinkFeed(self.step_cell, source, start, stop)
+        return HostFeed(self.step_cell, iter(source.stream(start, stop)))
+
+    def launch(self, feed: HostFeed | SinkFeed, per_epoch: int) -> Launched:
         """Queue one optimizer step (accum_steps micro-batches); reads nothing back."""
         epoch = self.step * self.cfg.accum_steps // per_epoch
         losses = []
         for micro in range(self.cfg.accum_steps):
-            images, tokens = next(batches)
-            apply = micro == self.cfg.accum_steps - 1
-            loss, norm, _, scale = self.step_cell(self.to_tensor(images), self.to_tensor(tokens),
-                                                  apply)
+            loss, norm, _, scale = feed(micro == self.cfg.accum_steps - 1)
             losses.append(loss)
         self.step += 1
         return Launched(self.step, epoch, losses, norm, scale)
@@ -211,14 +215,14 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
     have run (msrun): gradients are averaged, features all-gathered, and only rank 0 writes.
     `preprocess` gives the mean/std the step normalises uint8 pixels with (default OpenAI's).
     """
-    rank, group_size = setup_runtime(cfg, distributed)
+    rank, group_size, data_sink = setup_runtime(cfg, distributed)
     per_epoch = source.batches_per_epoch  # batches (micro-batches) per epoch
     total = cfg.max_steps or (cfg.epochs * per_epoch) // cfg.accum_steps
     if total < 1:
         raise ValueError(f"{per_epoch} batches per epoch x {cfg.epochs} epochs is fewer than "
                          f"accum_steps={cfg.accum_steps}: not one optimizer step")
     run = Training.build(cfg, total, distributed, preprocess, group_size)
-    run.rank = rank
+    run.rank, run.data_sink = rank, data_sink
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if ckpt_dir is not None:
         run.resume_or_start(ckpt_dir, resume)
@@ -259,12 +263,12 @@ def _loop(run: Training, source: BatchSource, total: int,
     due; returns (samples, seconds) timed after the first step (graph compilation)."""
     cfg, per_epoch = run.cfg, source.batches_per_epoch
     accum = cfg.accum_steps
-    batches = iter(source.stream(run.step * accum, total * accum))
+    feed = run.feed(source, total)
     pending: list[Launched] = []
     first, samples, seconds = True, 0, 0.0
     tick = time.perf_counter()
     while run.step < total:
-        pending.append(run.launch(batches, per_epoch))
+        pending.append(run.launch(feed, per_epoch))
         save = writer is not None and (run.step % cfg.checkpoint_every == 0 or run.step == total)
         if first or save or run.step % cfg.log_every == 0 or run.step == total:
             rows = run.read(pending, total, time.perf_counter() - tick)  # waits for the device
@@ -309,14 +313,14 @@ def save_model(model: Any, path: Path | str) -> None:
 # setup
 
 
-def setup_runtime(cfg: TrainConfig, distributed: bool) -> tuple[int, int]:
+def setup_runtime(cfg: TrainConfig, distributed: bool) -> tuple[int, int, bool]:
     """Device, mode, kernel fusion (clipms.runtime) and seed for `cfg`, before any graph
-    compiles; returns (rank, group size)."""
-    configure(for_precision(cfg.runtime, cfg.precision))
+    compiles; returns (rank, group size, whether batches are sunk to the device)."""
+    settings = configure(for_precision(cfg.runtime, cfg.precision))
     import mindspore as ms
 
     ms.set_seed(cfg.seed)  # same seed on every rank: identical initial weights
-    return init_distributed() if distributed else (0, 1)
+    return (*(init_distributed() if distributed else (0, 1)), settings.data_sink)
 
 
 _DISTRIBUTED: tuple[int, int] | None = None

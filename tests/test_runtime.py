@@ -17,6 +17,7 @@ import pytest
 
 from clipms.runtime import (
     FUSION_FLAGS,
+    SINK_SWITCH,
     SWITCH,
     RuntimeConfig,
     configure,
@@ -60,6 +61,15 @@ def test_ascend_settings_select_o1_and_the_compile_cache_and_no_cpu_tuning():
     assert gpu.jit_level is None and not set(CPU_TUNING) & set({**gpu.import_env, **gpu.env})
 
 
+def test_data_sinking_is_selected_on_ascend_and_gpu_only_and_its_switch_turns_it_off():
+    sink = {device: settings_for(RuntimeConfig(device_target=device), HOME, MS_DIR).data_sink
+            for device in ("CPU", "GPU", "Ascend")}
+    assert sink == {"CPU": False, "GPU": True, "Ascend": True}  # mindspore.data_sink's platforms
+    off = {**HOME, SINK_SWITCH: "0"}
+    assert not settings_for(RuntimeConfig(device_target="Ascend"), off, MS_DIR).data_sink
+    assert not settings_for(RuntimeConfig(), {**HOME, SINK_SWITCH: "1"}, MS_DIR).data_sink
+
+
 def test_the_switch_the_cache_variable_and_the_users_own_values_win():
     environ = {**HOME, SWITCH: "0"}
     assert not settings_for(RuntimeConfig(), environ, MS_DIR).kernel_fusion
@@ -101,6 +111,7 @@ def test_the_command_line_prints_the_settings_of_a_device():
                          capture_output=True, text=True, check=True, cwd=PROJECT_ROOT).stdout
     printed = json.loads(out)
     assert printed["jit_level"] == "O1" and printed["env"]["MS_COMPILER_CACHE_ENABLE"] == "1"
+    assert printed["data_sink"] is True
 
 
 def test_a_process_cannot_switch_devices():

@@ -12,6 +12,7 @@ import pytest
 from mindspore import Parameter, Tensor, nn
 
 from clipms import checkpoint, schedule
+from clipms.batches import HostFeed, sink_dataset
 from clipms.config import CLIPConfig, TextConfig, VisionConfig
 from clipms.model import CLIP
 from clipms.runtime import RuntimeConfig
@@ -192,3 +193,24 @@ def test_the_fingerprint_covers_every_setting_but_the_cadence_ones():
         assert cfg.model_copy(update=update).fingerprint() != cfg.fingerprint()
     assert cfg.model_copy(update={"runtime": RuntimeConfig(device_id=3)}).fingerprint() == (
         cfg.fingerprint())  # which device of the host: the same weights
+
+
+def test_the_sink_dataset_holds_the_streams_batches_unchanged_in_order_from_any_start():
+    source = RandomBatches(MICRO, 4, 6, seed=3)
+    dataset = sink_dataset(source, 5, 9)  # a resumed run's remaining batches, across an epoch
+    assert dataset.get_dataset_size() == 4
+    got = list(dataset.create_tuple_iterator(num_epochs=1, output_numpy=True))
+    want = list(source.stream(5, 9))
+    assert len(got) == len(want) == 4
+    for (images, tokens), (want_images, want_tokens) in zip(got, want, strict=True):
+        assert (images.dtype, tokens.dtype) == (np.uint8, np.int32)  # uint8 to the device
+        np.testing.assert_array_equal(images, want_images)
+        np.testing.assert_array_equal(tokens, want_tokens)
+
+
+def test_mindspore_sinks_no_data_on_cpu_so_the_cpu_loop_feeds_from_the_host():
+    # The reason clipms.runtime selects data_sink on Ascend/GPU only: on CPU MindSpore refuses it.
+    with pytest.raises(ValueError, match="supports ascend or gpu"):
+        ms.data_sink(lambda images, tokens: images, sink_dataset(RandomBatches(MICRO, 4, 2), 0, 2))
+    run = Training.build(TrainConfig(model=MICRO, batch_size=4, max_steps=2), 2)
+    assert not run.data_sink and isinstance(run.feed(RandomBatches(MICRO, 4, 2), 2), HostFeed)
