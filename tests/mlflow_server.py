@@ -9,11 +9,8 @@ name in a test module) so that every module that needs a server shares one.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,14 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from tests import processes
+from tests.processes import free_port
+
 STARTUP_TIMEOUT_S = 120.0  # ~12 s on an idle 2-core machine; much longer while 8 jobs share it
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -74,44 +67,21 @@ class MlflowServer:
         env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"])
         env.pop("MLFLOW_TRACKING_URI", None)
         env.update(self.environment())
-        with open(self.log, "ab") as log:
-            # A new session so that stop() can end uvicorn and any worker it forks.
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
+        # A new session so that stop() can end uvicorn and any worker it forks.
+        self.proc = processes.spawn(self.command(), self.log, env=env)
         try:
-            self._wait_healthy(timeout)
+            processes.wait_until(processes.http_ok(f"{self.uri}/health"), self.proc,
+                                 "mlflow server", self.log, timeout)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if http_get(f"{self.uri}/health", timeout=2)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"mlflow server not healthy after {timeout:.0f} s:\n{self.tail()}")
-
     def stop(self) -> None:
         """End the server and everything it started; safe to call twice."""
-        if self.proc is None or self.proc.poll() is not None:
-            self.proc = None
-            return
-        pgid = os.getpgid(self.proc.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            # Graceful shutdown often takes >10 s here (open keep-alive connections); the test
-            # data is disposable, so do not wait long for it.
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.proc.wait(timeout=15)
+        # Graceful shutdown often takes >10 s here (open keep-alive connections); the test
+        # data is disposable, so do not wait long for it.
+        processes.stop(self.proc, timeout=5)
         self.proc = None
 
     def restart(self) -> None:
@@ -120,7 +90,7 @@ class MlflowServer:
         self.start()
 
     def tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+        return processes.tail(self.log, chars)
 
     def __enter__(self) -> MlflowServer:
         return self.start()

@@ -26,10 +26,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from tests.mlflow_server import MlflowServer, free_port
+from tests import processes
+from tests.mlflow_server import MlflowServer
+from tests.processes import free_port
 
 STARTUP_TIMEOUT_S = 60.0
 UNPRIVILEGED_USER = "nobody"  # who runs PostgreSQL when the tests run as root
@@ -105,30 +106,22 @@ class PostgresServer:
         cmd = [str(bin_dir() / "postgres"), "-D", str(self.data), "-h", "127.0.0.1",
                "-p", str(self.port), "-k", str(self.root), "-c", "fsync=off",
                "-c", "max_connections=50"]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
-                                         start_new_session=True, **self._run_as)  # type: ignore[arg-type]
+        self.proc = processes.spawn(cmd, self.log, cwd=self.root, **self._run_as)
         try:
-            self._wait_ready(timeout)
+            processes.wait_until(self._accepts, self.proc, "postgres", self.log, timeout,
+                                 interval=0.3)
             self._create_database()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"postgres exited {self.proc.returncode}:\n{self.tail()}")
-            ready = subprocess.run([str(bin_dir() / "pg_isready"), "-h", "127.0.0.1", "-p",
-                                    str(self.port), "-U", "postgres", "-t", "2"],
-                                   capture_output=True, timeout=30,
-                                   env={**os.environ, **self.client_env()})
-            if ready.returncode == 0:
-                return
-            time.sleep(0.3)
-        raise TimeoutError(f"postgres not ready after {timeout:.0f} s:\n{self.tail()}")
+    def _accepts(self) -> bool:
+        ready = subprocess.run([str(bin_dir() / "pg_isready"), "-h", "127.0.0.1", "-p",
+                                str(self.port), "-U", "postgres", "-t", "2"],
+                               capture_output=True, timeout=30,
+                               env={**os.environ, **self.client_env()})
+        return ready.returncode == 0
 
     def _create_database(self) -> None:
         exists = self.sql(f"SELECT 1 FROM pg_database WHERE datname = '{self.database}'",
@@ -148,15 +141,7 @@ class PostgresServer:
 
     def stop(self) -> None:
         """Fast shutdown (SIGINT: roll back open transactions, end sessions); safe to call twice."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=15)
+        processes.stop(self.proc, signal.SIGINT, timeout=30)
         self.proc = None
 
     def restart(self) -> None:
@@ -170,7 +155,7 @@ class PostgresServer:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+        return processes.tail(self.log, chars)
 
 
 class MlflowOnPostgres(MlflowServer):

@@ -9,17 +9,15 @@ shape; fusion changes the speed of the same graphs, not what the service does.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.mlflow_server import free_port
+from tests import processes
+from tests.processes import free_port
 from tests.workspace import tool_env
 
 STARTUP_TIMEOUT_S = 300.0
@@ -42,44 +40,21 @@ class ServingServer:
     def start(self, timeout: float = STARTUP_TIMEOUT_S) -> ServingServer:
         cmd = [sys.executable, "-m", "serving", "--host", "127.0.0.1", "--port", str(self.port),
                *self.args]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         cwd=self.root, start_new_session=True)
+        self.proc = processes.spawn(cmd, self.log, env=self.env, cwd=self.root)
         try:
-            self._wait_ready(timeout)
+            processes.wait_until(processes.http_ok(f"{self.url}/readyz"), self.proc, "service",
+                                 self.log, timeout, chars=4000)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"service exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if request(f"{self.url}/readyz", timeout=2)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"service not ready after {timeout:.0f} s:\n{self.tail()}")
-
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            self.proc = None
-            return
-        pgid = os.getpgid(self.proc.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.proc.wait(timeout=15)
+        processes.stop(self.proc)
         self.proc = None
 
     def tail(self, chars: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+        return processes.tail(self.log, chars)
 
     def __enter__(self) -> ServingServer:
         return self.start()
