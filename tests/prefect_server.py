@@ -10,33 +10,28 @@ they do not exit in time. A loopback webhook receiver records failure notices.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
-import socket
 import subprocess
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self, TypeVar
 
 import pytest
 
+from tests import processes
+from tests.processes import free_port
 from tests.workspace import make_workspace, tool_env
 
 POOL = "clipms"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+Stack = TypeVar("Stack", bound="PrefectStack")
 
 
 class WebhookReceiver:
@@ -76,10 +71,9 @@ class PrefectStack:
     env: dict[str, str]
     webhook: WebhookReceiver
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    log_files: list[Any] = field(default_factory=list)
 
     @classmethod
-    def start(cls, workspace: Path, home: Path) -> PrefectStack:
+    def start(cls, workspace: Path, home: Path) -> Self:
         port = free_port()
         api_url = f"http://127.0.0.1:{port}/api"
         webhook = WebhookReceiver()
@@ -107,25 +101,13 @@ class PrefectStack:
         return stack
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
-        log = (self.home / f"{name}.log").open("wb")
-        self.log_files.append(log)
         # Own process group: stop() can end the process and its children (uvicorn, flow runs).
-        self.procs[name] = subprocess.Popen(cmd, cwd=self.workspace, env=self.env, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = processes.spawn(cmd, self.home / f"{name}.log", mode="wb",
+                                           cwd=self.workspace, env=self.env)
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.procs["server"].poll() is not None:
-                raise RuntimeError(f"prefect server exited:\n{self.log('server')[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"prefect server not healthy in {timeout} s:\n{self.log('server')}")
+        processes.wait_until(processes.http_ok(f"{self.api_url}/health"), self.procs["server"],
+                             "prefect server", self.home / "server.log", timeout)
 
     def log(self, name: str) -> str:
         path = self.home / f"{name}.log"
@@ -205,36 +187,29 @@ class PrefectStack:
     def stop(self) -> None:
         """Stop the worker, then the server; kill their process groups if they linger."""
         for name in ("worker", "server"):
-            proc = self.procs.get(name)
-            if proc is None:
-                continue
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-                try:
-                    proc.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
-            _kill_group(proc.pid)  # children left behind (uvicorn, a flow run subprocess)
+            # SIGINT: a worker ignores its first SIGTERM. The sweep: children left behind
+            # (uvicorn, a flow run subprocess).
+            processes.stop(self.procs.get(name), signal.SIGINT, timeout=20, kill_timeout=10,
+                           sweep=True)
         self.webhook.stop()
-        for log in self.log_files:
-            log.close()
 
 
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
+@contextmanager
+def deployed(root: Path, stack_type: type[Stack], **start: Any) -> Iterator[Stack]:
+    """`stack_type.start(workspace, home, **start)` on a new tiny synthetic workspace and an empty
+    PREFECT_HOME under `root`; stopped on exit."""
+    workspace = make_workspace(root / "workspace")
+    home = root / "prefect-home"
+    home.mkdir()
+    stack = stack_type.start(workspace, home, **start)
+    try:
+        yield stack
+    finally:
+        stack.stop()
 
 
 @pytest.fixture(scope="session")
 def prefect_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
     """One tiny synthetic workspace deployed to one real server with one worker, per session."""
-    root = tmp_path_factory.mktemp("prefect-stack")
-    workspace = make_workspace(root / "workspace")
-    home = root / "prefect-home"
-    home.mkdir()
-    stack = PrefectStack.start(workspace, home)
-    try:
+    with deployed(tmp_path_factory.mktemp("prefect-stack"), PrefectStack) as stack:
         yield stack
-    finally:
-        stack.stop()

@@ -10,13 +10,14 @@ would over several machines. `stop()` ends the extra workers too. `start_server(
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.prefect_server import POOL, PrefectStack, WebhookReceiver, free_port
+from tests import processes
+from tests.prefect_server import POOL, PrefectStack, WebhookReceiver
+from tests.processes import free_port
 from tests.workspace import tool_env
 
 WORKER_LIMIT = 1  # flow runs a worker runs at once
@@ -48,13 +49,7 @@ class MultiWorkerStack(PrefectStack):
     @staticmethod
     def _end(proc: subprocess.Popen[bytes]) -> None:
         """SIGINT (a worker ignores its first SIGTERM), then SIGKILL of its process group."""
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        processes.stop(proc, signal.SIGINT, timeout=20, kill_timeout=10)
 
     def stop(self) -> None:
         for name in [n for n in self.procs if n.startswith("worker-")]:
