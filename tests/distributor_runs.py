@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from clipms import webds
+from tests import processes
 from tests.image_site import Site, images_parquet, run_stage, write_params
+from tests.processes import free_port
 
 # Shard 1 (samples_per_shard 3) holds these; the other URLs are answered by shards 0 and 2.
 SHARD_1_REQUESTS = ["/good/3.jpg", "/good/4.jpg", "/good/5.jpg"]
@@ -71,12 +72,6 @@ def resume_after_losing_shard_1(folder: Path, site: Site, env: dict[str, str] | 
 LOOPBACK_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def ray_head(temp: Path, env: dict[str, str], timeout: float = 180) -> Iterator[str]:
     """`ray start --head --block` in its own process group (stopped by signalling that group,
@@ -85,20 +80,12 @@ def ray_head(temp: Path, env: dict[str, str], timeout: float = 180) -> Iterator[
     must stay under the 107-character limit."""
     port = free_port()
     ray = Path(sys.executable).with_name("ray")
-    head = subprocess.Popen(
+    head = processes.spawn(
         [str(ray), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
          "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--disable-usage-stats",
-         f"--temp-dir={temp}"], env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:  # ready when the GCS port answers
-            assert head.poll() is None, "ray start exited"
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert time.monotonic() < deadline, "the Ray head did not come up"
-            time.sleep(0.5)
+         f"--temp-dir={temp}"], None, env=env)
+    try:  # ready when the GCS port answers
+        processes.wait_until(processes.port_open(port), head, "ray start", None, timeout)
         yield f"127.0.0.1:{port}"
     finally:
         _stop_group(head)

@@ -13,8 +13,6 @@ import base64
 import io
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -25,8 +23,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests import processes
 from tests.hostile_images import EPS, encoded, png_bomb, png_header_bomb
-from tests.mlflow_server import free_port, http_get
+from tests.mlflow_server import http_get
+from tests.processes import free_port
 
 pytestmark = pytest.mark.slow
 MODEL = "clip-hostile"
@@ -71,35 +71,16 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     env = dict(os.environ, MLFLOW_TRACKING_URI=uri, PATH=bin_dir + os.pathsep + os.environ["PATH"],
                CLIPMS_SERVE_MAX_ROWS=str(MAX_ROWS), CLIPMS_SERVE_MAX_BYTES=str(MAX_BYTES))
     log_path = root / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [f"{bin_dir}/mlflow", "models", "serve", "-m", f"models:/{MODEL}/1", "--env-manager",
-             "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
+    proc = processes.spawn(
+        [f"{bin_dir}/mlflow", "models", "serve", "-m", f"models:/{MODEL}/1", "--env-manager",
+         "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        log_path, mode="wb", env=env, cwd=root)
     try:
-        wait_until_up(f"http://127.0.0.1:{port}/ping", proc, log_path, timeout=300)
+        processes.wait_until(processes.http_ok(f"http://127.0.0.1:{port}/ping"), proc,
+                             "mlflow models serve", log_path, timeout=300, interval=1)
         yield f"http://127.0.0.1:{port}", root, bundle
     finally:
-        os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
-            proc.wait(timeout=20)
-
-
-def wait_until_up(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if http_get(url, timeout=2)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"{url} not answering after {timeout} s:\n{log.read_text()[-3000:]}")
+        processes.stop(proc, timeout=20, kill_timeout=20)
 
 
 def invoke(url: str, columns: list[str], rows: list[list]) -> tuple[int, dict, float]:

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import shutil
-import signal
-import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from tests import processes
+from tests.processes import free_port
 
 ELEMENT = "element-6066-11e4-a52e-4f735466cecf"  # the W3C key of an element reference
 CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -33,13 +33,10 @@ class Browser:
         driver, chromium = shutil.which("chromedriver"), shutil.which("chromium")
         if not driver or not chromium:
             raise RuntimeError(f"headless Chromium is needed: {INSTALL_HINT}")
-        from tests.mlflow_server import free_port
-
         self.port = free_port()
         self.profile = tempfile.mkdtemp(prefix="clipms-chromium-")
-        self.proc = subprocess.Popen([driver, f"--port={self.port}", "--allowed-ips=127.0.0.1"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.proc = processes.spawn([driver, f"--port={self.port}", "--allowed-ips=127.0.0.1"],
+                                    None)
         try:
             self._wait_driver()
             args = [*CHROMIUM_FLAGS, f"--user-data-dir={self.profile}",
@@ -53,14 +50,11 @@ class Browser:
             raise
 
     def _wait_driver(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                self._call("GET", "/status")
-                return
-            except OSError:
-                time.sleep(0.2)
-        raise TimeoutError("chromedriver did not start")
+        def answers() -> bool:
+            self._call("GET", "/status")
+            return True
+
+        processes.wait_until(answers, self.proc, "chromedriver", None, timeout, interval=0.2)
 
     def _call(self, method: str, path: str, body: Any = None) -> Any:
         data = json.dumps(body if body is not None else {}).encode() if method == "POST" else None
@@ -113,13 +107,7 @@ class Browser:
         Path(path).write_bytes(base64.b64decode(self._session("GET", "/screenshot")))
 
     def _end_driver(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(os.getpgid(self.proc.pid), signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        processes.stop(self.proc, timeout=10, kill_timeout=10)
         shutil.rmtree(self.profile, ignore_errors=True)
 
     def quit(self) -> None:
