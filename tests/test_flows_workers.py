@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from flows.pipeline import lock_name
+from tests.prefect_server import deployed
 from tests.prefect_workers import MultiWorkerStack
 from tests.workspace import make_workspace
 
@@ -26,15 +27,9 @@ PARAMS = {"stages": ["metadata"], "force": True}  # a real stage run, a few seco
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiWorkerStack]:
-    root = tmp_path_factory.mktemp("two-workers")
-    workspace = make_workspace(root / "workspace")
-    home = root / "prefect-home"
-    home.mkdir()
-    stack = MultiWorkerStack.start(workspace, home, WORKERS)
-    try:
+    with deployed(tmp_path_factory.mktemp("two-workers"), MultiWorkerStack,
+                  names=WORKERS) as stack:
         yield stack
-    finally:
-        stack.stop()
 
 
 def locked_interval(stack: MultiWorkerStack, run_id: str) -> tuple[datetime, datetime]:
