@@ -60,16 +60,18 @@ class Page:
     scroll_to: str = ""  # a table column to scroll to before the picture
 
 
-def pages(base: str, model: str, experiment_id: str, versions: Sequence[Any],
+def pages(base: str, model: str, experiment: Any, versions: Sequence[Any],
           aliases: dict[str, list[str]], metric: str) -> list[Page]:
-    """The registry page and the experiment's Models view of `versions` (two, usually)."""
+    """The registry page and the experiment's Models view of `versions` (two, usually). The
+    Models view must show the experiment's name: its header loads after the table."""
     shown = [f"@ {alias}" for v in versions for alias in aliases.get(str(v.version), [])]
     return [
         Page("mlflow-registry.png", f"{base}/#/models/{quote(model)}",
              (model, *(f"Version {v.version}" for v in versions), *shown)),
         Page("mlflow-compare.png",
-             f"{base}/#/experiments/{experiment_id}/models?{MODEL_TRAINING_VIEW}",
-             ("Registered models", metric, *(f"{model}\nv{v.version}" for v in versions)),
+             f"{base}/#/experiments/{experiment.experiment_id}/models?{MODEL_TRAINING_VIEW}",
+             (experiment.name, "Registered models", metric,
+              *(f"{model}\nv{v.version}" for v in versions)),
              scroll_to="Registered models"),
     ]
 
@@ -124,11 +126,12 @@ def take(mlflow_client: Any, base: str, model: str, metric: str, out_dir: Path,
     aliases: dict[str, list[str]] = {}
     for alias, version in (mlflow_client.get_registered_model(model).aliases or {}).items():
         aliases.setdefault(str(version), []).append(alias)
-    experiment_id = mlflow_client.get_run(chosen[-1].run_id).info.experiment_id
+    experiment = mlflow_client.get_experiment(
+        mlflow_client.get_run(chosen[-1].run_id).info.experiment_id)
     out_dir.mkdir(parents=True, exist_ok=True)
     with Browser(window=window) as browser:
         return [shoot(browser, page, out_dir)
-                for page in pages(base, model, experiment_id, chosen, aliases, metric)]
+                for page in pages(base, model, experiment, chosen, aliases, metric)]
 
 
 def main(argv: list[str] | None = None) -> int:
