@@ -6,16 +6,20 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pandas as pd
 import yaml
 from PIL import Image
+
+from tests import processes
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SLOW_SECONDS = 2.5       # the slow URL answers after this; the download timeout is 1 s
@@ -125,6 +129,20 @@ def run_stage(name: str, cwd: Path, check: bool = True,
         raise AssertionError(f"stage {name} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-4000:]}")
     return proc
+
+
+def kill_download_in_shard_1(folder: Path, site: Site, env: dict[str, str],
+                             shard_0_done: Callable[[], bool], interval: float = 0.2) -> None:
+    """Run the download stage in `folder` until shard 0 is done (`shard_0_done()`) and shard 1 is
+    fetching (`site` was asked for a /stall/ URL), then SIGKILL the stage and every worker it
+    spawned (its process group)."""
+    stage = processes.spawn([sys.executable, "-m", "stages.download"], None, cwd=folder, env=env)
+    try:
+        processes.wait_until(
+            lambda: shard_0_done() and any(r.startswith("/stall/") for r in site.requests),
+            stage, "the download stage (before shard 1)", None, timeout=180, interval=interval)
+    finally:
+        processes.stop(stage, signal.SIGKILL, timeout=30, sweep=True)
 
 
 def write_params(folder: Path, **download: object) -> None:

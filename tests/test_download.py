@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,7 +27,15 @@ from clipms.prep.download import (
     read_parquet,
 )
 from clipms.prep.urlguard import FetchPolicy
-from tests.image_site import COLOURS, Site, jpeg, run_stage, stage_env, write_params
+from tests.image_site import (
+    COLOURS,
+    Site,
+    jpeg,
+    kill_download_in_shard_1,
+    run_stage,
+    stage_env,
+    write_params,
+)
 
 LOCAL_COLOUR = (255, 0, 255)  # the local file only: magenta never appears in a served image
 
@@ -183,18 +187,8 @@ def test_killed_download_resumes_only_unfinished_shards(tmp_path):
                                "caption": "a caption", "captions": [["a caption"]] * 6,
                                "split": "train", "labels": None})
         images.to_parquet(tmp_path / "data/images.parquet", index=False)
-        stage = subprocess.Popen([sys.executable, "-m", "stages.download"], cwd=tmp_path,
-                                 env=stage_env(), stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 180
-            while not (out / "00000_stats.json").is_file() or not any(
-                    r.startswith("/stall/") for r in site.requests):
-                assert stage.poll() is None and time.monotonic() < deadline, "never reached shard 1"
-                time.sleep(0.1)
-        finally:
-            os.killpg(stage.pid, signal.SIGKILL)  # the stage and every worker it spawned
-            stage.wait(timeout=30)
+        kill_download_in_shard_1(tmp_path, site, stage_env(),
+                                 lambda: (out / "00000_stats.json").is_file(), interval=0.1)
         site.stall.set()  # from now on the stalled URLs answer at once
         assert not (out / "00001_stats.json").exists()
         finished = (out / "00000.tar").stat().st_mtime_ns

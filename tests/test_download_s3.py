@@ -7,13 +7,8 @@ write there too, a lost shard then refetched by a local Ray (issue 11.1)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +18,14 @@ from clipms import webds
 from clipms.prep.download import FINGERPRINT_FILE, DownloadError, prepare_output
 from clipms.prep.remote import POINTER_FILE
 from tests.distributor_runs import SHARD_1_REQUESTS, samples_of, site_urls
-from tests.image_site import Site, images_parquet, run_stage, stage_env, write_params
+from tests.image_site import (
+    Site,
+    images_parquet,
+    kill_download_in_shard_1,
+    run_stage,
+    stage_env,
+    write_params,
+)
 
 pytest.importorskip("s3fs", reason="the `distributed` extra is not installed")
 moto_server = pytest.importorskip("moto.server", reason="the `dev` extra is not installed")
@@ -92,18 +94,8 @@ def test_a_download_killed_mid_shard_resumes_on_the_bucket(tmp_path, s3):
         urls = [f"{site.base}/good/{i}.jpg" for i in range(6)]
         urls[2:4] = [f"{site.base}/stall/{i}.jpg" for i in (2, 3)]  # shard 1 stalls
         images_parquet(tmp_path, urls)
-        stage = subprocess.Popen([sys.executable, "-m", "stages.download"], cwd=tmp_path,
-                                 env=env, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 180
-            while not fs.exists(f"{prefix}/00000_stats.json") or not any(
-                    r.startswith("/stall/") for r in site.requests):
-                assert stage.poll() is None and time.monotonic() < deadline, "never reached shard 1"
-                time.sleep(0.2)
-        finally:
-            os.killpg(stage.pid, signal.SIGKILL)  # the stage and every worker it spawned
-            stage.wait(timeout=30)
+        kill_download_in_shard_1(tmp_path, site, env,
+                                 lambda: fs.exists(f"{prefix}/00000_stats.json"))
         site.stall.set()  # from now on the stalled URLs answer at once
         assert not fs.exists(f"{prefix}/00001_stats.json")
         assert not (tmp_path / "data/download" / POINTER_FILE).exists()  # no shards claimed
