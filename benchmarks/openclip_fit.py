@@ -56,6 +56,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--wd-rule", choices=("openclip", "embeddings"), default="openclip")
     parser.add_argument("--grad-clip-norm", type=float, default=None)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dump-init", type=Path, help="write the seed's initial weights to this "
+                        ".safetensors and exit (for `quality_vs_openclip.py run --init openclip`)")
     return parser.parse_args()
 
 
@@ -129,6 +131,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model = open_clip.model.CLIP(**json.loads(args.model_config.read_text()))
+    if args.dump_init:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(args.dump_init))
+        return
     tokenizer = Tokenizer.load(args.tokenizer)
     preprocess = PreprocessConfig(image_size=model.visual.image_size[0])
     epochs = -(-args.steps // steps_per_epoch(args.shards, args.batch_size))

@@ -74,6 +74,9 @@ def _parse() -> argparse.Namespace:
     run.add_argument("--wd", type=float, default=0.2)
     run.add_argument("--wd-rule", choices=("openclip", "embeddings"), default="openclip")
     run.add_argument("--grad-clip-norm", type=float, default=1.0)
+    run.add_argument("--init", choices=("own", "openclip"), default="own",
+                     help="--side ours: openclip = start from open_clip's initial weights for the "
+                     "seed (converted by clipms.convert; needs --peer-python), to isolate init")
     run.add_argument("--peer-python", help="--side openclip: the python of a venv with "
                      "torch + open_clip_torch (see benchmarks/openclip_fit.py)")
     table = sub.add_parser("table", help="markdown table of WORK/results.jsonl")
@@ -153,7 +156,8 @@ def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     config = TrainConfig(model=cfg, batch_size=args.batch_size, max_steps=args.steps,
                          lr=args.lr, warmup_steps=args.warmup, weight_decay=args.wd,
                          grad_clip_norm=args.grad_clip_norm or None, seed=args.seed,
-                         decay_embeddings=args.wd_rule == "openclip", log_every=20)
+                         decay_embeddings=args.wd_rule == "openclip", log_every=20,
+                         init_from=openclip_init(args) if args.init == "openclip" else None)
     preprocess = PreprocessConfig(image_size=cfg.vision.image_size)
     shards = args.work / "data/shards"
     source = ShardBatches(shards, tokenizer, preprocess, args.batch_size, seed=args.seed)
@@ -165,6 +169,27 @@ def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
              "text_to_image": val.text_to_image},
             {"side": "ours", "final_loss": result.summary["final_loss"],
              "train_s": round(train_s, 1), "peak_rss_mb": result.summary.get("peak_rss_mb")})
+
+
+def openclip_init(args: argparse.Namespace) -> str:
+    """open_clip's initial weights for the seed (the peer's own init), as a clipms checkpoint."""
+    from clipms import convert
+
+    cfg, _ = model_config(args)
+    run_dir = args.work / "runs"
+    run_dir.mkdir(exist_ok=True)
+    config_path = run_dir / f"openclip-{args.preset}.json"
+    config_path.write_text(json.dumps(cfg.to_openclip()))
+    weights = run_dir / f"openclip-init-{args.preset}-seed{args.seed}.safetensors"
+    subprocess.run([args.peer_python, str(ROOT / "benchmarks/openclip_fit.py"),
+                    "--shards", str(args.work / "data/shards"),
+                    "--tokenizer", str(args.work / "models/tokenizer.json"),
+                    "--model-config", str(config_path), "--out", "unused.npz",
+                    "--seed", str(args.seed), "--dump-init", str(weights)], check=True)
+    out = weights.with_suffix(".ckpt")
+    convert.main(["from-openclip", "--config", str(config_path), "--weights", str(weights),
+                  "--out", str(out)])
+    return str(out)
 
 
 def train_peer(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -202,7 +227,8 @@ def run(args: argparse.Namespace) -> None:
                                       features["text_to_image"])
     counts = [int(c) for c in np.bincount(features["text_to_image"])]
     chance = metrics.retrieval_chance_levels(counts)
-    record = {**facts, "seed": args.seed, "wd_rule": args.wd_rule, "steps": args.steps,
+    record = {**facts, "seed": args.seed, "wd_rule": args.wd_rule, "init": args.init,
+              "steps": args.steps,
               "batch_size": args.batch_size, "lr": args.lr, "warmup": args.warmup,
               "wd": args.wd, "grad_clip_norm": args.grad_clip_norm, "preset": args.preset,
               "val_images": len(counts), "val_captions": sum(counts),
@@ -223,6 +249,8 @@ def table(args: argparse.Namespace) -> None:
     groups: dict[tuple, dict[str, dict[int, dict]]] = {}
     for row in rows:  # the last run of each (setting, side, seed) counts
         key = (row["preset"], row["wd_rule"], row["steps"], row["lr"], row["batch_size"])
+        if row.get("init", "own") != "own":  # a setting of its own, on our side
+            key = (key[0], f"{key[1]}, init {row['init']}", *key[2:])
         groups.setdefault(key, {}).setdefault(row["side"], {})[row["seed"]] = row
     for (preset, rule, steps, lr, batch), sides in sorted(groups.items()):
         paired = sorted(set(sides.get("ours", {})) & set(sides.get("open_clip", {})))
