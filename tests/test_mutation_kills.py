@@ -1,8 +1,9 @@
 """Edges of the critical modules that `make mutation` found untested (issue 14.10).
 
 Each test names the mutants it kills (mutmut's names, `mutmut show <name>` prints the diff;
-benchmarks/RESULTS.md lists the mutants left alive and why). Fast: no MindSpore, no process, only
-a loopback HTTP server for the URL guard.
+benchmarks/RESULTS.md lists the mutants left alive and why). Fast: no process; loopback HTTP(S)
+servers for the URL guard, a SQLite MLflow store for the gate, MindSpore only for the export parity
+(a micro model's bundle) and the checkpoint tests.
 """
 
 from __future__ import annotations
@@ -228,6 +229,72 @@ def test_the_timeout_reaches_the_checked_https_socket():
         assert time.monotonic() - started < 30
 
 
+def _self_signed_certificate(folder) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 (and its key) as PEM files: the TLS test servers'
+    own CA, made by the test with `cryptography` (pinned in the dev extra)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "clipms test site")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName([
+                x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = folder / "site.pem", folder / "site.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)
+
+
+@pytest.fixture(scope="module")
+def tls_site(tmp_path_factory):
+    """The `site` files over HTTPS on 127.0.0.1 (its certificate: `tls_site.ca`)."""
+    import ssl
+
+    cert, key = _self_signed_certificate(tmp_path_factory.mktemp("tls"))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    body = bytes(range(256)) * (LIMIT // 256)
+    served = Site(files={"/limit.bin": body, "/over.bin": body + b"!"},
+                  unsized={"/unsized/over.bin": body + b"!"})
+    served.server.socket = context.wrap_socket(served.server.socket, server_side=True)
+    served.base, served.ca = served.base.replace("http://", "https://"), cert
+    with served:
+        yield served
+
+
+def test_an_https_body_is_bounded_like_an_http_one(tls_site, monkeypatch):
+    """xǁ_CheckedHTTPSHandlerǁhttps_open__mutmut_2/4 (the HTTPS response not bounded by
+    `max_bytes`: an https URL could send an unbounded body). A real TLS server on 127.0.0.1
+    with a certificate the test made, trusted through SSL_CERT_FILE as a user's own CA is."""
+    monkeypatch.setenv("SSL_CERT_FILE", tls_site.ca)
+    policy = FetchPolicy(allow_private_addresses=True, max_bytes=LIMIT)
+    with opened(policy, tls_site.base + "/limit.bin") as response:
+        assert response.read() == bytes(range(256)) * (LIMIT // 256)
+    sized = refusal_of(policy, tls_site.base + "/over.bin")
+    assert sized.reason == "too_large"
+    assert f"/over.bin: Content-Length {LIMIT + 1} is over the limit of {LIMIT} bytes" in str(sized)
+    unsized = refusal_of(policy, tls_site.base + "/unsized/over.bin", 1000)
+    assert unsized.reason == "too_large"
+    assert f"/unsized/over.bin: body over the limit of {LIMIT} bytes" in str(unsized)
+    monkeypatch.delenv("SSL_CERT_FILE")  # and the certificate is really checked
+    with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):
+        opened(policy, tls_site.base + "/limit.bin")
+
+
 def test_redirect_http_to_https_is_an_upgrade_not_a_scheme_change(site):
     """xǁ_CheckedRedirectHandlerǁredirect_request__mutmut_9..13: http -> https is followed to the
     address check (0.0.0.0 is refused: private; it would only reach this machine anyway), _6: a
@@ -346,6 +413,33 @@ def test_candidate_from_version_reads_the_metric_and_digest_tags():
     assert candidate_from_version(version({}), "i2t_R@5") == Candidate("7", None, None)
 
 
+def test_a_version_without_the_metric_tag_is_read_from_its_logged_model(tmp_path, monkeypatch):
+    """x_candidate_from_version__mutmut_12..21 (the fallback for a version registered while another
+    metric was primary: no client, the wrong model, the wrong key, or the tag overwritten). A real
+    MLflow SQLite store in tmp_path, the version registered as register_version registers it."""
+    from mlflow import MlflowClient
+
+    from registry.gate import Candidate, candidate_from_version
+    from registry.registration import link_metrics
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the registry resolves models:/ through it
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    experiment = client.create_experiment("gate", artifact_location=(tmp_path / "art").as_uri())
+    run_id = client.create_run(experiment).info.run_id
+    model = client.create_logged_model(experiment, source_run_id=run_id, name="clip")
+    link_metrics(client, run_id, model.model_id, {"i2t_R@5": 0.25, "t2i_R@5": 0.5})
+    client.create_registered_model("clip")
+    version = client.create_model_version(
+        "clip", source=f"models:/{model.model_id}", run_id=run_id,
+        tags={"lineage.val_digest": DIGEST, "metric.t2i_R_at_5": "0.75"})  # t2i was primary
+    assert candidate_from_version(version, "i2t_R@5", client) == Candidate("1", 0.25, DIGEST)
+    # the tag is the gate's input: the logged model's 0.5 does not replace it
+    assert candidate_from_version(version, "t2i_R@5", client) == Candidate("1", 0.75, DIGEST)
+    assert candidate_from_version(version, "i2t_R@5") == Candidate("1", None, DIGEST)
+    assert candidate_from_version(version, "i2t_R@10", client) == Candidate("1", None, DIGEST)
+
+
 # ---------------------------------------------------------------- params
 
 
@@ -425,3 +519,129 @@ def test_each_params_file_problem_has_its_own_message(tmp_path):
         validate_section("needs", Needs, {"name": 3})
     assert str(err.value) == ("params: invalid 'needs' params:\n  needs.size: required but "
                               "missing\n  needs.name = 3: Input should be a valid string")
+
+
+# ---------------------------------------------------------------- export: the parity decision
+
+
+def test_parity_errors_are_the_max_raw_and_max_normalised_differences():
+    """clipms.export.x__errors__mutmut_* : which difference, which norm (per row, with the floor
+    that keeps an all-zero row finite). Row 2's norm is under 1: a floor of 1 would change it."""
+    import numpy as np
+
+    from clipms.export import _errors
+
+    got = np.array([[0.6, 0.8], [0.0, 0.0], [0.03, 0.04]], np.float32)
+    want = np.array([[0.0, 2.0], [0.0, 0.0], [0.04, -0.03]], np.float32)
+    errors = _errors(got, want)
+    assert list(errors) == ["max_abs_error", "max_abs_error_normalized"]
+    assert errors["max_abs_error"] == pytest.approx(1.2, rel=1e-6)  # row 0: |0.8 - 2.0|
+    assert errors["max_abs_error_normalized"] == pytest.approx(1.4, rel=1e-6)  # row 2: |0.8+0.6|
+
+
+def test_parity_failures_name_each_tower_and_batch_size_over_the_tolerance():
+    """x_assert_parity__mutmut_* : only the gate metric's per-batch keys count (not the other
+    metric, not the max over batches), an error equal to the tolerance passes, the message."""
+    from clipms.export import ParityError, assert_parity
+
+    report = {"precision": "fp16", "gate_metric": "max_abs_error_normalized", "tolerance": 2e-3,
+              "batch_sizes": [1, 4], "image_max_abs_error_normalized_b1": 2e-3,
+              "image_max_abs_error_normalized_b4": 0.0125, "image_max_abs_error_b1": 0.5,
+              "image_max_abs_error_normalized": 0.0125, "text_max_abs_error_normalized_b1": 1e-3,
+              "text_max_abs_error_normalized_b4": 0.25, "passed": False}
+    with pytest.raises(ParityError) as err:
+        assert_parity(report)
+    assert str(err.value) == (
+        "exported fp16 MindIR differs from the checkpoint beyond tolerance 0.002: "
+        "image_max_abs_error_normalized_b4 = 0.0125, text_max_abs_error_normalized_b4 = 0.25")
+    assert_parity({**report, "image_max_abs_error_normalized_b4": 2e-3,
+                   "text_max_abs_error_normalized_b4": 0.0})  # at the tolerance: passes
+
+
+def test_parity_inputs_are_cycled_up_to_the_batch_size():
+    """x__cycle_rows__mutmut_1..3."""
+    import numpy as np
+
+    from clipms.export import _cycle_rows
+
+    rows = np.arange(6).reshape(3, 2)
+    assert _cycle_rows(rows, 5).tolist() == [[0, 1], [2, 3], [4, 5], [0, 1], [2, 3]]
+    assert _cycle_rows(rows, 2).tolist() == [[0, 1], [2, 3]]
+
+
+def _micro_clip(seed: int, embed_dim: int = 16):
+    import mindspore as ms
+
+    from clipms.config import CLIPConfig, TextConfig, VisionConfig
+    from clipms.model import CLIP
+
+    ms.set_seed(seed)
+    return CLIP(CLIPConfig(
+        embed_dim=embed_dim,
+        vision=VisionConfig(image_size=16, patch_size=8, width=32, layers=1, head_width=16),
+        text=TextConfig(context_length=8, vocab_size=40, width=32, heads=2, layers=1)))
+
+
+@pytest.fixture(scope="module")
+def micro_bundle(tmp_path_factory):
+    """A real MindIR bundle of a micro CLIP (seed 0), and inputs for its parity check."""
+    import numpy as np
+
+    import clipms  # noqa: F401  (MindSpore's environment first)
+    from clipms.export import export_bundle
+    from clipms.preprocess import PreprocessConfig
+
+    root = tmp_path_factory.mktemp("micro-export")
+    (root / "tokenizer.json").write_text("{}")  # copied into the bundle, not read
+    export_bundle(_micro_clip(0), PreprocessConfig(image_size=16), root / "tokenizer.json",
+                  root / "bundle")
+    rng = np.random.default_rng(0)
+    return (root / "bundle", rng.normal(size=(2, 3, 16, 16)).astype(np.float32),
+            rng.integers(1, 40, size=(2, 8)).astype(np.int32))
+
+
+def test_parity_report_passes_its_own_checkpoint_and_fails_another(micro_bundle):
+    """x_parity_report__mutmut_* : the report's keys and values (per tower, per batch size, the
+    max over batch sizes), the bar of each precision, `passed` over both towers (all, <=), the
+    empty-input and wrong-shape errors. Same weights and kernels: the fp32 errors are 0.0."""
+    from clipms.export import ParityError, parity_report
+
+    bundle, images, tokens = micro_bundle
+    same = parity_report(_micro_clip(0), bundle, images, tokens, (1, 3), tolerance=0.0)
+    metrics = ("max_abs_error", "max_abs_error_normalized")
+    assert list(same) == ["precision", "gate_metric", "tolerance", "batch_sizes", *(
+        f"{tower}_{m}{b}" for tower in ("image", "text")
+        for b in ("_b1", "_b3", "") for m in metrics), "passed"]
+    assert (same["precision"], same["gate_metric"], same["tolerance"], same["batch_sizes"],
+            same["passed"]) == ("fp32", "max_abs_error", 0.0, [1, 3], True)
+    assert {v for k, v in same.items() if k.endswith(metrics + ("_b1", "_b3"))} == {0.0}
+
+    other = parity_report(_micro_clip(1), bundle, images, tokens, (1, 3))
+    assert (other["tolerance"], other["passed"]) == (1e-5, False)
+    for tower in ("image", "text"):
+        for m in metrics:
+            b1, b3 = other[f"{tower}_{m}_b1"], other[f"{tower}_{m}_b3"]
+            assert 0.1 < b1 <= b3 and other[f"{tower}_{m}"] == b3  # batch 3 adds the second row
+    assert other["image_max_abs_error_b3"] > other["image_max_abs_error_b1"] + 0.1  # the max
+    raw = sorted((other["image_max_abs_error"], other["text_max_abs_error"]))
+    between = parity_report(_micro_clip(1), bundle, images, tokens, (1, 3),
+                            tolerance=sum(raw) / 2)
+    assert between["passed"] is False  # one tower within, the other not: fails
+    assert parity_report(_micro_clip(1), bundle, images, tokens, (3,),
+                         tolerance=raw[1] * 1.01)["passed"] is True
+    fp16 = parity_report(_micro_clip(1), bundle, images, tokens, (1, 3), precision="fp16")
+    assert (fp16["gate_metric"], fp16["tolerance"]) == ("max_abs_error_normalized", 2e-3)
+    # the fp16 bar is on the normalised errors (under 1 here; the raw ones are over 2)
+    normalised = max(other["image_max_abs_error_normalized"],
+                     other["text_max_abs_error_normalized"])
+    assert parity_report(_micro_clip(1), bundle, images, tokens, (1, 3), precision="fp16",
+                         tolerance=normalised * 1.01)["passed"] is True
+
+    with pytest.raises(ValueError, match="needs at least one image and one caption"):
+        parity_report(_micro_clip(0), bundle, images[:0], tokens, (1,))
+    with pytest.raises(ValueError, match="needs at least one image and one caption"):
+        parity_report(_micro_clip(0), bundle, images, tokens[:0], (1,))
+    with pytest.raises(ParityError) as err:
+        parity_report(_micro_clip(0, embed_dim=8), bundle, images, tokens, (1,))
+    assert str(err.value) == ("image encoder: MindIR output float32(1, 16) != checkpoint output "
+                              "float32(1, 8) at batch size 1")
