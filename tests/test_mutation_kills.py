@@ -609,6 +609,50 @@ def test_retrieval_chance_levels_of_one_image_and_bad_counts():
         assert str(err.value) == "captions_per_image: expected a non-empty list of counts >= 1"
 
 
+def test_retrieval_refuses_non_positive_ks_and_names_each_bad_input():
+    """x__check_ks__mutmut_4/9 (ks of 0 let through: an R@0 of 0), x_retrieval_metrics__mutmut_
+    28/38/39 (the caption index error names images), _53 (a bad chunk's message),
+    x_l2_normalize__mutmut_1/2/10 (the default name, the shape message)."""
+    import numpy as np
+
+    from clipms.metrics import MetricsInputError, l2_normalize, retrieval_metrics
+
+    images, texts = np.eye(2, dtype=np.float32), np.eye(2, dtype=np.float32)
+    for ks in ((), (1, 0)):
+        with pytest.raises(MetricsInputError) as err:
+            retrieval_metrics(images, texts, np.array([0, 1]), ks=ks)
+        assert str(err.value) == f"ks: expected positive integers, got {ks}"
+    with pytest.raises(MetricsInputError) as err:
+        retrieval_metrics(images, texts, np.array([0, 2]))
+    assert str(err.value) == "text_to_image: entries [1] are outside [0, 2) (the number of images)"
+    with pytest.raises(MetricsInputError) as err:
+        retrieval_metrics(images, texts, np.array([0, 1]), chunk=0)
+    assert str(err.value) == "chunk: expected a positive integer, got 0"
+    with pytest.raises(MetricsInputError) as err:
+        l2_normalize(np.ones(3))
+    assert str(err.value) == "features: expected a 2-D array (rows, dim), got shape (3,)"
+
+
+def test_l2_normalize_returns_float32_and_takes_one_dimension():
+    """x_l2_normalize__mutmut_5/7 (float64 in, float64 out: the documented float32 lost), _17 (a
+    one-dimensional embedding refused as empty)."""
+    import numpy as np
+
+    from clipms.metrics import l2_normalize
+
+    unit = l2_normalize(np.array([[3.0, 4.0]], dtype=np.float64))
+    assert unit.dtype == np.float32 and unit.tolist() == [[0.6000000238418579, 0.800000011920929]]
+    assert l2_normalize(np.array([[2.0], [-3.0]])).tolist() == [[1.0], [-1.0]]
+
+
+def test_chance_map_of_one_image_with_two_captions_is_one():
+    """x_retrieval_chance_levels__mutmut_72 (max(M - 1, 2): wrong whenever M = 2): two captions,
+    both relevant, so every random order has AP 1."""
+    from clipms.metrics import retrieval_chance_levels
+
+    assert retrieval_chance_levels([2], ks=(1,))["mAP@10"] == 1.0
+
+
 def test_build_prompts_names_what_is_empty():
     """x_build_prompts__mutmut_3/6/7/8 (the messages of an empty class or template list)."""
     from clipms.metrics import MetricsInputError, build_prompts
