@@ -228,3 +228,37 @@ def test_decompression_bombs_and_other_formats_are_bad_samples_by_reason(tmp_pat
     dropped = {reason: n for reason, n in metrics["dropped"].items() if n}
     assert dropped == {"too_large": 2, "undecodable_image": 1}
     assert metrics["samples_out"] == 2
+
+
+def test_jpeg_bytes_are_copied_other_formats_converted_and_the_caption_file_is_a_fallback(
+        tmp_path):
+    """Mutants `make mutation` found alive (issue 14.10): a decoded JPEG re-encoded instead of
+    copied (x__validate__mutmut_15/18/19), an RGBA PNG not converted to RGB first (it cannot be
+    saved as JPEG: x__to_jpeg__mutmut_8) or at another quality (_7/_13), the .txt caption of a
+    sample whose json has none ignored (x__validate__mutmut_34), a corrupt tar's reason lost
+    (x_scan_tar__mutmut_9/10)."""
+    src = tmp_path / "download"
+    src.mkdir()
+    jpeg = noisy_jpeg()
+    rgba = io.BytesIO()
+    Image.new("RGBA", (48, 40), (10, 200, 30, 128)).save(rgba, format="PNG")
+    no_json_captions = {**meta(3, captions=[]), "captions": None}
+    write_tar(src / "00000.tar", [
+        {"__key__": "000000001", "jpg": jpeg, "json": json.dumps(meta(1))},
+        {"__key__": "000000002", "png": rgba.getvalue(), "json": json.dumps(meta(2, "val"))},
+        {"__key__": "000000003", "jpg": image_bytes(), "txt": "the caption file",
+         "json": json.dumps(no_json_captions)}])
+    (src / "00001.tar").write_bytes(b"not a tar at all" * 64)
+    metrics = build_shards(src, tmp_path / "shards", ShardSettings(workers=1), quiet)
+    out = read_output(tmp_path / "shards")
+    assert out[f"{1:016x}"]["jpg"] == jpeg  # byte for byte, never re-encoded
+    expected = io.BytesIO()
+    Image.open(io.BytesIO(rgba.getvalue())).convert("RGB").save(expected, format="JPEG",
+                                                               quality=95)
+    assert out[f"{2:016x}"]["jpg"] == expected.getvalue()
+    assert out[f"{3:016x}"]["txt"] == b"the caption file"
+    assert out[f"{3:016x}"]["json"]["captions"] == ["the caption file"]
+    assert metrics["samples_out"] == 3 and not any(metrics["dropped"].values())
+    (corrupt,) = metrics["corrupt_input_shards"]
+    assert corrupt.startswith("00001.tar: ") and str(src) not in corrupt
+    assert "None" not in corrupt and len(corrupt) > len("00001.tar: ") + 5
