@@ -235,8 +235,9 @@ def test_jpeg_bytes_are_copied_other_formats_converted_and_the_caption_file_is_a
     """Mutants `make mutation` found alive (issue 14.10): a decoded JPEG re-encoded instead of
     copied (x__validate__mutmut_15/18/19), an RGBA PNG not converted to RGB first (it cannot be
     saved as JPEG: x__to_jpeg__mutmut_8) or at another quality (_7/_13), the .txt caption of a
-    sample whose json has none ignored (x__validate__mutmut_34), a corrupt tar's reason lost
-    (x_scan_tar__mutmut_9/10)."""
+    sample whose json has none ignored (x__validate__mutmut_34), the output json's fields and
+    labels (_47.._53, _66.._68 and on), labels that are not JSON (_55/_56), a corrupt tar's reason
+    lost (x_scan_tar__mutmut_9/10)."""
     src = tmp_path / "download"
     src.mkdir()
     jpeg = noisy_jpeg()
@@ -247,7 +248,11 @@ def test_jpeg_bytes_are_copied_other_formats_converted_and_the_caption_file_is_a
         {"__key__": "000000001", "jpg": jpeg, "json": json.dumps(meta(1))},
         {"__key__": "000000002", "png": rgba.getvalue(), "json": json.dumps(meta(2, "val"))},
         {"__key__": "000000003", "jpg": image_bytes(), "txt": "the caption file",
-         "json": json.dumps(no_json_captions)}])
+         "json": json.dumps(no_json_captions)},
+        {"__key__": "000000004", "jpg": image_bytes(),
+         "json": json.dumps({**meta(4), "labels": {"colour": "red"}})},  # a dict, not a string
+        {"__key__": "000000005", "jpg": image_bytes(),
+         "json": json.dumps({**meta(5), "labels": "{not json"})}])
     (src / "00001.tar").write_bytes(b"not a tar at all" * 64)
     metrics = build_shards(src, tmp_path / "shards", ShardSettings(workers=1), quiet)
     out = read_output(tmp_path / "shards")
@@ -258,7 +263,13 @@ def test_jpeg_bytes_are_copied_other_formats_converted_and_the_caption_file_is_a
     assert out[f"{2:016x}"]["jpg"] == expected.getvalue()
     assert out[f"{3:016x}"]["txt"] == b"the caption file"
     assert out[f"{3:016x}"]["json"]["captions"] == ["the caption file"]
-    assert metrics["samples_out"] == 3 and not any(metrics["dropped"].values())
+    assert out[f"{1:016x}"]["json"] == {
+        "captions": ["caption 1", "second caption 1"], "url": "http://x/1.jpg",
+        "key": f"{1:016x}", "split": "train", "labels": {"shape": "circle"}}
+    assert out[f"{1:016x}"]["txt"] == b"caption 1"
+    assert out[f"{4:016x}"]["json"]["labels"] == {"colour": "red"}
+    assert metrics["samples_out"] == 4
+    assert {k: v for k, v in metrics["dropped"].items() if v} == {"bad_metadata": 1}
     (corrupt,) = metrics["corrupt_input_shards"]
     assert corrupt.startswith("00001.tar: ") and str(src) not in corrupt
     assert "None" not in corrupt and len(corrupt) > len("00001.tar: ") + 5
