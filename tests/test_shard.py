@@ -235,9 +235,9 @@ def test_jpeg_bytes_are_copied_other_formats_converted_and_the_caption_file_is_a
     """Mutants `make mutation` found alive (issue 14.10): a decoded JPEG re-encoded instead of
     copied (x__validate__mutmut_15/18/19), an RGBA PNG not converted to RGB first (it cannot be
     saved as JPEG: x__to_jpeg__mutmut_8) or at another quality (_7/_13), the .txt caption of a
-    sample whose json has none ignored (x__validate__mutmut_34), the output json's fields and
-    labels (_47.._53, _66.._68 and on), labels that are not JSON (_55/_56), a corrupt tar's reason
-    lost (x_scan_tar__mutmut_9/10)."""
+    sample whose json has none ignored (x__validate__mutmut_34, x__captions__mutmut_7/10/11),
+    the output json's fields and labels (x__validate__mutmut_47.._53, _66.._78, _101), labels
+    that are not JSON (_55/_56), a corrupt tar's reason lost (x_scan_tar__mutmut_9/10)."""
     src = tmp_path / "download"
     src.mkdir()
     jpeg = noisy_jpeg()
@@ -245,7 +245,8 @@ def test_jpeg_bytes_are_copied_other_formats_converted_and_the_caption_file_is_a
     Image.new("RGBA", (48, 40), (10, 200, 30, 128)).save(rgba, format="PNG")
     no_json_captions = {**meta(3, captions=[]), "captions": None}
     write_tar(src / "00000.tar", [
-        {"__key__": "000000001", "jpg": jpeg, "json": json.dumps(meta(1))},
+        {"__key__": "000000001", "jpg": jpeg, "txt": "what img2dataset wrote",
+         "json": json.dumps(meta(1))},  # the json's captions win over the caption file
         {"__key__": "000000002", "png": rgba.getvalue(), "json": json.dumps(meta(2, "val"))},
         {"__key__": "000000003", "jpg": image_bytes(), "txt": "the caption file",
          "json": json.dumps(no_json_captions)},
