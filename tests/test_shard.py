@@ -237,7 +237,8 @@ def test_jpeg_bytes_are_copied_other_formats_converted_and_the_caption_file_is_a
     saved as JPEG: x__to_jpeg__mutmut_8) or at another quality (_7/_13), the .txt caption of a
     sample whose json has none ignored (x__validate__mutmut_34, x__captions__mutmut_7/10/11),
     the output json's fields and labels (x__validate__mutmut_47.._53, _66.._78, _101), labels
-    that are not JSON (_55/_56), a corrupt tar's reason lost (x_scan_tar__mutmut_9/10)."""
+    that are not JSON (_55/_56), a corrupt tar's reason lost (x_scan_tar__mutmut_9/10), a
+    second duplicate not counted (x__collect__mutmut_31)."""
     src = tmp_path / "download"
     src.mkdir()
     jpeg = noisy_jpeg()
@@ -255,6 +256,7 @@ def test_jpeg_bytes_are_copied_other_formats_converted_and_the_caption_file_is_a
         {"__key__": "000000005", "jpg": image_bytes(),
          "json": json.dumps({**meta(5), "labels": "{not json"})}])
     (src / "00001.tar").write_bytes(b"not a tar at all" * 64)
+    write_tar(src / "00002.tar", [good(1), good(4)])  # two keys already seen: two duplicates
     metrics = build_shards(src, tmp_path / "shards", ShardSettings(workers=1), quiet)
     out = read_output(tmp_path / "shards")
     assert out[f"{1:016x}"]["jpg"] == jpeg  # byte for byte, never re-encoded
@@ -270,7 +272,27 @@ def test_jpeg_bytes_are_copied_other_formats_converted_and_the_caption_file_is_a
     assert out[f"{1:016x}"]["txt"] == b"caption 1"
     assert out[f"{4:016x}"]["json"]["labels"] == {"colour": "red"}
     assert metrics["samples_out"] == 4
-    assert {k: v for k, v in metrics["dropped"].items() if v} == {"bad_metadata": 1}
+    assert {k: v for k, v in metrics["dropped"].items() if v} == {"bad_metadata": 1,
+                                                                 "duplicate_key": 2}
     (corrupt,) = metrics["corrupt_input_shards"]
     assert corrupt.startswith("00001.tar: ") and str(src) not in corrupt
     assert "None" not in corrupt and len(corrupt) > len("00001.tar: ") + 5
+
+
+def test_the_summary_names_drops_corrupt_tars_and_the_rate():
+    """x_summary__mutmut_* (the stage's closing line: what was dropped, which tars were skipped,
+    the rate, also for a run shorter than a second or of no measurable time)."""
+    from clipms.prep.shards import summary
+
+    metrics = {"samples_in": 1500, "input_shards": 3, "dropped": {"too_small": 1, "bad_key": 0,
+                                                                  "no_caption": 2000},
+               "corrupt_input_shards": ["00001.tar: truncated", "00002.tar: empty"],
+               "train": {"samples": 1200, "shards": 3}, "val": {"samples": 299, "shards": 1}}
+    assert summary(metrics, 0.5) == (
+        "shard: 1,500 samples from 3 input tar(s) checked in 0.5 s (~3,000 samples/s) -> 1,200 "
+        "train samples in 3 shard(s), 299 val samples in 1 shard(s). Dropped: too_small 1, "
+        "no_caption 2,000. Corrupt input tars skipped: 00001.tar: truncated; 00002.tar: empty.")
+    clean = {**metrics, "dropped": {"too_small": 0}, "corrupt_input_shards": []}
+    assert summary(clean, 0.0).endswith(
+        "checked in 0.0 s (~0 samples/s) -> 1,200 train samples in 3 shard(s), 299 val samples "
+        "in 1 shard(s). Dropped: none. Corrupt input tars skipped: none.")
