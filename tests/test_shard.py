@@ -257,8 +257,14 @@ def test_jpeg_bytes_are_copied_other_formats_converted_and_the_caption_file_is_a
          "json": json.dumps({**meta(5), "labels": "{not json"})}])
     (src / "00001.tar").write_bytes(b"not a tar at all" * 64)
     write_tar(src / "00002.tar", [good(1), good(4)])  # two keys already seen: two duplicates
-    metrics = build_shards(src, tmp_path / "shards", ShardSettings(workers=1), quiet)
-    out = read_output(tmp_path / "shards")
+    shards = tmp_path / "not" / "yet" / "shards"  # parents made (x_build_shards__mutmut_22/23)
+    build_shards(src, shards, ShardSettings(workers=1), quiet)
+    (shards / "train" / "stale.tar").write_bytes(b"from an older run")
+    metrics = build_shards(src, shards, ShardSettings(workers=1), quiet)  # a rerun replaces (_21)
+    assert not (shards / "train" / "stale.tar").exists()
+    assert {split: sorted(metrics[split]) for split in ("train", "val")} == {  # _79/_80
+        "train": ["bytes", "samples", "shards"], "val": ["bytes", "samples", "shards"]}
+    out = read_output(shards)
     assert out[f"{1:016x}"]["jpg"] == jpeg  # byte for byte, never re-encoded
     expected = io.BytesIO()
     Image.open(io.BytesIO(rgba.getvalue())).convert("RGB").save(expected, format="JPEG",
