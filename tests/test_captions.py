@@ -304,3 +304,38 @@ def test_dedupe_stage_stops_when_nothing_useful_is_left(tmp_path):
                               env=stage_env(), capture_output=True, text=True, timeout=120)
         assert proc.returncode == 1 and message in proc.stderr, proc.stderr
         assert not (tmp_path / "data/images.parquet").exists()  # nothing written
+
+
+def test_nothing_left_names_what_removed_the_rows_and_the_summary_adds_up():
+    """Mutants `make mutation` found alive (issue 14.10): the "no image left" error's list of
+    removal reasons (x_check_usable__mutmut_4/5/7/10/11), the stage's closing summary, which no
+    fast test read (x_summary__mutmut_*), and the index of the public normalising helpers
+    (x_normalise_captions__mutmut_2, x_comparison_keys__mutmut_2)."""
+    from clipms.prep.captions import summary
+
+    stats = dedupe(frame([("ftp://x/1", "a caption"), ("http://x/2.jpg", "tiny"),
+                          ("", "no url at all")]), HTTP, log=quiet).stats
+    with pytest.raises(MetadataError) as err:
+        check_usable(stats)
+    assert str(err.value) == ("no image left after dedupe (3 caption rows in; rows removed: "
+                              "missing_url 1, disallowed_scheme 1, short_caption 1); check the "
+                              "metadata and download.allowed_schemes")
+    with pytest.raises(MetadataError, match=r"rows removed: none\)"):
+        check_usable({**stats, "removed": dict.fromkeys(stats["removed"], 0)})
+
+    result = dedupe(frame([(f"http://x/{i}.jpg", f"caption number {i}") for i in range(1200)]
+                          + [("http://x/0.jpg", "caption number 0"),
+                             ("http://y/0.jpg", "another host, same path")]), HTTP, log=quiet)
+    s = result.stats
+    assert summary(s, 2.25) == (
+        f"dedupe: 1,202 caption rows for 1,201 images in 2.2 s -> 1,200 images "
+        f"({s['train_images']:,} train, {s['val_images']:,} val) with 1,200 captions. Removed "
+        f"rows: exact_duplicate 1; 1 images removed (1 of them copies of an image already kept, "
+        f"by identity).")
+    assert s["train_images"] > 1000 and s["val_images"] > 10
+    clean = {**s, "removed": dict.fromkeys(s["removed"], 0)}
+    assert "Removed rows: nothing; " in summary(clean, 0.0)
+
+    index = pd.Index([7, 3])
+    assert normalise_captions(pd.Series(["A  b", "c"], index=index)).index.equals(index)
+    assert comparison_keys(pd.Series(["A b!", "c"], index=index)).index.equals(index)
