@@ -339,3 +339,22 @@ def test_nothing_left_names_what_removed_the_rows_and_the_summary_adds_up():
     index = pd.Index([7, 3])
     assert normalise_captions(pd.Series(["A  b", "c"], index=index)).index.equals(index)
     assert comparison_keys(pd.Series(["A b!", "c"], index=index)).index.equals(index)
+
+
+def test_a_split_column_decides_the_split_and_a_caption_of_exactly_the_minimum_is_kept():
+    """x_dedupe__mutmut_131..133 (the SPLIT column of a split file ignored: splits by hash
+    instead), x_dedupe__mutmut_77 (`<` became `<=`: a caption of exactly min_caption_chars
+    dropped)."""
+    rows = [(f"http://x/{i}.jpg", f"caption {i}") for i in range(40)]
+    given = pd.DataFrame(rows, columns=["URL", "TEXT"]).assign(
+        SPLIT=["val" if i % 4 == 0 else "train" for i in range(40)])
+    images = dedupe(given, HTTP, log=quiet).images
+    by_url = dict(zip(images["url"], images["split"], strict=True))
+    assert by_url == {f"http://x/{i}.jpg": "val" if i % 4 == 0 else "train" for i in range(40)}
+    with pytest.raises(MetadataError, match=r"SPLIT column: every image needs 'train' or 'val', "
+                                            r"found \['test'\]"):
+        dedupe(given.assign(SPLIT="test"), HTTP, log=quiet)
+    kept = dedupe(frame([("http://x/1.jpg", "12345"), ("http://x/2.jpg", "1234")]), HTTP,
+                  min_caption_chars=5, log=quiet)
+    assert kept.images["caption"].tolist() == ["12345"]
+    assert kept.stats["removed"]["short_caption"] == 1
