@@ -315,6 +315,7 @@ def test_nothing_left_names_what_removed_the_rows_and_the_summary_adds_up():
 
     stats = dedupe(frame([("ftp://x/1", "a caption"), ("http://x/2.jpg", "tiny"),
                           ("", "no url at all")]), HTTP, log=quiet).stats
+    assert stats["captions_kept"] == 0  # x__stats__mutmut_32
     with pytest.raises(MetadataError) as err:
         check_usable(stats)
     assert str(err.value) == ("no image left after dedupe (3 caption rows in; rows removed: "
@@ -351,6 +352,8 @@ def test_a_split_column_decides_the_split_and_a_caption_of_exactly_the_minimum_i
     images = dedupe(given, HTTP, log=quiet).images
     by_url = dict(zip(images["url"], images["split"], strict=True))
     assert by_url == {f"http://x/{i}.jpg": "val" if i % 4 == 0 else "train" for i in range(40)}
+    table = dedupe(pa.Table.from_pandas(given), HTTP, log=quiet).images  # as the stage reads it
+    assert dict(zip(table["url"], table["split"], strict=True)) == by_url  # x__optional__mutmut_2
     with pytest.raises(MetadataError, match=r"SPLIT column: every image needs 'train' or 'val', "
                                             r"found \['test'\]"):
         dedupe(given.assign(SPLIT="test"), HTTP, log=quiet)
@@ -372,3 +375,17 @@ def test_many_images_with_few_distinct_captions_lose_nothing_and_keep_caption_or
     images = dedupe(frame(interleaved), HTTP, log=quiet).images
     assert [list(c) for c in images["captions"]] == [
         [f"caption number {i:03d}" for i in range(start, 200, 2)] for start in (0, 1)]
+
+
+def test_numeric_captions_and_struct_labels_become_text():
+    """x__strings__mutmut_* and x__column__mutmut_4..9 (a caption column that is not all strings,
+    from pandas or an Arrow table, is stringified, not refused or cast wrongly), x__labels__mutmut_
+    4/6/7/21..24 (an Arrow struct LABELS column becomes JSON with sorted keys)."""
+    mixed = pd.DataFrame({"URL": ["http://x/1.jpg", "http://x/2.jpg"],
+                          "TEXT": [12345678, "a caption"]})
+    assert dedupe(mixed, HTTP, log=quiet).images["caption"].tolist() == ["12345678", "a caption"]
+    table = pa.table({"URL": ["http://x/1.jpg", "http://x/2.jpg"], "TEXT": [123456, 7654321],
+                      "LABELS": [{"shape": "circle", "colour": "red"}, None]})
+    images = dedupe(table, HTTP, log=quiet).images
+    assert images["caption"].tolist() == ["123456", "7654321"]
+    assert images["labels"].tolist() == ['{"colour": "red", "shape": "circle"}', None]
