@@ -140,3 +140,54 @@ def test_tokenizer_stage_with_dvc(tmp_path: Path) -> None:
     set_params(ws / "params.yaml", {"tokenizer.kind": "wordpiece"})
     bad = run(["dvc", "repro", "--single-item", "tokenizer"], cwd=ws, check=False)
     assert bad.returncode != 0 and "tokenizer.kind = 'wordpiece'" in bad.stdout + bad.stderr
+
+
+def test_edges_make_mutation_found(openai: Tokenizer, tmp_path: Path) -> None:
+    """Mutants `make mutation` found alive (issue 14.10; mutmut names): the saved file's fields
+    (xǁTokenizerǁto_dict 3/4/9-20, __init__ 15/16), openai's defaults (openai 1/12/23/24), the
+    shortest context (__init__ 1-3), the trained size and the frequency threshold (train 1/2/11/16/
+    32), padding and broken bytes in decode (decode 12-14/39/42/43), the error messages of a
+    missing key, bad JSON and a bad merges file (from_dict 10/18, load 6/8/10/11,
+    _read_openai_merges 39/45)."""
+    from clipms.tokenizer import MIN_TRAINED_VOCAB, OPENAI_NUM_MERGES, byte_to_unicode
+
+    default = Tokenizer.openai()
+    assert (default.context_length, default.kind, default.pad_id) == (77, "openai", 0)
+    saved = {k: v for k, v in default.to_dict().items() if k != "tokenizers"}
+    assert saved == {"format": "clipms.tokenizer", "version": 1, "kind": "openai",
+                     "context_length": 77, "vocab_size": 49408, "sot_id": 49406,
+                     "eot_id": 49407, "pad_id": 0, "cleaning": "ftfy.fix_text; html.unescape "
+                     "x2; whitespace collapsed; lower case"}
+    assert Tokenizer.openai(2).encode(["a cat"]).tolist() == [[49406, 49407]]
+    with pytest.raises(TokenizerError, match=r"^context_length must be >= 2 \(SOT \+ EOT\), "
+                                             r"got 1$"):
+        Tokenizer.openai(1)
+
+    words = synthetic_captions(40)
+    rich = Tokenizer.train(words, vocab_size=600, context_length=8)
+    assert rich.vocab_size == 600  # a corpus with enough pairs gives exactly the size asked
+    assert Tokenizer.train(words, vocab_size=MIN_TRAINED_VOCAB, context_length=8).vocab_size == \
+        MIN_TRAINED_VOCAB
+    once, twice = (Tokenizer.train(["qz"] * n, vocab_size=600, context_length=8)
+                   for n in (1, 2))
+    assert (once.vocab_size, twice.vocab_size) == (515, 516)  # min_frequency 2: no merge of one
+
+    ids = rich.encode(["a red"])[0].tolist()
+    assert rich.decode([ids[0], rich.pad_id, *ids[1:]]) == "a red"  # a stray pad is dropped
+    assert openai.decode(openai.encode(["wow!"])[0]) == "wow !"  # openai's id 0 is "!", kept
+    lone = openai._tok.token_to_id(byte_to_unicode()[0xC3])  # half of a two-byte character
+    assert openai.decode([openai.sot_id, lone, openai.eot_id]) == "\ufffd"
+
+    with pytest.raises(TokenizerError) as err:
+        Tokenizer.from_dict({"format": "clipms.tokenizer", "kind": "bpe"})
+    assert str(err.value) == "tokenizer dict: missing keys ['context_length', 'tokenizers']"
+    (tmp_path / "half.json").write_text('{"format": "clipms.tokenizer"}')
+    with pytest.raises(TokenizerError, match=f"^{tmp_path / 'half.json'}: missing keys"):
+        Tokenizer.load(tmp_path / "half.json")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(TokenizerError, match=f"^{tmp_path / 'broken.json'}: not valid JSON: "):
+        Tokenizer.load(tmp_path / "broken.json")
+    lines = ["#version: 0.2"] + ["a b"] * (OPENAI_NUM_MERGES - 1) + ["a b c"]
+    (tmp_path / "odd.txt.gz").write_bytes(gzip.compress("\n".join(lines).encode()))
+    with pytest.raises(TokenizerError, match=f"^{tmp_path / 'odd.txt.gz'}: not an OpenAI CLIP"):
+        Tokenizer.openai(8, bpe_path=tmp_path / "odd.txt.gz")
