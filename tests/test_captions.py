@@ -390,3 +390,7 @@ def test_numeric_captions_and_struct_labels_become_text():
     images = dedupe(table, HTTP, log=quiet).images
     assert images["caption"].tolist() == ["123456", "7654321"]
     assert images["labels"].tolist() == ['{"colour": "red", "shape": "circle"}', None]
+    unsorted = pd.DataFrame({"URL": ["http://x/1.jpg"], "TEXT": ["a caption"],
+                             "LABELS": [{"shape": "circle", "colour": "red"}]})
+    assert dedupe(unsorted, HTTP, log=quiet).images["labels"].tolist() == [
+        '{"colour": "red", "shape": "circle"}']  # Arrow sorts struct fields; pandas dicts: sorted
