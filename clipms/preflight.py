@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from clipms.config import CLIPConfig, get_preset
+from clipms.config import DEFAULT_PRESET, CLIPConfig, get_preset
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 # msrun sets these for every worker; a value already in the environment would fight it.
@@ -49,7 +49,7 @@ class RunPlan:
     and (device_target, mode) clipms.runtime.RuntimeConfig's (tests/test_preflight.py checks that
     they agree)."""
 
-    preset: str = "tiny"
+    preset: str = DEFAULT_PRESET
     device_target: str = "CPU"
     mode: str = "graph"
     precision: str = "fp32"

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from clipms import metrics, webds
+from clipms.config import DEFAULT_PRESET
 from clipms.preprocess import preprocess_image
 from clipms.tokenizer import Tokenizer
 from clipms.trained import RunConfig, load_clip
@@ -208,7 +209,8 @@ def test_stage_writes_its_declared_outputs(workspace):
     for png in ("confusion_matrix.png", "recall_at_k.png", "retrieval_gallery.png"):
         assert (root / "plots" / png).read_bytes()[:4] == b"\x89PNG", png
     benchmark = sorted(p.name for p in (root / "metrics" / "clip_benchmark").iterdir())
-    assert benchmark == [f"synthetic_val{part}_clip.ckpt_clipms-tiny_en_zeroshot_{task}.json"
+    preset = DEFAULT_PRESET  # this params.yaml names no train.preset
+    assert benchmark == [f"synthetic_val{part}_clip.ckpt_clipms-{preset}_en_zeroshot_{task}.json"
                          for part, task in (("", "retrieval"), ("_colour", "classification"),
                                             ("_shape", "classification"))]
 
