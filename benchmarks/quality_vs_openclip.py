@@ -171,21 +171,27 @@ def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
              "train_s": round(train_s, 1), "peak_rss_mb": result.summary.get("peak_rss_mb")})
 
 
-def openclip_init(args: argparse.Namespace) -> str:
-    """open_clip's initial weights for the seed (the peer's own init), as a clipms checkpoint."""
-    from clipms import convert
-
+def peer_command(args: argparse.Namespace) -> tuple[Path, list[str]]:
+    """The model's open_clip config written under the work folder, and the peer's command line up
+    to its per-use options (the shards, tokenizer, config and seed both peer runs share)."""
     cfg, _ = model_config(args)
     run_dir = args.work / "runs"
     run_dir.mkdir(exist_ok=True)
     config_path = run_dir / f"openclip-{args.preset}.json"
     config_path.write_text(json.dumps(cfg.to_openclip()))
-    weights = run_dir / f"openclip-init-{args.preset}-seed{args.seed}.safetensors"
-    subprocess.run([args.peer_python, str(ROOT / "benchmarks/openclip_fit.py"),
-                    "--shards", str(args.work / "data/shards"),
-                    "--tokenizer", str(args.work / "models/tokenizer.json"),
-                    "--model-config", str(config_path), "--out", "unused.npz",
-                    "--seed", str(args.seed), "--dump-init", str(weights)], check=True)
+    return config_path, [args.peer_python, str(ROOT / "benchmarks/openclip_fit.py"),
+                         "--shards", str(args.work / "data/shards"),
+                         "--tokenizer", str(args.work / "models/tokenizer.json"),
+                         "--model-config", str(config_path), "--seed", str(args.seed)]
+
+
+def openclip_init(args: argparse.Namespace) -> str:
+    """open_clip's initial weights for the seed (the peer's own init), as a clipms checkpoint."""
+    from clipms import convert
+
+    config_path, base = peer_command(args)
+    weights = config_path.parent / f"openclip-init-{args.preset}-seed{args.seed}.safetensors"
+    subprocess.run([*base, "--out", "unused.npz", "--dump-init", str(weights)], check=True)
     out = weights.with_suffix(".ckpt")
     convert.main(["from-openclip", "--config", str(config_path), "--weights", str(weights),
                   "--out", str(out)])
@@ -197,17 +203,10 @@ def train_peer(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
 
     if not args.peer_python:
         raise SystemExit("--side openclip needs --peer-python (a venv with open_clip_torch)")
-    cfg, _ = model_config(args)
-    run_dir = args.work / "runs"
-    run_dir.mkdir(exist_ok=True)
-    config_path = run_dir / f"openclip-{args.preset}.json"
-    config_path.write_text(json.dumps(cfg.to_openclip()))
-    out = run_dir / f"openclip-seed{args.seed}-{args.wd_rule}.npz"
-    cmd = [args.peer_python, str(ROOT / "benchmarks/openclip_fit.py"),
-           "--shards", str(args.work / "data/shards"),
-           "--tokenizer", str(args.work / "models/tokenizer.json"),
-           "--model-config", str(config_path), "--out", str(out), "--seed", str(args.seed),
-           "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+    config_path, base = peer_command(args)
+    out = config_path.parent / f"openclip-seed{args.seed}-{args.wd_rule}.npz"
+    cmd = [*base, "--out", str(out), "--steps", str(args.steps),
+           "--batch-size", str(args.batch_size), "--lr", str(args.lr),
            "--warmup", str(args.warmup), "--wd", str(args.wd), "--wd-rule", args.wd_rule]
     if args.grad_clip_norm:
         cmd += ["--grad-clip-norm", str(args.grad_clip_norm)]
