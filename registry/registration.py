@@ -7,6 +7,7 @@ against the same old champion. It fails closed (`gate.GateError`): no alias move
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -47,6 +48,21 @@ MODEL_DESCRIPTION = (
 
 class RegistryError(RuntimeError):
     """The registry failed before the gate ran (logging, registering or tagging the version)."""
+
+
+@contextmanager
+def _quiet_log_model() -> Iterator[None]:
+    """log_model reloads the model to check its input example and says so at INFO, then draws a
+    download bar of the bundle's files on stderr: a stage's output the user cannot act on. Its
+    warnings and errors still show."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    logger = logging.getLogger("mlflow.pyfunc")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextmanager
@@ -120,7 +136,7 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
     # on (seen once in register on a fresh tiny `dvc repro`; three reruns did not fork). Two texts
     # need no pool, as in the export stage.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with _step("logging the model"):
+    with _step("logging the model"), _quiet_log_model():
         info = pyfunc.log_model(bundle_dir, name=MODEL_ARTIFACT, run_id=run.run_id,
                                 step=MODEL_STEP)
         if index_dir is not None:
