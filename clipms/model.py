@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
-from mindspore.common.initializer import Normal, initializer
+from mindspore.common.initializer import Initializer, Normal, Uniform, initializer
 
 from clipms.config import CLIPConfig, TextConfig, VisionConfig
 
@@ -73,18 +73,25 @@ def causal_mask(length: int) -> Tensor:
     return upper * _MASKED
 
 
-class Attention(nn.Cell):
-    """Multi-head self-attention with open_clip's parameters (q/k/v are the thirds of in_proj)."""
+def torch_uniform(fan_in: int) -> Uniform:
+    """PyTorch's default for nn.Linear / nn.Conv2d weights (kaiming_uniform, a=sqrt(5)) and biases
+    alike: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    return Uniform(fan_in**-0.5)
 
-    def __init__(self, width: int, heads: int, in_std: float, out_std: float):
+
+class Attention(nn.Cell):
+    """Multi-head self-attention with open_clip's parameters (q/k/v are the thirds of in_proj).
+    Biases start at zero, as nn.MultiheadAttention's in_proj_bias and out_proj.bias."""
+
+    def __init__(self, width: int, heads: int, in_init: Initializer, out_init: Initializer):
         super().__init__()
         self.heads = heads
         self.head_dim = width // heads
         self.scale = self.head_dim**-0.5
-        self.q_proj = nn.Dense(width, width, weight_init=Normal(in_std))
-        self.k_proj = nn.Dense(width, width, weight_init=Normal(in_std))
-        self.v_proj = nn.Dense(width, width, weight_init=Normal(in_std))
-        self.out_proj = nn.Dense(width, width, weight_init=Normal(out_std))
+        self.q_proj = nn.Dense(width, width, weight_init=in_init, bias_init="zeros")
+        self.k_proj = nn.Dense(width, width, weight_init=in_init, bias_init="zeros")
+        self.v_proj = nn.Dense(width, width, weight_init=in_init, bias_init="zeros")
+        self.out_proj = nn.Dense(width, width, weight_init=out_init, bias_init="zeros")
         # q @ k^T with the transpose folded into the kernel: no transposed copy of k.
         self.scores = ops.BatchMatMul(transpose_b=True)
 
@@ -107,11 +114,15 @@ class Attention(nn.Cell):
 
 
 class MLP(nn.Cell):
-    def __init__(self, width: int, hidden: int, quick_gelu: bool, fc_std: float, proj_std: float):
+    """c_fc -> GELU -> c_proj. Biases start as nn.Linear's default (open_clip never resets them)."""
+
+    def __init__(self, width: int, hidden: int, quick_gelu: bool, fc_init: Initializer,
+                 proj_init: Initializer):
         super().__init__()
-        self.c_fc = nn.Dense(width, hidden, weight_init=Normal(fc_std))
+        self.c_fc = nn.Dense(width, hidden, weight_init=fc_init, bias_init=torch_uniform(width))
         self.gelu = make_activation(quick_gelu)
-        self.c_proj = nn.Dense(hidden, width, weight_init=Normal(proj_std))
+        self.c_proj = nn.Dense(hidden, width, weight_init=proj_init,
+                               bias_init=torch_uniform(hidden))
 
     def construct(self, x: Tensor) -> Tensor:
         return self.c_proj(self.gelu(self.c_fc(x)))  # (N, L, D) -> (N, L, 4D) -> (N, L, D)
@@ -120,16 +131,22 @@ class MLP(nn.Cell):
 class ResidualAttentionBlock(nn.Cell):
     """Pre-LN block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    def __init__(self, width: int, heads: int, mlp_ratio: float, quick_gelu: bool, layers: int):
+    def __init__(self, width: int, heads: int, mlp_ratio: float, quick_gelu: bool, layers: int,
+                 paper_init: bool):
         super().__init__()
-        # open_clip's text-tower init (CLIP paper); we use it for both towers.
-        attn_std = width**-0.5
-        proj_std = width**-0.5 * (2 * layers) ** -0.5
-        fc_std = (2 * width) ** -0.5
+        hidden = int(width * mlp_ratio)
+        if paper_init:  # open_clip's TextTransformer.init_parameters (the CLIP paper's)
+            proj = width**-0.5 * (2 * layers) ** -0.5
+            qkv, out = Normal(width**-0.5), Normal(proj)
+            fc, c_proj = Normal((2 * width) ** -0.5), Normal(proj)
+        else:  # open_clip's VisionTransformer.init_parameters is a no-op: PyTorch's defaults,
+            # xavier-uniform over the fused (3D, D) in_proj, nn.Linear's default elsewhere
+            qkv, out = Uniform((6 / (width + 3 * width)) ** 0.5), torch_uniform(width)
+            fc, c_proj = torch_uniform(width), torch_uniform(hidden)
         self.ln_1 = LayerNorm(width)
-        self.attn = Attention(width, heads, attn_std, proj_std)
+        self.attn = Attention(width, heads, qkv, out)
         self.ln_2 = LayerNorm(width)
-        self.mlp = MLP(width, int(width * mlp_ratio), quick_gelu, fc_std, proj_std)
+        self.mlp = MLP(width, hidden, quick_gelu, fc, c_proj)
 
     def construct(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         x = x + self.attn(self.ln_1(x), mask)
@@ -137,10 +154,13 @@ class ResidualAttentionBlock(nn.Cell):
 
 
 class Transformer(nn.Cell):
-    def __init__(self, width: int, layers: int, heads: int, mlp_ratio: float, quick_gelu: bool):
+    """`layers` blocks; paper_init: the text tower's CLIP-paper init, else the vision tower's."""
+
+    def __init__(self, width: int, layers: int, heads: int, mlp_ratio: float, quick_gelu: bool,
+                 paper_init: bool):
         super().__init__()
         self.resblocks = nn.CellList(
-            [ResidualAttentionBlock(width, heads, mlp_ratio, quick_gelu, layers)
+            [ResidualAttentionBlock(width, heads, mlp_ratio, quick_gelu, layers, paper_init)
              for _ in range(layers)]
         )
 
@@ -164,12 +184,15 @@ class VisionTransformer(nn.Cell):
         self.patch = p
         self.width = width
         scale = width**-0.5  # open_clip's init scale for class/positional embedding and proj
-        # Same numbers as open_clip's conv1.weight (D, 3, p, p), stored as (D, 3*p*p).
-        self.patch_embed = nn.Dense(3 * p * p, width, has_bias=False, weight_init=Normal(0.02))
+        # Same numbers as open_clip's conv1.weight (D, 3, p, p), stored as (D, 3*p*p); initialised
+        # as that nn.Conv2d by PyTorch (fan_in 3*p*p).
+        self.patch_embed = nn.Dense(3 * p * p, width, has_bias=False,
+                                    weight_init=torch_uniform(3 * p * p))
         self.class_embedding = _normal((width,), scale)
         self.positional_embedding = _normal((cfg.num_tokens, width), scale)
         self.ln_pre = LayerNorm(width)
-        self.transformer = Transformer(width, cfg.layers, cfg.heads, cfg.mlp_ratio, quick_gelu)
+        self.transformer = Transformer(width, cfg.layers, cfg.heads, cfg.mlp_ratio, quick_gelu,
+                                       paper_init=False)
         self.ln_post = LayerNorm(width)
         self.proj = _normal((width, embed_dim), scale)
 
@@ -195,7 +218,8 @@ class TextTransformer(nn.Cell):
             cfg.vocab_size, cfg.width, embedding_table=Normal(0.02)
         )
         self.positional_embedding = _normal((cfg.context_length, cfg.width), 0.01)
-        self.transformer = Transformer(cfg.width, cfg.layers, cfg.heads, cfg.mlp_ratio, quick_gelu)
+        self.transformer = Transformer(cfg.width, cfg.layers, cfg.heads, cfg.mlp_ratio, quick_gelu,
+                                       paper_init=True)
         self.ln_final = LayerNorm(cfg.width)
         self.text_projection = _normal((cfg.width, embed_dim), cfg.width**-0.5)
         self.attn_mask = causal_mask(cfg.context_length)  # a constant, not a parameter
