@@ -768,7 +768,9 @@ def test_parity_report_passes_its_own_checkpoint_and_fails_another(micro_bundle)
         for m in metrics:
             b1, b3 = other[f"{tower}_{m}_b1"], other[f"{tower}_{m}_b3"]
             assert 0.1 < b1 <= b3 and other[f"{tower}_{m}"] == b3  # batch 3 adds the second row
-    assert other["image_max_abs_error_b3"] > other["image_max_abs_error_b1"] + 0.1  # the max
+    # the max over batch sizes: batch 3's second row is the worse one in at least one tower
+    assert max(other[f"{t}_max_abs_error_b3"] - other[f"{t}_max_abs_error_b1"]
+               for t in ("image", "text")) > 0.1
     raw = sorted((other["image_max_abs_error"], other["text_max_abs_error"]))
     between = parity_report(_micro_clip(1), bundle, images, tokens, (1, 3),
                             tolerance=sum(raw) / 2)
