@@ -48,10 +48,13 @@ class Batcher:
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000.0
         self.max_queue = max_queue
-        # A deque and an event rather than asyncio.Queue + wait_for(get()): a timed-out get can
-        # lose an item on Python 3.11; an event wait that times out loses nothing.
         self._pending: deque[_Item] = deque()
-        self._arrived = asyncio.Event()
+        # The batch task sleeps on one future, woken by submit() only when it has something to do:
+        # an item arrived while the queue was empty, or the batch being gathered is complete
+        # (max_batch, or nothing more can come). The wait's end is a timer (call_at), not
+        # wait_for(), which would start a task per arriving item.
+        self._waiter: asyncio.Future | None = None
+        self._gathering = False
         self._on_batch = on_batch
         # Whether items beyond the `n` waiting may still arrive (requests in flight that have not
         # queued yet); when none can, waiting max_wait_ms would only add latency (one client).
@@ -88,25 +91,39 @@ class Batcher:
         loop = asyncio.get_running_loop()
         items = [_Item(payload, loop.create_future()) for payload in payloads]
         self._pending.extend(items)
-        self._arrived.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done() and (not self._gathering or self._complete()):
+            waiter.set_result(None)
+        if len(items) == 1:  # one row (most requests): its future alone, no gather
+            return [await items[0].future]
         return list(await asyncio.gather(*(item.future for item in items)))
+
+    def _complete(self) -> bool:
+        """Whether the waiting items make a batch now: max_batch of them, or no more coming."""
+        waiting = len(self._pending)
+        return waiting >= self.max_batch or not self._more_coming(waiting)
+
+    async def _sleep(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> None:
+        """Until submit() wakes this task, or `deadline` (loop time; None: no deadline)."""
+        self._waiter = waiter = loop.create_future()
+        self._gathering = deadline is not None
+        timer = loop.call_at(deadline, _wake, waiter) if deadline is not None else None
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            while not self._pending:
-                self._arrived.clear()
-                await self._arrived.wait()
+            if not self._pending:
+                await self._sleep(loop, None)
+                continue
             deadline = loop.time() + self.max_wait
-            while len(self._pending) < self.max_batch and self._more_coming(len(self._pending)):
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), remaining)
-                except TimeoutError:
-                    break
+            while not self._complete() and loop.time() < deadline:
+                await self._sleep(loop, deadline)
             batch = [self._pending.popleft()
                      for _ in range(min(self.max_batch, len(self._pending)))]
             batch = [item for item in batch if not item.future.done()]  # callers gone
@@ -128,3 +145,8 @@ class Batcher:
         for item, row in zip(batch, out, strict=True):
             if not item.future.done():
                 item.future.set_result(row)
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

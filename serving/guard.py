@@ -1,5 +1,9 @@
-"""The ASGI middleware in front of every request: a body size limit, the metrics, and the header
-that names the model version which answered.
+"""The ASGI middleware in front of every request: the bearer token, a body size limit, the
+metrics, and the header that names the model version which answered.
+
+With a token, every request to a PROTECTED endpoint needs `Authorization: Bearer <token>` (401
+otherwise, before its body is read); the page, its static files, /v1/model and the probes stay
+open.
 
 The body is read here, at most `max_body` bytes (a larger Content-Length is refused before a byte
 of the body is read; a chunked body is cut off as soon as it passes the limit), and handed to the
@@ -8,6 +12,7 @@ app from memory, so no handler ever sees an unbounded body.
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 from typing import Any
@@ -15,14 +20,18 @@ from typing import Any
 from serving.metrics import endpoint_label
 
 MODEL_SCOPE_KEY = "clipms.model"  # set by the handler to the ModelInfo of the engine it used
+PROTECTED = frozenset({"/v1/embeddings", "/v1/search", "/v1/rank", "/v1/thumbnails", "/metrics"})
 Scope = dict[str, Any]
 
 
 class Guard:
-    def __init__(self, app: Any, state: Any, max_body: int) -> None:
+    def __init__(self, app: Any, state: Any, max_body: int, token: str | None = None) -> None:
         self.app = app
         self.state = state
         self.max_body = max_body
+        self._expected = f"Bearer {token}".encode() if token else None
+        self._counters: dict[tuple[str, int], Any] = {}  # the metrics' children, looked up once
+        self._latencies: dict[str, Any] = {}
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -40,15 +49,36 @@ class Guard:
             await send(message)
 
         try:
+            if endpoint in PROTECTED and not self._authorized(scope):
+                await _refuse(send_named, 401, "missing or wrong bearer token (Authorization: "
+                              "Bearer <token>)", [(b"www-authenticate", b"Bearer"),
+                                                     (b"connection", b"close")])
+                return
             body = await self._read_body(scope, receive)
             if body is None:
-                await self._refuse(send_named)
+                await _refuse(send_named, 413, f"request body over the limit of {self.max_body} "
+                              "bytes", [(b"connection", b"close")])
                 return
             await self.app(scope, _replay(body, receive), send_named)
         finally:
-            metrics = self.state.metrics
-            metrics.requests.labels(endpoint, str(status["code"])).inc()
-            metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+            self._observe(endpoint, status["code"], time.perf_counter() - started)
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self._expected is None:
+            return True
+        given = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+        return hmac.compare_digest(given, self._expected)
+
+    def _observe(self, endpoint: str, status: int, seconds: float) -> None:
+        counter = self._counters.get((endpoint, status))
+        if counter is None:
+            counter = self._counters[endpoint, status] = self.state.metrics.requests.labels(
+                endpoint, str(status))
+        latency = self._latencies.get(endpoint)
+        if latency is None:
+            latency = self._latencies[endpoint] = self.state.metrics.latency.labels(endpoint)
+        counter.inc()
+        latency.observe(seconds)
 
     def _version(self, scope: Scope) -> bytes:
         info = scope.get(MODEL_SCOPE_KEY) or getattr(self.state.engine, "info", None)
@@ -77,12 +107,15 @@ class Guard:
                 break
         return b"".join(chunks)
 
-    async def _refuse(self, send: Any) -> None:
-        body = json.dumps({"error": f"request body over the limit of {self.max_body} bytes"})
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body.encode()})
+
+
+async def _refuse(send: Any, status: int, message: str,
+                  headers: list[tuple[bytes, bytes]]) -> None:
+    body = json.dumps({"error": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _replay(body: bytes, receive: Any) -> Any:

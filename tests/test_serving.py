@@ -91,6 +91,24 @@ def test_embeddings_are_the_models_own(world) -> None:
     assert status == 200 and only["image_embeddings"] == [] and len(only["text_embeddings"]) == 1
 
 
+def test_embeddings_as_base64_are_the_float_answer_bit_for_bit(world) -> None:
+    """`"encoding_format": "base64"` (OpenAI's option): each row the base64 of its little-endian
+    float32 bytes; the default JSON floats read back as exactly those float32 values."""
+    url, images = world["url"], world["images"]
+    ask = {"texts": ["a red circle", "two blue squares"], "images": [b64(images[2])]}
+    status, as_float = post_json(f"{url}/v1/embeddings", ask)
+    status64, as_b64 = post_json(f"{url}/v1/embeddings", {**ask, "encoding_format": "base64"})
+    assert status == status64 == 200 and as_b64["model"] == as_float["model"]
+    for key in ("text_embeddings", "image_embeddings"):
+        decoded = np.stack([np.frombuffer(base64.b64decode(row), "<f4")
+                            for row in as_b64[key]])
+        assert decoded.shape == (len(as_float[key]), world["encoder"].embed_dim)
+        assert np.array_equal(decoded, np.asarray(as_float[key], np.float32)), key
+    status, body = post_json(f"{url}/v1/embeddings", {"texts": ["x"], "encoding_format": "hex"})
+    assert status == 400 and "encoding_format: Input should be 'float' or 'base64'" in \
+        body["error"]
+
+
 def test_search_finds_the_planted_neighbour_first(world) -> None:
     url, encoder, images = world["url"], world["encoder"], world["images"]
     status, body = post_json(f"{url}/v1/search", {"image": b64(images[17]), "k": 5})

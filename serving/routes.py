@@ -1,0 +1,243 @@
+"""The routes of the service (ROUTES; serving.app builds the FastAPI app around them).
+
+The handlers are plain Starlette routes (`handler(request) -> Response`): they take no injected
+parameters, so FastAPI's per-request dependency solving (query, cookies, a sub-response) would be
+pure overhead on the hot path. Each handler reads the service from `request.app.state`
+(`service`: the ServiceState, `limits`: the RequestLimits, `auth_required`). Request bodies are
+parsed and validated in one step by pydantic from the raw bytes (`model_validate_json`), and JSON
+answers are written by orjson, which writes numpy arrays itself: an embedding row goes from the
+model's float32 array to JSON with no Python float per value. A float32 is written as the
+shortest decimal that reads back as the same float32 (`0.1`, not `0.10000000149011612`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+from urllib.parse import quote
+
+import numpy as np
+import orjson
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, Response
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.routing import BaseRoute, Mount, Route
+
+from clipms.inputs import image_bytes
+from clipms.preprocess import preprocess_image
+from serving.engine import Engine
+from serving.guard import MODEL_SCOPE_KEY
+from serving.state import ServiceState
+
+STATIC = Path(__file__).with_name("static")
+MAX_K = 100
+
+
+class ClientError(ValueError):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EmbeddingsBody(Strict):
+    texts: list[str] | None = None
+    images: list[str] | None = None
+    # "base64": each embedding as the base64 of its little-endian float32 bytes (OpenAI's
+    # embeddings API has the same option): a quarter of the size and no float parsing.
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class SearchBody(Strict):
+    text: str | None = None
+    image: str | None = None
+    key: str | None = None
+    k: int = Field(10, ge=1, le=MAX_K)
+
+
+class RankBody(Strict):
+    image: str
+    texts: list[str] = Field(min_length=1)
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def parse(request: Request, model: type[Body]) -> Body:
+    """The request body as `model`, parsed and checked by pydantic in one pass (400 otherwise)."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as err:
+        raise RequestValidationError(err.errors(include_url=False)) from None
+
+
+def _numpy_default(value: Any) -> Any:
+    """What orjson does not write itself: a non-contiguous array, a numpy scalar."""
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
+    raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+def json_response(content: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(content, default=_numpy_default,
+                                 option=orjson.OPT_SERIALIZE_NUMPY),
+                    status_code=status, media_type="application/json")
+
+
+def encoded(rows: list[np.ndarray], encoding: str) -> list[Any]:
+    if encoding == "float":
+        return rows  # orjson writes the float32 rows as they are
+    return [base64.b64encode(np.asarray(row, "<f4").tobytes()).decode("ascii") for row in rows]
+
+
+class Using:
+    """`with Using(request) as engine:` the current engine, kept alive until the block ends; the
+    response's X-Model-Version names it (serving.guard reads it from the scope)."""
+
+    def __init__(self, request: Request) -> None:
+        self.engine = service(request).acquire()
+        request.scope[MODEL_SCOPE_KEY] = self.engine.info
+
+    def __enter__(self) -> Engine:
+        return self.engine
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.release()
+
+
+def service(request: Request) -> ServiceState:
+    return request.app.state.service
+
+
+async def embeddings(request: Request) -> Response:
+    body = await parse(request, EmbeddingsBody)
+    texts, images = body.texts or [], body.images or []
+    if not texts and not images:
+        raise ClientError("give 'texts' and/or 'images' (base64), at least one item")
+    request.app.state.limits.check(texts, images)
+    with Using(request) as engine:
+        if images:
+            arrays = await decode(service(request), engine, images, "images")
+            text_rows, image_rows = await asyncio.gather(engine.text.submit(texts),
+                                                         engine.image.submit(arrays))
+        else:  # the common case, one tower: no tasks to gather
+            text_rows, image_rows = await engine.text.submit(texts), []
+        return json_response({"model": engine.info.public(),
+                              "text_embeddings": encoded(text_rows, body.encoding_format),
+                              "image_embeddings": encoded(image_rows, body.encoding_format)})
+
+
+async def search(request: Request) -> Response:
+    body = await parse(request, SearchBody)
+    given = [name for name in ("text", "image", "key") if getattr(body, name) is not None]
+    if len(given) != 1:
+        raise ClientError("give exactly one of 'text', 'image' (base64) or 'key'")
+    request.app.state.limits.check([body.text] if body.text is not None else [],
+                                   [body.image] if body.image is not None else [])
+    with Using(request) as engine:
+        query, skip = await query_vector(service(request), engine, body)
+        found = await asyncio.to_thread(engine.index.search, query, body.k + len(skip))
+        index = engine.index
+        results = [{"key": index.keys[row], "score": round(float(score), 6),
+                    "caption": index.captions[row],
+                    "thumbnail_url": f"/v1/thumbnails/{quote(index.keys[row])}"}
+                   for row, score in found if row not in skip][:body.k]
+        return json_response({"model": engine.info.public(), "results": results})
+
+
+async def rank(request: Request) -> Response:
+    body = await parse(request, RankBody)
+    request.app.state.limits.check(body.texts, [body.image])
+    with Using(request) as engine:
+        arrays = await decode(service(request), engine, [body.image], "image")
+        image_rows, text_rows = await asyncio.gather(engine.image.submit(arrays),
+                                                     engine.text.submit(body.texts))
+        scores = np.asarray(text_rows) @ np.asarray(image_rows[0])
+        logits = engine.encoder.logit_scale * scores
+        probabilities = np.exp(logits - logits.max())
+        probabilities /= probabilities.sum()
+        return json_response({"model": engine.info.public(), "scores": scores.round(6).tolist(),
+                              "probabilities": probabilities.round(6).tolist()})
+
+
+async def thumbnail(request: Request) -> Response:
+    with Using(request) as engine:
+        data = engine.index.thumbnail(request.path_params["key"])
+        if data is None:
+            raise ClientError("no such key in the index", status=404)
+        return Response(data, media_type="image/jpeg",
+                        headers={"Cache-Control": "private, max-age=3600"})
+
+
+async def model(request: Request) -> Response:
+    with Using(request) as engine:
+        return json_response({"model": engine.info.public(), **engine.describe(),
+                              "auth_required": request.app.state.auth_required})
+
+
+async def healthz(_: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    with Using(request) as engine:
+        return json_response({"status": "ready", "model": engine.info.public()})
+
+
+async def metrics(request: Request) -> Response:
+    state = service(request)
+    for name in ("text", "image"):
+        batcher = getattr(state.engine, name, None) if state.engine else None
+        state.metrics.queue_depth.labels(name).set(batcher.depth if batcher else 0)
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def page(_: Request) -> FileResponse:
+    return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+async def decode(state: ServiceState, engine: Engine, images: list[str],
+                 field: str) -> list[np.ndarray]:
+    """Model-ready arrays of base64 images, decoded in the decode threads."""
+    def one(i: int, value: str) -> np.ndarray:
+        name = field if field == "image" else f"{field}[{i}]"
+        return preprocess_image(image_bytes(value, name), engine.encoder.preprocess, name=name)
+
+    loop = asyncio.get_running_loop()
+    return list(await asyncio.gather(*(loop.run_in_executor(state.decode_pool, one, i, v)
+                                       for i, v in enumerate(images))))
+
+
+async def query_vector(state: ServiceState, engine: Engine,
+                       body: SearchBody) -> tuple[np.ndarray, set[int]]:
+    """The query's unit vector, and the rows to leave out of its results (the query item)."""
+    if body.text is not None:
+        return (await engine.text.submit([body.text]))[0], set()
+    if body.image is not None:
+        arrays = await decode(state, engine, [body.image], "image")
+        return (await engine.image.submit(arrays))[0], set()
+    row = engine.index.position.get(body.key)
+    if row is None:
+        raise ClientError("no such key in the index", status=404)
+    return engine.index.embeddings[row], {row}  # "more like this": not itself
+
+
+ROUTES: list[BaseRoute] = [
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
+    Route("/v1/search", search, methods=["POST"]),
+    Route("/v1/rank", rank, methods=["POST"]),
+    Route("/v1/thumbnails/{key}", thumbnail, methods=["GET"]),
+    Route("/v1/model", model, methods=["GET"]),
+    Route("/healthz", healthz, methods=["GET"]),
+    Route("/readyz", readyz, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/", page, methods=["GET"]),
+    Mount("/static", StaticFiles(directory=STATIC), name="static"),
+]
