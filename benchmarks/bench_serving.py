@@ -11,162 +11,46 @@ own knob for serving requests in parallel; one worker runs one predict at a time
 request `--timeout` (`--mlflow-timeout`, MLflow's default 60 s). For each
 workload (text embeddings, image embeddings, text search; the pyfunc has no search) and each
 concurrency, every server gets the same load in turn, in an order that rotates per round: C clients
-each sending one request after the other for `--seconds` (and at most `--max-requests`). Every
-target gets the same client: one aiohttp session per cell with a pool of at most C keep-alive
-connections (one per client). Before its first cell each server gets `--warmup-s` of untimed load
-per workload (graph compiles, worker start-up); the warm-up's errors are reported too. Reported per
-cell: QPS, p50/p95/p99 latency, errors and the first error, the server's exit code if it died
-during the cell, the server's CPU time per answered request (all its processes; the figure a shared
-machine distorts least), and for the service the mean batch size (from its /metrics). Then
-`clipms-bench encode --bundle` measures what the model itself does at the batched service's mean
-text batch size at concurrency 32: the limit, so the service's own overhead shows. The client runs
-in this process (asyncio + aiohttp) and its CPU time is reported, since it shares the machine with
-the servers. Every server is stopped at the end.
+each sending one request after the other for `--seconds` (and at most `--max-requests`), each on
+its own keep-alive connection (benchmarks/serving_load.py: bodies encoded up front, answers framed
+by status and length, one in `--check-every` decoded and checked). Before its first cell each
+server gets `--warmup-s` of untimed load per workload (graph compiles, worker start-up); the
+warm-up's errors are reported too. Reported per cell: QPS, p50/p95/p99 latency, errors and the
+first error, the server's exit code if it died during the cell, the server's CPU time per
+answered request (all its processes), the client's, the 1-minute load, and for the service the
+mean batch size (from its /metrics).
+
+Two modes, alternated in one run (`--modes`): `shared`, every process on every core (the client
+takes its share of them), and `pinned` (text embeddings, `--pinned-targets`): the servers on
+`--server-cpu`, the client on `--client-cpu`. After the cells `clipms-bench encode --bundle`
+measures what the model itself does at the batched service's mean text batch size at concurrency
+32, per mode on the CPUs the service had in it (both cores; the server CPU): the limit, so the
+service's own overhead shows (`--limit-runs` runs per mode, alternated, medians). Every server is
+stopped at the end.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import base64
 import io
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from serving_load import pin, run_load, tree, workload
+from serving_servers import Server, start_servers
 
 BIN = Path(sys.executable).parent
 WORKLOADS = ("text_embed", "image_embed", "text_search")
 TARGETS = ("service", "service_b1", "mlflow")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """One server process in its own session; `stop()` ends it and its children."""
-
-    def __init__(self, name: str, cmd: list[str], ready_path: str, env: dict[str, str],
-                 log_dir: Path, processes: int = 1) -> None:
-        self.name, self.port = name, free_port()
-        self.processes = processes  # uvicorn workers: each logs its start-up when its app loaded
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.ready = self.url + ready_path
-        self.log = log_dir / f"{name}.log"
-        cmd = [c.replace("{port}", str(self.port)) for c in cmd]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-
-    def wait(self, timeout: float) -> None:
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.ready, timeout=2) as response:
-                    started = self.log.read_text(errors="replace").count(
-                        "Application startup complete")
-                    if response.status == 200 and started >= self.processes:
-                        return
-            except OSError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"{self.name} not ready after {timeout} s")
-
-    def cpu_seconds(self) -> float:
-        """CPU time (user + system) used so far by the server and every process under it."""
-        import psutil
-
-        try:
-            root = psutil.Process(self.proc.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return 0.0
-        total = 0.0
-        for proc in procs:
-            try:
-                times = proc.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            total += times.user + times.system
-        return total
-
-    def exit_code(self) -> int | None:
-        """None while it runs; else its exit code (negative: killed by that signal)."""
-        return self.proc.poll()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(os.getpgid(self.proc.pid), signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
-                self.proc.wait(timeout=20)
-
-
-def log_pyfunc(bundle: Path, folder: Path) -> tuple[str, str]:
-    """(tracking URI, model URI) of the bundle's pyfunc in a new SQLite registry in `folder`."""
-    import mlflow
-
-    from registry import pyfunc
-
-    uri = f"sqlite:///{folder / 'mlflow.db'}"
-    os.environ["MLFLOW_TRACKING_URI"] = uri
-    cwd = Path.cwd()
-    os.chdir(folder)  # the SQLite store's default artifact root is ./mlruns
-    try:
-        mlflow.set_tracking_uri(uri)
-        with mlflow.start_run():
-            info = pyfunc.log_model(bundle.resolve(), name="clip")
-        version = mlflow.register_model(info.model_uri, "bench-clip").version
-    finally:
-        os.chdir(cwd)
-    return uri, f"models:/bench-clip/{version}"
-
-
-def start_servers(args: argparse.Namespace, work: Path, servers: dict[str, Server]) -> None:
-    """Start the chosen targets into `servers` (filled as they start, so the caller stops every
-    one that started even when a later one fails) and wait until all are ready."""
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
-    serve = [str(BIN / "python"), "-m", "serving", "--model", str(args.bundle), "--index",
-             str(args.index), "--port", "{port}", "--max-wait-ms", str(args.max_wait_ms),
-             "--max-queue", "4096", "--log-level", "info"]
-    if "service" in args.targets:
-        servers["service"] = Server("service", [*serve, "--max-batch", str(args.max_batch)],
-                                    "/readyz", env, work)
-    if "service_b1" in args.targets:
-        servers["service_b1"] = Server("service_b1", [*serve, "--max-batch", "1"], "/readyz", env,
-                                       work)
-    if "mlflow" in args.targets:
-        if args.mlflow_model:
-            tracking = args.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
-            model = args.mlflow_model
-        else:
-            tracking, model = log_pyfunc(args.bundle, work)
-        servers["mlflow"] = Server("mlflow", [
-            str(BIN / "mlflow"), "models", "serve", "-m", model, "--env-manager", "local",
-            "--host", "127.0.0.1", "--port", "{port}", "--workers", str(args.mlflow_workers),
-            "--timeout", str(args.mlflow_timeout)],
-            "/ping", {**env, "MLFLOW_TRACKING_URI": tracking}, work,
-            processes=args.mlflow_workers)
-    for server in servers.values():
-        server.wait(args.startup_timeout)
+MODES = ("shared", "pinned")
 
 
 def sample_image() -> str:
@@ -176,63 +60,6 @@ def sample_image() -> str:
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="JPEG", quality=90)
     return base64.b64encode(out.getvalue()).decode()
-
-
-def request_for(target: str, workload: str, i: int, image: str) -> tuple[str, dict] | None:
-    text = f"a photo of thing number {i}"
-    if target == "mlflow":
-        if workload == "text_search":
-            return None  # the pyfunc has no search
-        column, value = ("text", text) if workload == "text_embed" else ("image", image)
-        return "/invocations", {"dataframe_split": {"columns": [column], "data": [[value]]}}
-    if workload == "text_embed":
-        return "/v1/embeddings", {"texts": [text]}
-    if workload == "image_embed":
-        return "/v1/embeddings", {"images": [image]}
-    return "/v1/search", {"text": text, "k": 10}
-
-
-async def load(url: str, target: str, workload: str, concurrency: int, seconds: float,
-               max_requests: int, image: str) -> dict[str, Any]:
-    """C closed-loop clients for `seconds` (at most `max_requests` in all)."""
-    import aiohttp
-
-    latencies: list[float] = []
-    errors: dict[str, Any] = {"count": 0, "first": None}
-    sent = {"n": 0}
-    deadline = time.monotonic() + seconds
-
-    async def client(session: aiohttp.ClientSession) -> None:
-        while time.monotonic() < deadline and sent["n"] < max_requests:
-            sent["n"] += 1
-            path, body = request_for(target, workload, sent["n"], image)
-            started = time.perf_counter()
-            try:
-                async with session.post(url + path, json=body) as response:
-                    payload = await response.read()
-                    ok = response.status == 200
-                    detail = f"HTTP {response.status}: {payload[:200]!r}"
-            except (TimeoutError, aiohttp.ClientError) as err:
-                ok, detail = False, f"{type(err).__name__}: {err}"
-            if ok:
-                latencies.append(time.perf_counter() - started)
-            else:
-                errors["count"] += 1
-                errors["first"] = errors["first"] or detail
-
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    timeout = aiohttp.ClientTimeout(total=60)
-    started = time.perf_counter()
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        await asyncio.gather(*(client(session) for _ in range(concurrency)))
-    elapsed = time.perf_counter() - started
-    ms = np.asarray(latencies) * 1000 if latencies else np.zeros(1)
-    return {"requests": len(latencies), "errors": errors["count"],
-            "first_error": errors["first"], "seconds": round(elapsed, 2),
-            "qps": round(len(latencies) / elapsed, 1),
-            "p50_ms": round(float(np.percentile(ms, 50)), 1),
-            "p95_ms": round(float(np.percentile(ms, 95)), 1),
-            "p99_ms": round(float(np.percentile(ms, 99)), 1)}
 
 
 def batch_totals(url: str, tower: str) -> tuple[float, float]:
@@ -249,112 +76,173 @@ def batch_totals(url: str, tower: str) -> tuple[float, float]:
     return values.get("clipms_batch_size_count", 0.0), values.get("clipms_batch_size_sum", 0.0)
 
 
-def measure(servers: dict[str, Server], target: str, workload: str, concurrency: int,
-            seconds: float, max_requests: int, image: str) -> dict[str, Any]:
-    """One cell: the load, the server's mean batch size over it, and whether the server died."""
-    server = servers[target]
-    tower = "image" if workload == "image_embed" else "text"
-    alive = server.exit_code() is None
-    before = batch_totals(server.url, tower) if target != "mlflow" and alive else None
-    cpu_before = server.cpu_seconds()
-    cell = asyncio.run(load(server.url, target, workload, concurrency, seconds, max_requests,
-                            image))
-    if cell["requests"]:  # CPU per answer: what a shared machine distorts least
-        cell["server_cpu_ms_per_request"] = round(
-            (server.cpu_seconds() - cpu_before) * 1000 / cell["requests"], 2)
-    if server.exit_code() is not None:  # counted and named, never hidden
-        cell["server_exit"] = server.exit_code()
-        print(f"{target} exited with {server.exit_code()}; its log ends:\n"
-              f"{server.log.read_text(errors='replace')[-2000:]}", file=sys.stderr)
-    elif before is not None:
-        calls, items = (a - b for a, b in zip(batch_totals(server.url, tower), before,
-                                               strict=True))
-        cell["mean_batch"] = round(items / calls, 2) if calls else None
-    cell.update(target=target, workload=workload, concurrency=concurrency,
-                load_avg_1min=round(os.getloadavg()[0], 2))
-    return cell
+class Bench:
+    """The servers, what each workload sends, and the CPU sets of the two modes."""
+
+    def __init__(self, args: argparse.Namespace, servers: dict[str, Server], image: str,
+                 dim: int) -> None:
+        self.args, self.servers = args, servers
+        self.work = {(t, k): workload(t, k, image, dim) for t in TARGETS for k in WORKLOADS}
+        everything = set(range(os.cpu_count() or 1))
+        self.cpus = {"shared": (everything, everything),  # (servers, client)
+                     "pinned": ({args.server_cpu}, {args.client_cpu})}
+
+    def enter(self, mode: str) -> None:
+        servers, client = self.cpus[mode]
+        for server in self.servers.values():
+            pin(tree(server.proc.pid), servers)
+        pin([os.getpid()], client)
+
+    def measure(self, mode: str, target: str, kind: str, concurrency: int,
+                seconds: float) -> dict[str, Any]:
+        """One cell: the load, the server's mean batch size over it, and whether it died."""
+        self.enter(mode)
+        server = self.servers[target]
+        tower = "image" if kind == "image_embed" else "text"
+        alive = server.exit_code() is None
+        before = batch_totals(server.url, tower) if target != "mlflow" and alive else None
+        cpu_before = server.cpu_seconds()
+        cell = run_load(("127.0.0.1", server.port), self.work[target, kind], concurrency,
+                        seconds, self.args.max_requests, self.args.check_every)
+        if cell["requests"]:  # CPU per answer: what a shared machine distorts least
+            cell["server_cpu_ms_per_request"] = round(
+                (server.cpu_seconds() - cpu_before) * 1000 / cell["requests"], 3)
+        if server.exit_code() is not None:  # counted and named, never hidden
+            cell["server_exit"] = server.exit_code()
+            print(f"{target} exited with {server.exit_code()}; its log ends:\n"
+                  f"{server.log.read_text(errors='replace')[-2000:]}", file=sys.stderr)
+        elif before is not None:
+            calls, items = (a - b for a, b in zip(batch_totals(server.url, tower), before,
+                                                   strict=True))
+            cell["mean_batch"] = round(items / calls, 2) if calls else None
+        cell.update(mode=mode, target=target, workload=kind, concurrency=concurrency,
+                    load_avg_1min=round(os.getloadavg()[0], 2))
+        return cell
+
+    def cells(self, mode: str) -> list[tuple[str, str]]:
+        """(target, workload) pairs this mode measures."""
+        kinds = self.args.workloads if mode == "shared" else ["text_embed"]
+        targets = TARGETS if mode == "shared" else self.args.pinned_targets
+        return [(t, k) for k in kinds for t in targets
+                if t in self.servers and self.work[t, k] is not None]
 
 
-def warm_up(args: argparse.Namespace, servers: dict[str, Server],
-            image: str) -> list[dict[str, Any]]:
+def warm_up(bench: Bench) -> list[dict[str, Any]]:
     """Untimed load on every server and workload (compiles, lazy start-up); errors kept."""
     cells = []
-    for workload in args.workloads:
-        for target in servers:
-            if args.warmup_s > 0 and request_for(target, workload, 0, image) is not None:
-                cell = measure(servers, target, workload, max(args.concurrency), args.warmup_s,
-                               args.max_requests, image)
-                cells.append(cell)
-                print(json.dumps({"warmup": True, **cell}), flush=True)
+    if bench.args.warmup_s > 0:
+        for target, kind in bench.cells("shared"):
+            cell = bench.measure("shared", target, kind, max(bench.args.concurrency),
+                                 bench.args.warmup_s)
+            cells.append(cell)
+            print(json.dumps({"warmup": True, **cell}), flush=True)
     return cells
 
 
-def run_cells(args: argparse.Namespace, servers: dict[str, Server],
-              image: str) -> list[dict[str, Any]]:
-    cells = []
-    targets = [t for t in TARGETS if t in servers]
-    for workload in args.workloads:
+def run_cells(bench: Bench) -> list[dict[str, Any]]:
+    """Every cell, `--rounds` times; per round the order of the modes and of the servers
+    rotates, so neither a mode nor a server always goes first."""
+    args, cells = bench.args, []
+    for kind in args.workloads:
         for concurrency in args.concurrency:
             for rnd in range(args.rounds):
-                shift = rnd % len(targets)
-                for target in targets[shift:] + targets[:shift]:  # alternate who goes first
-                    if request_for(target, workload, 0, image) is None:
-                        continue
-                    cell = measure(servers, target, workload, concurrency, args.seconds,
-                                   args.max_requests, image)
-                    cell["round"] = rnd
-                    cells.append(cell)
-                    print(json.dumps(cell), flush=True)
+                modes = [m for m in args.modes if (m == "shared" or kind == "text_embed")]
+                modes = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
+                for mode in modes:
+                    targets = [t for t, k in bench.cells(mode) if k == kind]
+                    shift = rnd % len(targets)
+                    for target in targets[shift:] + targets[:shift]:
+                        cell = bench.measure(mode, target, kind, concurrency, args.seconds)
+                        cell["round"] = rnd
+                        cells.append(cell)
+                        print(json.dumps(cell), flush=True)
+    bench.enter("shared")
     return cells
 
 
-def model_limit(args: argparse.Namespace, batch: int) -> dict[str, Any]:
+def model_limit(args: argparse.Namespace, batch: int, cpus: set[int]) -> dict[str, Any]:
+    """`clipms-bench encode --bundle` at `batch`, allowed only `cpus` (as the service was)."""
     out = subprocess.run([str(BIN / "clipms-bench"), "encode", "--bundle", str(args.bundle),
-                          "--batch-size", str(batch), "--steps", "20"], capture_output=True,
-                         text=True, check=True, timeout=1800)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+                          "--batch-size", str(batch), "--steps", str(args.limit_steps)],
+                         capture_output=True, text=True, check=True, timeout=1800,
+                         preexec_fn=lambda: os.sched_setaffinity(0, cpus))
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "cpus": sorted(cpus)}
+
+
+def limits(bench: Bench, cells: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per mode, `--limit-runs` model-alone runs at the mode's mean batch, modes alternated."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    batch = {}
+    for mode in bench.args.modes:
+        means = [c["mean_batch"] for c in cells if (c["mode"], c["target"], c["workload"],
+                 c["concurrency"]) == (mode, "service", "text_embed", 32) and c.get("mean_batch")]
+        if means:
+            batch[mode] = max(1, round(statistics.median(means)))
+    for rnd in range(bench.args.limit_runs):
+        order = list(batch)[rnd % max(1, len(batch)):] + list(batch)[:rnd % max(1, len(batch))]
+        for mode in order:
+            run = model_limit(bench.args, batch[mode], bench.cpus[mode][0])
+            runs.setdefault(mode, []).append(run)
+            print(json.dumps({"limit": mode, **run}), flush=True)
+    return runs
+
+
+def median_of(cells: list[dict[str, Any]], mode: str, target: str, kind: str,
+              concurrency: int, key: str) -> float | None:
+    values = [c[key] for c in cells if (c["mode"], c["target"], c["workload"], c["concurrency"])
+              == (mode, target, kind, concurrency) and c.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
 
 
 def summarize(cells: list[dict[str, Any]], warmup: list[dict[str, Any]],
-              limit: dict[str, Any] | None) -> dict[str, Any]:
-    def median(target: str, workload: str, concurrency: int, key: str) -> float | None:
-        values = [c[key] for c in cells if (c["target"], c["workload"], c["concurrency"]) ==
-                  (target, workload, concurrency) and c.get(key) is not None]
-        return statistics.median(values) if values else None
-
-    qps = {t: median(t, "text_embed", 32, "qps") for t in TARGETS}
-    summary = {
+              runs: dict[str, list[dict[str, Any]]], mode: str) -> dict[str, Any]:
+    qps = {t: median_of(cells, mode, t, "text_embed", 32, "qps") for t in TARGETS}
+    loads = [c["load_avg_1min"] for c in cells if c["mode"] == mode]
+    summary: dict[str, Any] = {
         "text_qps_c32": qps,
-        "vs_mlflow": round(qps["service"] / qps["mlflow"], 2)
-        if qps["service"] and qps["mlflow"] else None,
-        "vs_batching_off": round(qps["service"] / qps["service_b1"], 2)
-        if qps["service"] and qps["service_b1"] else None,
-        "p99_ms_c8_text": median("service", "text_embed", 8, "p99_ms"),
-        "errors": sum(c["errors"] for c in cells),
-        "servers_died": sorted({c["target"] for c in cells if "server_exit" in c}),
-        "warmup_errors": sum(c["errors"] for c in warmup),
+        "vs_mlflow": ratio(qps["service"], qps["mlflow"]),
+        "vs_batching_off": ratio(qps["service"], qps["service_b1"]),
+        "p99_ms_c8_text": median_of(cells, mode, "service", "text_embed", 8, "p99_ms"),
+        "server_cpu_ms_per_request_c32": median_of(cells, mode, "service", "text_embed", 32,
+                                                   "server_cpu_ms_per_request"),
+        "client_cpu_ms_per_request_c32": median_of(cells, mode, "service", "text_embed", 32,
+                                                   "client_cpu_ms_per_request"),
+        "errors": sum(c["errors"] for c in cells if c["mode"] == mode),
+        "servers_died": sorted({c["target"] for c in cells if "server_exit" in c
+                                and c["mode"] == mode}),
+        "load_avg_1min_range": [min(loads), max(loads)] if loads else None,
     }
-    if limit is not None and qps["service"]:
-        summary.update(model_texts_per_s=limit["texts_per_s"], limit_batch=limit["batch_size"],
-                       vs_model_limit=round(qps["service"] / limit["texts_per_s"], 2))
+    if mode == "shared":
+        summary["warmup_errors"] = sum(c["errors"] for c in warmup)
+    if runs.get(mode) and qps["service"]:
+        rates = [r["texts_per_s"] for r in runs[mode]]
+        summary.update(model_texts_per_s=statistics.median(rates), model_runs=rates,
+                       model_cpu_ms_per_text=statistics.median(
+                           r["cpu_ms_per_text"] for r in runs[mode]),
+                       limit_batch=runs[mode][0]["batch_size"], limit_cpus=runs[mode][0]["cpus"],
+                       vs_model_limit=ratio(qps["service"], statistics.median(rates)))
     return summary
 
 
 def markdown(cells: list[dict[str, Any]]) -> str:
-    rows = ["| workload | concurrency | server | QPS | p50 ms | p95 ms | p99 ms | mean batch "
-            "| server CPU ms/request | errors | load |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| mode | workload | concurrency | server | QPS | p50 ms | p95 ms | p99 ms "
+            "| mean batch | server CPU ms/request | client CPU ms/request | errors | load |",
+            "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         died = f" (server died: {c['server_exit']})" if "server_exit" in c else ""
-        rows.append(f"| {c['workload']} | {c['concurrency']} | {c['target']} | {c['qps']} | "
-                    f"{c['p50_ms']} | {c['p95_ms']} | {c['p99_ms']} | "
+        rows.append(f"| {c['mode']} | {c['workload']} | {c['concurrency']} | {c['target']} | "
+                    f"{c['qps']} | {c['p50_ms']} | {c['p95_ms']} | {c['p99_ms']} | "
                     f"{c.get('mean_batch', '-')} | {c.get('server_cpu_ms_per_request', '-')} | "
-                    f"{c['errors']}{died} | "
+                    f"{c['client_cpu_ms_per_request']} | {c['errors']}{died} | "
                     f"{c['load_avg_1min']} |")
     return "\n".join(rows)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bundle", type=Path, default=Path("models/export"))
@@ -362,11 +250,18 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument("--seconds", type=float, default=10.0, help="per cell (bounded load)")
-    p.add_argument("--max-requests", type=int, default=20000, help="per cell, at most")
+    p.add_argument("--max-requests", type=int, default=50000, help="per cell, at most")
     p.add_argument("--rounds", type=int, default=1, help="repeats of every cell; medians kept")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-wait-ms", type=float, default=5.0)
     p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--pinned-targets", nargs="+", choices=TARGETS, default=["service"],
+                   help="servers measured in the pinned mode (text embeddings)")
+    p.add_argument("--server-cpu", type=int, default=1, help="pinned mode: the servers' CPU")
+    p.add_argument("--client-cpu", type=int, default=0, help="pinned mode: the client's CPU")
+    p.add_argument("--check-every", type=int, default=50,
+                   help="decode and check one answer in this many (the rest: status and size)")
     p.add_argument("--warmup-s", type=float, default=3.0,
                    help="untimed load per server and workload before the cells")
     p.add_argument("--mlflow-workers", type=int, default=os.cpu_count() or 1,
@@ -379,35 +274,44 @@ def main() -> int:
     p.add_argument("--mlflow-tracking-uri")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--no-limit", action="store_true", help="skip the clipms-bench model limit")
+    p.add_argument("--limit-runs", type=int, default=2, help="model-alone runs per mode")
+    p.add_argument("--limit-steps", type=int, default=40, help="timed steps per model-alone run")
     p.add_argument("--out", type=Path, help="write all cells and the summary as JSON here")
     args = p.parse_args()
+    if "pinned" in args.modes and len({args.server_cpu, args.client_cpu} &
+                                      os.sched_getaffinity(0)) < 2:
+        p.error(f"the pinned mode needs two CPUs (--server-cpu {args.server_cpu}, --client-cpu "
+                f"{args.client_cpu}) that this process may use: {sorted(os.sched_getaffinity(0))}")
+    return args
 
+
+def main() -> int:
+    args = parse_args()
+    from clipms.index import bundle_digest
+
+    dim = json.loads((args.bundle / "bundle.json").read_text())["embed_dim"]
     load_before = os.getloadavg()
-    cpu_started = time.process_time()
     with tempfile.TemporaryDirectory(prefix="clipms-bench-serving-") as tmp:
         servers: dict[str, Server] = {}
         try:
             start_servers(args, Path(tmp), servers)
-            image = sample_image()
-            warmup = warm_up(args, servers, image)
-            cells = run_cells(args, servers, image)
+            bench = Bench(args, servers, sample_image(), dim)
+            warmup = warm_up(bench)
+            cells = run_cells(bench)
         finally:
             for server in servers.values():
                 server.stop()
-    client_cpu_s = time.process_time() - cpu_started
-    batches = [c["mean_batch"] for c in cells if c["target"] == "service" and
-               c["workload"] == "text_embed" and c["concurrency"] == 32 and c.get("mean_batch")]
-    limit = None
-    if batches and not args.no_limit:
-        limit = model_limit(args, max(1, round(statistics.median(batches))))
-    result = {"cells": cells, "warmup": warmup, "summary": summarize(cells, warmup, limit),
-              "limit": limit, "mlflow_workers": args.mlflow_workers,
-              "mlflow_timeout_s": args.mlflow_timeout,
-              "client_cpu_s": round(client_cpu_s, 1), "cpus": os.cpu_count(),
+    runs = {} if args.no_limit else limits(bench, cells)
+    summary = {mode: summarize(cells, warmup, runs, mode) for mode in args.modes}
+    result = {"summary": summary, "cells": cells, "warmup": warmup, "limits": runs,
+              "bundle": str(args.bundle), "bundle_digest": bundle_digest(args.bundle),
+              "mlflow_workers": args.mlflow_workers, "mlflow_timeout_s": args.mlflow_timeout,
+              "cpus": os.cpu_count(), "server_cpu": args.server_cpu,
+              "client_cpu": args.client_cpu,
               "load_avg_before": [round(x, 2) for x in load_before],
               "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
     print(markdown(cells))
-    print(json.dumps(result["summary"], indent=2))
+    print(json.dumps(summary, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
