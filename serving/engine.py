@@ -39,6 +39,11 @@ class ModelInfo:
     def public(self) -> dict[str, str]:
         return {"name": self.name, "version": self.version}
 
+    @functools.cached_property
+    def header(self) -> bytes:
+        """The X-Model-Version value: `<name>/<version>`."""
+        return f"{self.name}/{self.version}".encode()
+
 
 @dataclass(frozen=True)
 class BatchSettings:

@@ -17,9 +17,11 @@ import json
 import time
 from typing import Any
 
-from serving.metrics import endpoint_label
+from serving.metrics import ENDPOINTS, endpoint_label
 
 MODEL_SCOPE_KEY = "clipms.model"  # set by the handler to the ModelInfo of the engine it used
+BODY_SCOPE_KEY = "clipms.body"  # the body as read here (within the limit), for the handlers
+LABELS = {endpoint: endpoint for endpoint in ENDPOINTS if endpoint != "/static"}  # exact paths
 PROTECTED = frozenset({"/v1/embeddings", "/v1/search", "/v1/rank", "/v1/thumbnails", "/metrics"})
 Scope = dict[str, Any]
 
@@ -37,14 +39,16 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        endpoint = endpoint_label(scope["path"])
+        path = scope["path"]
+        endpoint = LABELS.get(path) or endpoint_label(path)
         started = time.perf_counter()
-        status = {"code": 500}
+        status = 500
 
         async def send_named(message: dict[str, Any]) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-                message = {**message, "headers": [*message.get("headers", []),
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()),
                                                   (b"x-model-version", self._version(scope))]}
             await send(message)
 
@@ -59,9 +63,10 @@ class Guard:
                 await _refuse(send_named, 413, f"request body over the limit of {self.max_body} "
                               "bytes", [(b"connection", b"close")])
                 return
+            scope[BODY_SCOPE_KEY] = body
             await self.app(scope, _replay(body, receive), send_named)
         finally:
-            self._observe(endpoint, status["code"], time.perf_counter() - started)
+            self._observe(endpoint, status, time.perf_counter() - started)
 
     def _authorized(self, scope: Scope) -> bool:
         if self._expected is None:
@@ -82,7 +87,7 @@ class Guard:
 
     def _version(self, scope: Scope) -> bytes:
         info = scope.get(MODEL_SCOPE_KEY) or getattr(self.state.engine, "info", None)
-        return f"{info.name}/{info.version}".encode() if info else b"none"
+        return info.header if info else b"none"
 
     async def _read_body(self, scope: Scope, receive: Any) -> bytes | None:
         """The whole body, or None when it is over the limit."""

@@ -30,7 +30,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from clipms.inputs import image_bytes
 from clipms.preprocess import preprocess_image
 from serving.engine import Engine
-from serving.guard import MODEL_SCOPE_KEY
+from serving.guard import BODY_SCOPE_KEY, MODEL_SCOPE_KEY
 from serving.state import ServiceState
 
 STATIC = Path(__file__).with_name("static")
@@ -72,8 +72,9 @@ Body = TypeVar("Body", bound=BaseModel)
 
 async def parse(request: Request, model: type[Body]) -> Body:
     """The request body as `model`, parsed and checked by pydantic in one pass (400 otherwise)."""
+    body = request.scope.get(BODY_SCOPE_KEY)  # serving.guard read it
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(await request.body() if body is None else body)
     except ValidationError as err:
         raise RequestValidationError(err.errors(include_url=False)) from None
 
