@@ -121,14 +121,29 @@ class Batcher:
             if not self._pending:
                 await self._sleep(loop, None)
                 continue
-            deadline = loop.time() + self.max_wait
-            while not self._complete() and loop.time() < deadline:
-                await self._sleep(loop, deadline)
+            await self._gather(loop)
             batch = [self._pending.popleft()
                      for _ in range(min(self.max_batch, len(self._pending)))]
             batch = [item for item in batch if not item.future.done()]  # callers gone
             if batch:
                 await self._compute(loop, batch)
+
+    async def _gather(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait until the waiting rows make a batch, at most max_wait. Before a batch short of
+        max_batch goes because no request is in flight, the loop runs twice more: requests whose
+        bytes have already arrived are parsed and queue their rows (a closed-loop client's
+        next requests arrive while the answers of the last batch are still being sent)."""
+        deadline = loop.time() + self.max_wait
+        drained = False
+        while len(self._pending) < self.max_batch and loop.time() < deadline:
+            if not self._complete():
+                await self._sleep(loop, deadline)
+            elif drained:
+                return
+            else:
+                drained = True
+                await asyncio.sleep(0)  # the sockets are read
+                await asyncio.sleep(0)  # the requests read run up to their submit()
 
     async def _compute(self, loop: asyncio.AbstractEventLoop, batch: list[_Item]) -> None:
         started = time.perf_counter()
