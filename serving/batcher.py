@@ -22,6 +22,34 @@ from typing import Any
 import numpy as np
 
 
+class Returning:
+    """Keep-alive connections answered within the last `window` seconds that have not sent their
+    next request yet: a client in a loop, about to come back. While there are any, a batch waits
+    for them (never longer than its max_wait); a connection that does not come back expires."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self._answered: dict[Any, float] = {}  # connection -> when its answer went, oldest first
+
+    def arrived(self, connection: Any) -> None:
+        self._answered.pop(connection, None)
+
+    def answered(self, connection: Any) -> None:
+        self._answered.pop(connection, None)
+        self._answered[connection] = time.perf_counter()
+
+    def expected(self) -> bool:
+        """Whether a connection answered within the window has not come back yet."""
+        answered = self._answered
+        oldest = time.perf_counter() - self.window
+        while answered:
+            connection = next(iter(answered))
+            if answered[connection] >= oldest:
+                return True
+            del answered[connection]
+        return False
+
+
 class Overloaded(RuntimeError):
     """The queue of a tower is full: the client should retry later (HTTP 503)."""
 

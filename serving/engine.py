@@ -108,11 +108,15 @@ class Engine:
         return self.encoder.encode_preprocessed(stacked)[:len(arrays)]
 
     # -- the event loop side
-    def start(self, executor: Executor, settings: BatchSettings, on_batch: Any = None) -> None:
+    def start(self, executor: Executor, settings: BatchSettings, on_batch: Any = None,
+              returning: Callable[[], bool] = lambda: False) -> None:
+        """The batchers; more rows can come while a request in flight has not queued yet, or
+        while `returning()` (serving.batcher.Returning: a keep-alive client about to send)."""
         def batcher(tower: str, run: Any) -> Batcher:
             return Batcher(tower, lambda items: run(items, settings.max_batch), executor,
                            settings.max_batch, settings.max_wait_ms, settings.max_queue,
-                           on_batch, more_coming=lambda waiting: self.inflight > waiting)
+                           on_batch, more_coming=lambda waiting: self.inflight > waiting
+                           or returning())
 
         self.text = batcher("text", self._encode_texts)
         self.image = batcher("image", self._encode_images)

@@ -22,6 +22,7 @@ from serving.metrics import ENDPOINTS, endpoint_label
 MODEL_SCOPE_KEY = "clipms.model"  # set by the handler to the ModelInfo of the engine it used
 BODY_SCOPE_KEY = "clipms.body"  # the body as read here (within the limit), for the handlers
 LABELS = {endpoint: endpoint for endpoint in ENDPOINTS if endpoint != "/static"}  # exact paths
+MODEL_ENDPOINTS = frozenset({"/v1/embeddings", "/v1/search", "/v1/rank"})
 PROTECTED = frozenset({"/v1/embeddings", "/v1/search", "/v1/rank", "/v1/thumbnails", "/metrics"})
 Scope = dict[str, Any]
 
@@ -52,6 +53,9 @@ class Guard:
                                                   (b"x-model-version", self._version(scope))]}
             await send(message)
 
+        connection = self._returning(scope, endpoint)
+        if connection is not None:
+            self.state.returning.arrived(connection)
         try:
             if endpoint in PROTECTED and not self._authorized(scope):
                 await _refuse(send_named, 401, "missing or wrong bearer token (Authorization: "
@@ -67,6 +71,18 @@ class Guard:
             await self.app(scope, _replay(body, receive), send_named)
         finally:
             self._observe(endpoint, status, time.perf_counter() - started)
+            if connection is not None and status == 200:
+                self.state.returning.answered(connection)
+
+    @staticmethod
+    def _returning(scope: Scope, endpoint: str) -> Any:
+        """The connection of a model request that may come back on it (keep-alive), else None."""
+        if endpoint not in MODEL_ENDPOINTS or scope.get("client") is None:
+            return None
+        for name, value in scope.get("headers", ()):
+            if name == b"connection" and b"close" in value.lower():
+                return None
+        return tuple(scope["client"])
 
     def _authorized(self, scope: Scope) -> bool:
         if self._expected is None:

@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from serving.batcher import Returning
 from serving.engine import BatchSettings, Engine
 from serving.metrics import ServiceMetrics
 from serving.source import Fetched, RegistrySource, SourceError
@@ -86,6 +87,9 @@ class ServiceState:
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self.decode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="decode")
         self.engine: Engine | None = None
+        # Keep-alive clients answered within max_wait (serving.guard records them): a batch
+        # waits for their next request rather than going short.
+        self.returning = Returning(batching.max_wait_ms / 1000.0)
         self._fetched: dict[str, Fetched] = {}
         self.failed: dict[str, str] = {}  # version -> why it was not swapped in
         self._retiring: set[asyncio.Task] = set()
@@ -118,7 +122,8 @@ class ServiceState:
         return engine
 
     def _swap(self, engine: Engine, fetched: Fetched) -> None:
-        engine.start(self.model_thread, self.batching, self.metrics.observe_batch)
+        engine.start(self.model_thread, self.batching, self.metrics.observe_batch,
+                     self.returning.expected)
         old, self.engine = self.engine, engine  # the atomic swap: one assignment on the loop
         self._fetched[engine.info.version] = fetched
         info = engine.info

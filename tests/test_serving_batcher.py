@@ -99,3 +99,43 @@ def test_a_cancelled_caller_is_left_out_of_the_batch() -> None:
                          more_coming=lambda waiting: waiting < 3)
     assert tower.batches == [[2.0, 3.0]]
     assert [rows[0].tolist() for rows in answers] == [[2, 4], [3, 6]]
+
+
+def test_returning_connections_are_expected_until_they_come_back_or_expire() -> None:
+    from serving.batcher import Returning
+
+    returning = Returning(window=3600.0)
+    assert not returning.expected()
+    returning.answered(("127.0.0.1", 5001))
+    returning.answered(("127.0.0.1", 5002))
+    assert returning.expected()
+    returning.arrived(("127.0.0.1", 5001))
+    assert returning.expected()  # 5002 has not come back
+    returning.arrived(("127.0.0.1", 5002))
+    assert not returning.expected()
+    gone = Returning(window=5.0)
+    gone.answered(("127.0.0.1", 5003))
+    gone._answered[("127.0.0.1", 5003)] -= 10.0  # answered 10 s ago: past the window
+    assert not gone.expected() and not gone._answered  # expired and forgotten
+
+
+def test_a_batch_waits_for_a_returning_client_and_goes_when_it_is_back() -> None:
+    """more_coming says yes while a client is expected: the lone row waits for the next one
+    (ten minutes of max_wait, so only the arrival of B's row can end the wait)."""
+    from serving.batcher import Returning
+
+    returning = Returning(window=3600.0)
+    returning.answered("client B")
+
+    async def scenario(batcher: Batcher) -> list[list[np.ndarray]]:
+        first = asyncio.ensure_future(batcher.submit([1.0]))
+        await asyncio.sleep(0.05)  # the batcher had its turns; B is still expected
+        assert not first.done()
+        returning.arrived("client B")  # B is back: its row joins the waiting one
+        second = asyncio.ensure_future(batcher.submit([2.0]))
+        return [await first, await second]
+
+    answers, tower = run(scenario, max_wait_ms=600_000.0,
+                         more_coming=lambda waiting: returning.expected())
+    assert tower.batches == [[1.0, 2.0]]
+    assert [rows[0].tolist() for rows in answers] == [[1, 2], [2, 4]]
