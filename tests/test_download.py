@@ -195,8 +195,10 @@ def test_killed_download_resumes_only_unfinished_shards(tmp_path):
         site.requests.clear()
         proc = run_stage("download", tmp_path)
         assert "resuming" in proc.stdout and "1 finished shard(s) are kept" in proc.stdout
-        assert sorted(site.requests) == ["/good/4.jpg", "/good/5.jpg", "/stall/2.jpg",
-                                         "/stall/3.jpg"]
+        # which URLs, not how often: a fetch that times out on a loaded machine is retried
+        # (`download.retries`), and CI saw /stall/3.jpg asked twice at load 11
+        assert sorted(set(site.requests)) == ["/good/4.jpg", "/good/5.jpg", "/stall/2.jpg",
+                                              "/stall/3.jpg"]
     assert (out / "00000.tar").stat().st_mtime_ns == finished
     metrics = json.loads((tmp_path / "metrics/download.json").read_text())
     assert metrics["successes"] == 6 and metrics["shards_done"] == 3
