@@ -239,9 +239,13 @@ def test_a_full_queue_answers_503_and_nothing_else_fails(world) -> None:
     url = world["url"]
     status, body = post_json(f"{url}/v1/embeddings", {"texts": ["t"] * (MAX_QUEUE + 1)})
     assert status == 503 and "queue full" in body["error"]
+    # Each request fills the queue alone (MAX_QUEUE rows, two batches of MAX_BATCH): while its
+    # second half waits for the model, any other arrival is refused. One-text requests filled it
+    # only while the service was slower than 24 clients (a faster service answered all 48).
     with ThreadPoolExecutor(24) as pool:
         statuses = list(pool.map(
-            lambda i: post_json(f"{url}/v1/embeddings", {"texts": [f"burst {i}"]})[0],
+            lambda i: post_json(f"{url}/v1/embeddings",
+                                {"texts": [f"burst {i} {j}" for j in range(MAX_QUEUE)]})[0],
             range(48)))
     assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
     assert post_json(f"{url}/v1/search", {"text": "after the burst"})[0] == 200
