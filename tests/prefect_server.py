@@ -172,6 +172,17 @@ class PrefectStack:
             offset += len(rows)
         return "\n".join(lines)
 
+    def logs_containing(self, run_id: str, *needles: str, timeout: float = 30.0) -> str:
+        """The flow run's logs once every needle is in them (or at the timeout, as they are): a
+        run's last lines reach the API after its final state, since Prefect's API log handler
+        sends them in batches (PREFECT_LOGGING_TO_API_BATCH_INTERVAL)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            logs = self.logs(run_id)
+            if all(n in logs for n in needles) or time.monotonic() > deadline:
+                return logs
+            time.sleep(0.5)
+
     def task_runs(self, run_id: str) -> list[dict[str, Any]]:
         return self.api("POST", "/task_runs/filter", {
             "flow_runs": {"id": {"any_": [run_id]}}, "sort": "EXPECTED_START_TIME_ASC",
