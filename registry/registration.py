@@ -50,12 +50,16 @@ class RegistryError(RuntimeError):
     """The registry failed before the gate ran (logging, registering or tagging the version)."""
 
 
+_PROGRESS_BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+
+
 @contextmanager
 def _quiet_log_model() -> Iterator[None]:
     """log_model reloads the model to check its input example and says so at INFO, then draws a
     download bar of the bundle's files on stderr: a stage's output the user cannot act on. Its
     warnings and errors still show."""
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    bar = os.environ.get(_PROGRESS_BAR)
+    os.environ.setdefault(_PROGRESS_BAR, "false")
     logger = logging.getLogger("mlflow.pyfunc")
     level = logger.level
     logger.setLevel(logging.WARNING)
@@ -63,6 +67,8 @@ def _quiet_log_model() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+        if bar is None:  # the caller's environment, as it was: later MLflow calls draw their bars
+            os.environ.pop(_PROGRESS_BAR, None)
 
 
 @contextmanager

@@ -350,3 +350,17 @@ def test_system_metrics_are_logged_without_mlflow_info_lines(tmp_path: Path) -> 
     assert "system/cpu_utilization_percentage" in out.stdout, out.stdout + out.stderr
     noise = [line for line in out.stderr.splitlines() if "mlflow.system_metrics" in line]
     assert noise == [], noise
+
+
+@pytest.mark.parametrize("before", [None, "true"])
+def test_quiet_log_model_leaves_the_environment_as_it_found_it(monkeypatch,
+                                                               before: str | None) -> None:
+    from registry import registration
+    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    if before is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, before)
+    with registration._quiet_log_model():
+        assert os.environ[name] == (before or "false")  # no bar inside, unless the user asked
+    assert os.environ.get(name) == before
