@@ -1,58 +1,39 @@
 """The servers of benchmarks/bench_serving.py: each in its own process session on a free
-127.0.0.1 port, waited for until ready, its CPU time readable, and stopped with its children."""
+127.0.0.1 port (harness.processes, as the tests start theirs), waited for until ready, its CPU
+time readable, and stopped with its children."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+from harness import processes
+
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Server:
     """One server process in its own session; `stop()` ends it and its children."""
 
     def __init__(self, name: str, cmd: list[str], ready_path: str, env: dict[str, str],
-                 log_dir: Path, processes: int = 1) -> None:
-        self.name, self.port = name, free_port()
-        self.processes = processes  # uvicorn workers: each logs its start-up when its app loaded
+                 log_dir: Path, workers: int = 1) -> None:
+        self.name, self.port = name, processes.free_port()
+        self.workers = workers  # uvicorn workers: each logs its start-up when its app loaded
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready = self.url + ready_path
         self.log = log_dir / f"{name}.log"
         cmd = [c.replace("{port}", str(self.port)) for c in cmd]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+        self.proc = processes.spawn(cmd, self.log, mode="wb", env=env)
+
+    def _started(self) -> bool:
+        """/ready answers 200 and every worker has logged its start-up."""
+        started = self.log.read_text(errors="replace").count("Application startup complete")
+        return processes.http_ok(self.ready)() and started >= self.workers
 
     def wait(self, timeout: float) -> None:
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(self.ready, timeout=2) as response:
-                    started = self.log.read_text(errors="replace").count(
-                        "Application startup complete")
-                    if response.status == 200 and started >= self.processes:
-                        return
-            except OSError:
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"{self.name} not ready after {timeout} s")
+        processes.wait_until(self._started, self.proc, self.name, self.log, timeout, interval=1)
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system) used so far by the server and every process under it."""
@@ -77,13 +58,7 @@ class Server:
         return self.proc.poll()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(os.getpgid(self.proc.pid), signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(os.getpgid(self.proc.pid), signal.SIGKILL)
-                self.proc.wait(timeout=20)
+        processes.stop(self.proc, timeout=20, kill_timeout=20)
 
 
 def log_pyfunc(bundle: Path, folder: Path) -> tuple[str, str]:
@@ -130,6 +105,6 @@ def start_servers(args: argparse.Namespace, work: Path, servers: dict[str, Serve
             "--host", "127.0.0.1", "--port", "{port}", "--workers", str(args.mlflow_workers),
             "--timeout", str(args.mlflow_timeout)],
             "/ping", {**env, "MLFLOW_TRACKING_URI": tracking}, work,
-            processes=args.mlflow_workers)
+            workers=args.mlflow_workers)
     for server in servers.values():
         server.wait(args.startup_timeout)

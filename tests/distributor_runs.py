@@ -14,9 +14,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from clipms import webds
-from tests import processes
+from harness import processes
+from harness.processes import free_port
 from tests.image_site import Site, images_parquet, run_stage, write_params
-from tests.processes import free_port
 
 # Shard 1 (samples_per_shard 3) holds these; the other URLs are answered by shards 0 and 2.
 SHARD_1_REQUESTS = ["/good/3.jpg", "/good/4.jpg", "/good/5.jpg"]

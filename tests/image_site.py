@@ -19,7 +19,7 @@ import pandas as pd
 import yaml
 from PIL import Image
 
-from tests import processes
+from harness import processes
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SLOW_SECONDS = 2.5       # the slow URL answers after this; the download timeout is 1 s

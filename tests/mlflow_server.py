@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import processes
-from tests.processes import free_port
+from harness import processes
+from harness.processes import free_port
 
 STARTUP_TIMEOUT_S = 120.0  # ~12 s on an idle 2-core machine; much longer while 8 jobs share it
 

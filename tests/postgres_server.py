@@ -28,9 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests import processes
+from harness import processes
+from harness.processes import free_port
 from tests.mlflow_server import MlflowServer
-from tests.processes import free_port
 
 STARTUP_TIMEOUT_S = 60.0
 UNPRIVILEGED_USER = "nobody"  # who runs PostgreSQL when the tests run as root

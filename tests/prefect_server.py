@@ -25,8 +25,8 @@ from typing import Any, Self, TypeVar
 
 import pytest
 
-from tests import processes
-from tests.processes import free_port
+from harness import processes
+from harness.processes import free_port
 from tests.workspace import make_workspace, tool_env
 
 POOL = "clipms"

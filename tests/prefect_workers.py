@@ -15,9 +15,9 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests import processes
+from harness import processes
+from harness.processes import free_port
 from tests.prefect_server import POOL, PrefectStack, WebhookReceiver
-from tests.processes import free_port
 from tests.workspace import tool_env
 
 WORKER_LIMIT = 1  # flow runs a worker runs at once

@@ -16,8 +16,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests import processes
-from tests.processes import free_port
+from harness import processes
+from harness.processes import free_port
 from tests.workspace import tool_env
 
 STARTUP_TIMEOUT_S = 300.0

@@ -1,4 +1,4 @@
-"""tests/processes.py on real processes: a server that answers, one that dies with its reason in
+"""harness/processes.py on real processes: a server that answers, one that dies with its reason in
 its log, one that never becomes ready, and process groups that must end whole (a leader and a child
 that both ignore SIGTERM; a child left behind by a leader that exited by itself)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import processes
+from harness import processes
 
 PY = sys.executable
 IGNORE_TERM = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)"

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests import processes
+from harness import processes
+from harness.processes import free_port
 from tests.hostile_images import EPS, encoded, png_bomb, png_header_bomb
 from tests.mlflow_server import http_get
-from tests.processes import free_port
 
 pytestmark = pytest.mark.slow
 MODEL = "clip-hostile"
