@@ -25,8 +25,10 @@ takes its share of them), and `pinned` (text embeddings, `--pinned-targets`): th
 `--server-cpu`, the client on `--client-cpu`. After the cells `clipms-bench encode --bundle`
 measures what the model itself does at the batched service's mean text batch size at concurrency
 32, per mode on the CPUs the service had in it (both cores; the server CPU): the limit, so the
-service's own overhead shows (`--limit-runs` runs per mode, alternated, medians). Every server is
-stopped at the end.
+service's own overhead shows (`--limit-runs` runs per mode, alternated, medians). The limit's rate
+is the mean over its `--limit-steps` timed steps (texts / time), not its median step: the
+service's QPS is a mean over seconds with every interruption in it, so the limit is measured the
+same way (the median step's rate is reported beside it). Every server is stopped at the end.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ BIN = Path(sys.executable).parent
 WORKLOADS = ("text_embed", "image_embed", "text_search")
 TARGETS = ("service", "service_b1", "mlflow")
 MODES = ("shared", "pinned")
+LIMIT_RATE = ("texts/s of the model alone: the mean over its timed steps (texts / time, every "
+              "interruption counted, as in the service's QPS), warm-up left out; "
+              "model_texts_per_s_median_step: at its median step")
 
 
 def sample_image() -> str:
@@ -163,7 +168,8 @@ def run_cells(bench: Bench) -> list[dict[str, Any]]:
 def model_limit(args: argparse.Namespace, batch: int, cpus: set[int]) -> dict[str, Any]:
     """`clipms-bench encode --bundle` at `batch`, allowed only `cpus` (as the service was)."""
     out = subprocess.run([str(BIN / "clipms-bench"), "encode", "--bundle", str(args.bundle),
-                          "--batch-size", str(batch), "--steps", str(args.limit_steps)],
+                          "--towers", "text", "--batch-size", str(batch),
+                          "--steps", str(args.limit_steps)],
                          capture_output=True, text=True, check=True, timeout=1800,
                          preexec_fn=lambda: os.sched_setaffinity(0, cpus))
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "cpus": sorted(cpus)}
@@ -219,8 +225,10 @@ def summarize(cells: list[dict[str, Any]], warmup: list[dict[str, Any]],
     if mode == "shared":
         summary["warmup_errors"] = sum(c["errors"] for c in warmup)
     if runs.get(mode) and qps["service"]:
-        rates = [r["texts_per_s"] for r in runs[mode]]
+        rates = [r["texts_per_s_mean"] for r in runs[mode]]
         summary.update(model_texts_per_s=statistics.median(rates), model_runs=rates,
+                       model_rate=LIMIT_RATE, model_texts_per_s_median_step=statistics.median(
+                           r["texts_per_s"] for r in runs[mode]),
                        model_cpu_ms_per_text=statistics.median(
                            r["cpu_ms_per_text"] for r in runs[mode]),
                        limit_batch=runs[mode][0]["batch_size"], limit_cpus=runs[mode][0]["cpus"],
@@ -275,7 +283,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--no-limit", action="store_true", help="skip the clipms-bench model limit")
     p.add_argument("--limit-runs", type=int, default=2, help="model-alone runs per mode")
-    p.add_argument("--limit-steps", type=int, default=40, help="timed steps per model-alone run")
+    p.add_argument("--limit-steps", type=int, default=300,
+                   help="timed steps per model-alone run (its rate: the mean over them)")
     p.add_argument("--out", type=Path, help="write all cells and the summary as JSON here")
     args = p.parse_args()
     if "pinned" in args.modes and len({args.server_cpu, args.client_cpu} &

@@ -211,6 +211,7 @@ def test_bench_encode_bundle_and_retrieval_report_rates(exported):
         if argv[0] == "encode":
             assert result["source"] == "mindir" and result["images_per_s"] > 0
             assert result["texts_per_s"] > 0 and result["cpu_ms_per_image"] > 0
+            assert result["texts_per_s_mean"] > 0 and result["cpu_ms_per_text"] > 0
         else:
             assert result["captions"] == 250 and result["median_s"] > 0
 

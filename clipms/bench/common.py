@@ -1,7 +1,8 @@
 """What every `clipms-bench` subcommand shares: the registry (`SUBCOMMANDS`, `register`), the
 common arguments (--mode/--warmup/--steps/--threads/--kernel-fusion/--device), `setup_mindspore`
-(clipms.runtime + threads + seed), `time_steps` (warm-up, then per-step wall times in ms) and the
-random inputs. Pure Python + numpy at import: benchmarks/openclip_peer.py imports it without
+(clipms.runtime + threads + seed), `time_steps` (warm-up, then per-step wall times in ms),
+`timed_steps` (the same with the timed steps' total wall and CPU time: median and mean rates)
+and the random inputs. Pure Python + numpy at import: benchmarks/openclip_peer.py imports it without
 MindSpore.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,23 +69,60 @@ def setup_mindspore(args: argparse.Namespace) -> None:
     args.kernel_fusion_active = settings.kernel_fusion
 
 
+@dataclass(frozen=True)
+class StepTimes:
+    """The timed steps of a run (warm-up excluded): each step's wall time, the wall time of
+    all of them together (first start to last end, the loop between steps included) and the
+    process CPU time (all threads) they took."""
+
+    times_ms: list[float]
+    wall_s: float
+    cpu_s: float
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times_ms)
+
+    def median_rate(self, items_per_step: int) -> float:
+        """Items per second at the median step: a step no other process interrupted."""
+        return items_per_step / self.median_ms * 1000
+
+    def mean_rate(self, items_per_step: int) -> float:
+        """Items per second over all timed steps (total items / total time): every interruption
+        counted, as a service's requests per second over a span of seconds count them."""
+        return items_per_step * len(self.times_ms) / self.wall_s
+
+    def cpu_ms_per_item(self, items_per_step: int) -> float:
+        return self.cpu_s * 1000 / (items_per_step * len(self.times_ms))
+
+
+def timed_steps(step: Callable[[], Any], warmup: int, steps: int) -> StepTimes:
+    """Run `step` warmup times untimed, then `steps` (>= 1) times timed. `step` must block until
+    its result exists (e.g. end with .asnumpy())."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    for _ in range(warmup):
+        step()
+    times = []
+    cpu_start, wall_start = time.process_time(), time.perf_counter()
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1000)
+    wall, cpu = time.perf_counter() - wall_start, time.process_time() - cpu_start
+    return StepTimes(times, wall, cpu)
+
+
 def time_steps(step: Callable[[], Any], warmup: int, steps: int,
                cpu_ms: list[float] | None = None) -> list[float]:
     """Run `step` warmup times untimed, then `steps` times; wall time of each in ms.
     `step` must block until its result exists (e.g. end with .asnumpy()). If `cpu_ms` is a list,
     the process CPU time (all threads) per timed step is appended to it: less sensitive than wall
     time to other processes on a shared machine."""
-    for _ in range(warmup):
-        step()
-    times = []
-    cpu_start = time.process_time()
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1000)
+    run = timed_steps(step, warmup, max(steps, 1))
     if cpu_ms is not None:
-        cpu_ms.append((time.process_time() - cpu_start) * 1000 / max(steps, 1))
-    return times
+        cpu_ms.append(run.cpu_s * 1000 / len(run.times_ms))
+    return run.times_ms
 
 
 def random_tokens(n: int, context_length: int, vocab_size: int, seed: int = 0) -> np.ndarray:
