@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 ENDPOINTS = ("/", "/v1/embeddings", "/v1/search", "/v1/rank", "/v1/thumbnails", "/v1/model",
@@ -43,10 +45,15 @@ class ServiceMetrics:
             "clipms_model_swap_failure_info",
             "The last version that could not be swapped in, and why (value: unix time)",
             ["version", "reason"], registry=r)
+        self._towers: dict[str, tuple[Any, Any]] = {}
 
     def observe_batch(self, tower: str, size: int, seconds: float) -> None:
-        self.batch_size.labels(tower).observe(size)
-        self.batch_seconds.labels(tower).observe(seconds)
+        children = self._towers.get(tower)
+        if children is None:  # labels() locks and looks up; once per tower, not per batch
+            children = self._towers[tower] = (self.batch_size.labels(tower),
+                                              self.batch_seconds.labels(tower))
+        children[0].observe(size)
+        children[1].observe(seconds)
 
     def serving(self, name: str, version: str, alias: str | None, rows: int) -> None:
         self.model.clear()

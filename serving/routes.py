@@ -1,4 +1,5 @@
-"""The routes of the service (ROUTES; serving.app builds the FastAPI app around them).
+"""The routes of the service (ROUTES; serving.app builds the FastAPI app around them), and
+POST /v1/embeddings (`direct_embeddings`), which serving.guard answers itself, in front of FastAPI.
 
 The handlers are plain Starlette routes (`handler(request) -> Response`): they take no injected
 parameters, so FastAPI's per-request dependency solving (query, cookies, a sub-response) would be
@@ -8,6 +9,10 @@ parsed and validated in one step by pydantic from the raw bytes (`model_validate
 answers are written by orjson, which writes numpy arrays itself: an embedding row goes from the
 model's float32 array to JSON with no Python float per value. A float32 is written as the
 shortest decimal that reads back as the same float32 (`0.1`, not `0.10000000149011612`).
+
+/v1/embeddings, the hot path, skips pydantic too when it can: `embeddings_body` takes a body that
+orjson reads as what EmbeddingsBody plainly allows, and gives any other to pydantic, so what is
+accepted, and the 400 of what is not, are EmbeddingsBody's.
 """
 
 from __future__ import annotations
@@ -27,20 +32,15 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.routing import BaseRoute, Mount, Route
 
-from clipms.inputs import image_bytes
+from clipms.inputs import RequestLimits, image_bytes
 from clipms.preprocess import preprocess_image
 from serving.engine import Engine
-from serving.guard import BODY_SCOPE_KEY, MODEL_SCOPE_KEY
+from serving.errors import ClientError, error_answer
+from serving.guard import BODY_SCOPE_KEY, MODEL_SCOPE_KEY, Headers, Scope
 from serving.state import ServiceState
 
 STATIC = Path(__file__).with_name("static")
 MAX_K = 100
-
-
-class ClientError(ValueError):
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class Strict(BaseModel):
@@ -73,10 +73,39 @@ Body = TypeVar("Body", bound=BaseModel)
 async def parse(request: Request, model: type[Body]) -> Body:
     """The request body as `model`, parsed and checked by pydantic in one pass (400 otherwise)."""
     body = request.scope.get(BODY_SCOPE_KEY)  # serving.guard read it
+    return validated(model, await request.body() if body is None else body)
+
+
+def validated(model: type[Body], body: bytes) -> Body:
     try:
-        return model.model_validate_json(await request.body() if body is None else body)
+        return model.model_validate_json(body)
     except ValidationError as err:
         raise RequestValidationError(err.errors(include_url=False)) from None
+
+
+EMBEDDINGS_FIELDS = frozenset(EmbeddingsBody.model_fields)
+
+
+def _strings(value: Any) -> bool:
+    return value is None or (type(value) is list and all(type(v) is str for v in value))
+
+
+def embeddings_body(body: bytes) -> tuple[list[str], list[str], str]:
+    """(texts, images, encoding_format) of a /v1/embeddings body. A body orjson reads as what
+    EmbeddingsBody plainly allows (an object of those fields only, lists of strings, a known
+    format) is taken as it is; any other goes to pydantic, which accepts it as EmbeddingsBody
+    would or says what is wrong (400): the same answers, without pydantic on the common path."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    if type(data) is dict and data.keys() <= EMBEDDINGS_FIELDS and _strings(
+            data.get("texts")) and _strings(data.get("images")) and data.get(
+            "encoding_format", "float") in ("float", "base64"):
+        return data.get("texts") or [], data.get("images") or [], data.get("encoding_format",
+                                                                           "float")
+    parsed = validated(EmbeddingsBody, body)
+    return parsed.texts or [], parsed.images or [], parsed.encoding_format
 
 
 def _numpy_default(value: Any) -> Any:
@@ -86,10 +115,12 @@ def _numpy_default(value: Any) -> Any:
     raise TypeError(f"not JSON: {type(value).__name__}")
 
 
+def dumps(content: Any) -> bytes:
+    return orjson.dumps(content, default=_numpy_default, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 def json_response(content: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(content, default=_numpy_default,
-                                 option=orjson.OPT_SERIALIZE_NUMPY),
-                    status_code=status, media_type="application/json")
+    return Response(dumps(content), status_code=status, media_type="application/json")
 
 
 def encoded(rows: list[np.ndarray], encoding: str) -> list[Any]:
@@ -100,11 +131,15 @@ def encoded(rows: list[np.ndarray], encoding: str) -> list[Any]:
 
 class Using:
     """`with Using(request) as engine:` the current engine, kept alive until the block ends; the
-    response's X-Model-Version names it (serving.guard reads it from the scope)."""
+    response's X-Model-Version names it (serving.guard reads it from the scope). Without a
+    Request: `Using(state=..., scope=...)`."""
 
-    def __init__(self, request: Request) -> None:
-        self.engine = service(request).acquire()
-        request.scope[MODEL_SCOPE_KEY] = self.engine.info
+    def __init__(self, request: Request | None = None, state: ServiceState | None = None,
+                 scope: Scope | None = None) -> None:
+        state = service(request) if request is not None else state
+        scope = request.scope if request is not None else scope
+        self.engine = state.acquire()
+        scope[MODEL_SCOPE_KEY] = self.engine.info
 
     def __enter__(self) -> Engine:
         return self.engine
@@ -117,22 +152,34 @@ def service(request: Request) -> ServiceState:
     return request.app.state.service
 
 
-async def embeddings(request: Request) -> Response:
-    body = await parse(request, EmbeddingsBody)
-    texts, images = body.texts or [], body.images or []
+async def embed(state: ServiceState, limits: RequestLimits, scope: Scope, body: bytes) -> bytes:
+    """The JSON answer of a /v1/embeddings body (ClientError, InputError... for a bad one)."""
+    texts, images, encoding = embeddings_body(body)
     if not texts and not images:
         raise ClientError("give 'texts' and/or 'images' (base64), at least one item")
-    request.app.state.limits.check(texts, images)
-    with Using(request) as engine:
+    limits.check(texts, images)
+    with Using(state=state, scope=scope) as engine:
         if images:
-            arrays = await decode(service(request), engine, images, "images")
+            arrays = await decode(state, engine, images, "images")
             text_rows, image_rows = await asyncio.gather(engine.text.submit(texts),
                                                          engine.image.submit(arrays))
         else:  # the common case, one tower: no tasks to gather
             text_rows, image_rows = await engine.text.submit(texts), []
-        return json_response({"model": engine.info.public(),
-                              "text_embeddings": encoded(text_rows, body.encoding_format),
-                              "image_embeddings": encoded(image_rows, body.encoding_format)})
+        return dumps({"model": engine.info.public(),
+                      "text_embeddings": encoded(text_rows, encoding),
+                      "image_embeddings": encoded(image_rows, encoding)})
+
+
+async def direct_embeddings(state: ServiceState, limits: RequestLimits, scope: Scope,
+                            body: bytes) -> tuple[int, bytes, Headers]:
+    """POST /v1/embeddings answered by serving.guard itself (its `direct` handler): the answer,
+    or the error's, as the app's exception handlers would give it (serving.errors)."""
+    try:
+        return 200, await embed(state, limits, scope, body), []
+    except Exception as err:
+        status, message, headers = error_answer(err)
+        return status, orjson.dumps({"error": message}), [
+            (name.lower().encode(), value.encode()) for name, value in headers.items()]
 
 
 async def search(request: Request) -> Response:
@@ -231,7 +278,6 @@ async def query_vector(state: ServiceState, engine: Engine,
 
 
 ROUTES: list[BaseRoute] = [
-    Route("/v1/embeddings", embeddings, methods=["POST"]),
     Route("/v1/search", search, methods=["POST"]),
     Route("/v1/rank", rank, methods=["POST"]),
     Route("/v1/thumbnails/{key}", thumbnail, methods=["GET"]),

@@ -109,6 +109,57 @@ def test_embeddings_as_base64_are_the_float_answer_bit_for_bit(world) -> None:
         body["error"]
 
 
+def metric(text: str, sample: str) -> float:
+    """The value of one sample line (name and labels) of a /metrics text; 0 when absent."""
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_embeddings_answered_in_front_of_fastapi_keep_the_contract(world) -> None:
+    """POST /v1/embeddings is answered by serving.guard itself (serving.routes.direct_embeddings),
+    not by FastAPI: over one keep-alive connection its answers, its errors (pydantic's words, no
+    trace), its headers and its metrics are those of every other endpoint."""
+    import http.client
+
+    url, encoder, images = world["url"], world["encoder"], world["images"]
+    version = f"local:bundle/{world['digest'][:12]}"
+    before = request(f"{url}/metrics")[1].decode()
+    bodies = [{"texts": ["a red circle"]}, {"texts": [1]},
+              {"texts": ["x"], "encoding_format": None},
+              {"images": [b64(images[3])], "texts": ["y"]}, {"texts": ["z"]}]
+    connection = http.client.HTTPConnection("127.0.0.1", world["server"].port, timeout=30)
+    answers = []
+    for body in bodies:
+        connection.request("POST", "/v1/embeddings", json.dumps(body),
+                           {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        answers.append((response.status, json.loads(response.read()), response))
+    connection.close()
+    assert [status for status, _, _ in answers] == [200, 400, 400, 200, 200]
+    for _, _, response in answers:
+        assert response.getheader("x-model-version") == version
+        assert response.getheader("content-type") == "application/json"
+    np.testing.assert_allclose(answers[0][1]["text_embeddings"], encoder.encode_texts(
+        ["a red circle"]), atol=1e-5)
+    assert answers[1][1] == {"error": "texts/0: Input should be a valid string"}
+    assert answers[2][1] == {"error": "encoding_format: Input should be 'float' or 'base64'"}
+    np.testing.assert_allclose(answers[3][1]["image_embeddings"], encoder.encode_images(
+        [images[3]]), atol=1e-5)
+    assert answers[3][1]["model"] == answers[4][1]["model"] == {"name": "local:bundle",
+                                                                 "version": version[13:]}
+    status, payload, headers = request(f"{url}/v1/embeddings")  # a GET
+    assert status == 405 and json.loads(payload) == {"error": "Method Not Allowed"}
+    assert headers["allow"] == "POST" and headers["x-model-version"] == version
+    after = request(f"{url}/metrics")[1].decode()
+    counted = 'clipms_requests_total{endpoint="/v1/embeddings",status="%d"}'
+    assert metric(after, counted % 200) - metric(before, counted % 200) == 3
+    assert metric(after, counted % 400) - metric(before, counted % 400) == 2
+    timed = 'clipms_request_seconds_count{endpoint="/v1/embeddings"}'
+    assert metric(after, timed) - metric(before, timed) == 6
+
+
 def test_search_finds_the_planted_neighbour_first(world) -> None:
     url, encoder, images = world["url"], world["encoder"], world["images"]
     status, body = post_json(f"{url}/v1/search", {"image": b64(images[17]), "k": 5})
@@ -268,6 +319,10 @@ def test_token_protects_the_api_and_a_public_bind_needs_one(world, tmp_path) -> 
                                   str(tmp_path / "token")]) as server:
         status, body = post_json(f"{server.url}/v1/search", {"text": "a"})
         assert status == 401 and "bearer token" in body["error"]
+        for token, want in ((None, 401), ("s3cret-tokeN", 401), ("s3cret-token", 200)):
+            auth = {"Authorization": f"Bearer {token}"} if token else {}
+            assert post_json(f"{server.url}/v1/embeddings", {"texts": ["a"]},
+                             headers=auth)[0] == want, token
         assert request(f"{server.url}/metrics")[0] == 401
         ok = post_json(f"{server.url}/v1/search", {"text": "a"},
                        headers={"Authorization": "Bearer s3cret-token"})
