@@ -10,7 +10,8 @@
     python benchmarks/quality_vs_openclip.py run --work /tmp/qb --side ours --seed 0
     python benchmarks/quality_vs_openclip.py run --work /tmp/qb --side openclip --seed 0 \\
         --peer-python PEER_VENV/bin/python
-    # 3. the table (mean and per seed; ratios ours / open_clip)
+    # 3. the table (per seed and mean; then every arm, ours from each --init and open_clip, over
+    #    all its seeds: n, mean +- sd, ratio of the means, Welch t, paired t over common seeds)
     python benchmarks/quality_vs_openclip.py table --work /tmp/qb
 
 Same on both sides: architecture (`--preset`, open_clip's CLIP built from `to_openclip()`), the
@@ -31,6 +32,7 @@ import functools
 import http.server
 import json
 import logging
+import math
 import os
 import statistics
 import subprocess
@@ -242,7 +244,8 @@ def run(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------------------- table
 def table(args: argparse.Namespace) -> None:
     """Per setting: every run's recalls (both directions), mean +- sample sd over the seeds both
-    sides ran, and ours / open_clip of the R@5 means."""
+    sides ran, and ours / open_clip of the R@5 means; then per setting every arm (ours from each
+    init, open_clip) over all its seeds, compared (`comparison`)."""
     rows = [json.loads(line) for line in (args.work / "results.jsonl").read_text().splitlines()
             if line.strip()]
     groups: dict[tuple, dict[str, dict[int, dict]]] = {}
@@ -252,9 +255,9 @@ def table(args: argparse.Namespace) -> None:
             key = (key[0], f"{key[1]}, init {row['init']}", *key[2:])
         groups.setdefault(key, {}).setdefault(row["side"], {})[row["seed"]] = row
     for (preset, rule, steps, lr, batch), sides in sorted(groups.items()):
-        paired = sorted(set(sides.get("ours", {})) & set(sides.get("open_clip", {})))
+        both = sorted(set(sides.get("ours", {})) & set(sides.get("open_clip", {})))
         print(f"\n{preset}, wd rule {rule}, {steps} steps, lr {lr}, batch {batch}; "
-              f"seeds with both sides {paired}\n")
+              f"seeds with both sides {both}\n")
         print("| side | seed | " + " | ".join(TABLED) + " | load 1m |")
         print("|---" * (len(TABLED) + 3) + "|")
         for side in ("ours", "open_clip"):
@@ -263,20 +266,98 @@ def table(args: argparse.Namespace) -> None:
                 print(f"| {side} | {seed} | " + " | ".join(
                     f"{by_seed[seed][k]:.3f}" for k in TABLED) +
                       f" | {by_seed[seed]['load_avg_1m']} |")
-            seeds = paired or sorted(by_seed)
+            seeds = both or sorted(by_seed)
             if len(seeds) > 1:
                 print(f"| {side} | mean +- sd {seeds} | " + " | ".join(
                     _mean_sd([by_seed[s][k] for s in seeds]) for k in TABLED) + " | |")
-        if paired:
-            ratio = {k: statistics.mean(sides["ours"][s][k] for s in paired)
-                     / statistics.mean(sides["open_clip"][s][k] for s in paired)
+        if both:
+            ratio = {k: statistics.mean(sides["ours"][s][k] for s in both)
+                     / statistics.mean(sides["open_clip"][s][k] for s in both)
                      for k in ("i2t_R@5", "t2i_R@5")}
-            print(f"\nours / open_clip (means over {paired}): i2t R@5 {ratio['i2t_R@5']:.2f}, "
+            print(f"\nours / open_clip (means over {both}): i2t R@5 {ratio['i2t_R@5']:.2f}, "
                   f"t2i R@5 {ratio['t2i_R@5']:.2f}")
+    for (preset, rule, steps, lr, batch), by_arm in sorted(arms(rows).items()):
+        if len(by_arm) > 1:
+            print(f"\nComparison of the arms, {preset}, wd rule {rule}, {steps} steps, lr {lr}, "
+                  f"batch {batch} (mean +- sample sd over each arm's seeds)\n")
+            print("\n".join(comparison(by_arm)))
 
 
 def _mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} +- {statistics.stdev(values):.3f}"
+
+
+COMPARED = ("i2t_R@5", "t2i_R@5", "i2t_R@1", "t2i_R@1", "i2t_R@10", "t2i_R@10")
+
+
+def welch(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Welch's t of mean(a) - mean(b) (unequal variances) and its Welch-Satterthwaite df."""
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    t = (statistics.mean(a) - statistics.mean(b)) / (va + vb) ** 0.5
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    return t, df
+
+
+def paired(a: dict[int, float], b: dict[int, float]) -> tuple[list[int], float, float, float]:
+    """Over the seeds both have (same batches per seed): (seeds, mean and sd of a - b, t)."""
+    seeds = sorted(set(a) & set(b))
+    diffs = [a[s] - b[s] for s in seeds]
+    mean, sd = statistics.mean(diffs), statistics.stdev(diffs)
+    if sd:
+        return seeds, mean, sd, mean / (sd / len(seeds) ** 0.5)
+    return seeds, mean, sd, math.copysign(math.inf, mean) if mean else math.nan
+
+
+def arms(rows: list[dict]) -> dict[tuple, dict[str, dict[int, dict]]]:
+    """(preset, wd rule, steps, lr, batch) -> arm ("ours, init X" or "open_clip") -> seed -> row
+    (the last run of each counts)."""
+    found: dict[tuple, dict[str, dict[int, dict]]] = {}
+    for row in rows:
+        key = (row["preset"], row["wd_rule"], row["steps"], row["lr"], row["batch_size"])
+        arm = "open_clip" if row["side"] == "open_clip" else f"ours, init {row.get('init', 'own')}"
+        found.setdefault(key, {}).setdefault(arm, {})[row["seed"]] = row
+    return found
+
+
+def comparison(by_arm: dict[str, dict[int, dict]], metrics: tuple[str, ...] = COMPARED,
+               compared: tuple[str, ...] = ("i2t_R@5", "t2i_R@5")) -> list[str]:
+    """Markdown: every arm's n, mean +- sd per metric; then, per `compared` metric, every pair of
+    ours arms and every ours arm against open_clip: ratio of the means, Welch t (df), and the
+    paired difference by seed (mean +- sd, t) over the seeds both ran (the same batches), where
+    there are two or more."""
+    names = sorted(by_arm, key=lambda arm: (arm == "open_clip", arm))
+    lines = ["| arm | n | seeds | " + " | ".join(metrics) + " |", "|---" * (len(metrics) + 3) + "|"]
+    for arm in names:
+        seeds = sorted(by_arm[arm])
+        cells = [_mean_sd([by_arm[arm][s][k] for s in seeds]) if len(seeds) > 1
+                 else f"{by_arm[arm][seeds[0]][k]:.3f}" for k in metrics]
+        lines.append(f"| {arm} | {len(seeds)} | {_seed_span(seeds)} | " + " | ".join(cells) + " |")
+    ours = [arm for arm in names if arm != "open_clip"]
+    pairs = [(a, b) for i, b in enumerate(ours) for a in ours[i + 1:]]
+    pairs += [(a, "open_clip") for a in ours if "open_clip" in by_arm]
+    lines += ["", "| arm - reference | metric | ratio of means | Welch t (df) | paired seeds | "
+              "paired diff mean +- sd | paired t |", "|---" * 7 + "|"]
+    for a, b in pairs:
+        for k in compared:
+            x = {s: r[k] for s, r in by_arm[a].items()}
+            y = {s: r[k] for s, r in by_arm[b].items()}
+            if min(len(x), len(y)) < 2:
+                continue
+            t, df = welch(list(x.values()), list(y.values()))
+            ratio = statistics.mean(x.values()) / statistics.mean(y.values())
+            cells = ["", "", ""]
+            if len(set(x) & set(y)) > 1:
+                seeds, mean, sd, pt = paired(x, y)
+                cells = [_seed_span(seeds), f"{mean:+.4f} +- {sd:.4f}",
+                         "identical" if math.isnan(pt) else f"{pt:+.2f}"]
+            lines.append(f"| {a} - {b} | {k} | {ratio:.2f} | {t:+.2f} ({df:.1f}) | "
+                         + " | ".join(cells) + " |")
+    return lines
+
+
+def _seed_span(seeds: list[int]) -> str:
+    return (f"{seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1))
+            else ",".join(map(str, seeds)))
 
 
 def main() -> None:
