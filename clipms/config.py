@@ -26,6 +26,10 @@ class VisionConfig:
     layers: int = 12  # number of residual attention blocks
     head_width: int = 64  # open_clip stores per-head width; heads = width // head_width
     mlp_ratio: float = 4.0  # MLP hidden size = width * mlp_ratio
+    # How pixels become tokens. patch: open_clip's linear patch embedding. conv: a stack of
+    # log2(patch_size) stride-2 3x3 convolutions + a 1x1 one (Xiao et al. 2021, "Early
+    # Convolutions Help Transformers See Better"), the same token grid; not an open_clip tower.
+    stem: str = "patch"
 
     @property
     def heads(self) -> int:
@@ -34,6 +38,13 @@ class VisionConfig:
     @property
     def grid_size(self) -> int:
         return self.image_size // self.patch_size
+
+    @property
+    def stem_channels(self) -> tuple[int, ...]:
+        """stem 'conv': channels from the image through its log2(patch_size) stride-2 3x3
+        convolutions, doubling up to the width (3, D/8, D/4, D/2, D for 16-px patches)."""
+        depth = self.patch_size.bit_length() - 1
+        return (3, *(max(self.width >> (depth - 1 - i), 1) for i in range(depth)))
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +64,16 @@ class VisionConfig:
                 f"vision.width={self.width} is not a multiple of "
                 f"vision.head_width={self.head_width}"
             )
+        if self.stem not in STEMS:
+            raise ValueError(f"vision.stem={self.stem!r} is not one of {list(STEMS)}")
+        if self.stem == "conv" and (self.patch_size < 2 or self.patch_size & (self.patch_size - 1)):
+            raise ValueError(
+                f"vision.stem='conv' needs a power-of-two vision.patch_size (stride-2 "
+                f"convolutions), not {self.patch_size}"
+            )
+
+
+STEMS = ("patch", "conv")
 
 
 @dataclass(frozen=True)
@@ -115,6 +136,11 @@ class CLIPConfig:
     def to_openclip(self) -> dict[str, Any]:
         """The open_clip model-config JSON for this architecture (for `open_clip.CLIP(**cfg)`)."""
         v, t = self.vision, self.text
+        if v.stem != "patch":
+            raise ValueError(
+                f"vision.stem={v.stem!r} has no open_clip equivalent (open_clip's ViT embeds "
+                "patches linearly): only vision.stem='patch' models convert to open_clip"
+            )
         return {
             "embed_dim": self.embed_dim,
             "vision_cfg": {
@@ -240,7 +266,7 @@ def _from_openclip(cfg: dict[str, Any]) -> CLIPConfig:
     vcfg = dict(cfg["vision_cfg"])
     if not isinstance(vcfg.get("layers", 12), int):
         raise ValueError("open_clip vision_cfg.layers is a list: ResNet towers are not supported")
-    v_names = {f.name for f in dataclasses.fields(VisionConfig)}
+    v_names = {f.name for f in dataclasses.fields(VisionConfig)} - {"stem"}  # clipms's own
     t_names = {f.name for f in dataclasses.fields(TextConfig)}
     vision = VisionConfig(**_pick("vision_cfg", vcfg, v_names, _VISION_FIXED))
     text = TextConfig(**_pick("text_cfg", dict(cfg["text_cfg"]), t_names, _TEXT_FIXED))

@@ -13,6 +13,8 @@ Name/layout mapping (open_clip -> clipms), everything else is a rename only:
   *.ln_*.weight / .bias                  -> *.ln_*.gamma / .beta
   token_embedding.weight                 -> text.token_embedding.embedding_table
   positional_embedding, transformer.*, ln_final.*, text_projection -> text.<same>
+A model with `vision.stem: conv` (clipms's convolutional stem) has no open_clip counterpart and
+is refused both ways.
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ _IGNORED_OPENCLIP_KEYS = {"attn_mask", "visual.attn_mask"}
 
 class ConversionError(ValueError):
     """A state dict does not match the architecture; the message names every offending tensor."""
+
+
+def _require_patch_stem(cfg: CLIPConfig) -> None:
+    if cfg.vision.stem != "patch":
+        raise ConversionError(
+            f"vision.stem={cfg.vision.stem!r}: open_clip has no such image tower (its ViT embeds "
+            "patches linearly); only vision.stem='patch' models convert to or from open_clip"
+        )
 
 
 def _block_shapes(prefix: str, width: int, hidden: int) -> dict[str, tuple[int, ...]]:
@@ -117,6 +127,7 @@ def _rename_to_clipms(name: str) -> str:
 
 def openclip_to_clipms(state: dict[str, np.ndarray], cfg: CLIPConfig) -> dict[str, np.ndarray]:
     """open_clip state dict (numpy) -> clipms parameter dict (numpy, float32)."""
+    _require_patch_stem(cfg)
     check_openclip_state_dict(state, cfg)
     out: dict[str, np.ndarray] = {}
     for name, value in state.items():
@@ -147,6 +158,7 @@ def _rename_to_openclip(name: str) -> str:
 
 def clipms_to_openclip(params: dict[str, np.ndarray], cfg: CLIPConfig) -> dict[str, np.ndarray]:
     """clipms parameter dict (numpy) -> open_clip state dict (numpy, PyTorch names and layouts)."""
+    _require_patch_stem(cfg)
     out: dict[str, np.ndarray] = {}
     pending_qkv: dict[str, dict[str, np.ndarray]] = {}
     for name, value in params.items():

@@ -7,6 +7,8 @@ with MindSpore on CPU (measured; docs/model.md) and each a pure re-arrangement o
   (channel, row, column) patches) instead of a strided Conv2d;
 - attention has three Dense layers q/k/v instead of one fused in_proj (slicing its output is slow);
 - attention is BatchMatMul + softmax instead of a fused multi-head-attention kernel.
+`vision.stem: conv` swaps the patch embedding for a convolutional stem (`ConvStem`): clipms's own
+tower, not open_clip's, so such a model does not convert.
 
 Static shapes and no Python control flow on tensor values, so GRAPH_MODE (and Ascend) compile it.
 Shape letters: N batch, L sequence length, D width, H heads, E embed_dim.
@@ -170,6 +172,42 @@ class Transformer(nn.Cell):
         return x  # (N, L, D)
 
 
+class ConvStem(nn.Cell):
+    """(N, 3, g*p, g*p) -> (N, g*g, D) tokens through log2(p) stride-2 3x3 convolutions (padding
+    1, no bias), each followed by a LayerNorm over the channels of each position and ReLU, then a
+    1x1 convolution to the width (Xiao et al. 2021, "Early Convolutions Help Transformers See
+    Better", with a per-sample norm for their BatchNorm: training and inference compute the same
+    function). Channels double up to the width: 3 -> D/8 -> D/4 -> D/2 -> D for p = 16.
+
+    Each convolution is im2col (ops.unfold) + a Dense whose weight is nn.Conv2d's (C_out, C_in, 3,
+    3) flattened, initialised as nn.Conv2d's (U(+-1/sqrt(9 C_in))); the 1x1 is a Dense (weight
+    and bias U(+-1/sqrt(C_in))). MindSpore's CPU Conv2d with its gradients costs several times
+    this model's whole training step, im2col + MatMul a fraction of it (benchmarks/RESULTS.md,
+    Learnability, third round). The
+    tokens come out in the patch embedding's order (row-major over the grid)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        width, channels = cfg.width, cfg.stem_channels
+        pairs = list(zip(channels[:-1], channels[1:], strict=True))
+        self.convs = nn.CellList([nn.Dense(9 * c_in, c_out, has_bias=False,
+                                           weight_init=torch_uniform(9 * c_in))
+                                  for c_in, c_out in pairs])
+        self.norms = nn.CellList([LayerNorm(c_out) for _, c_out in pairs])
+        self.proj = nn.Dense(channels[-1], width, weight_init=torch_uniform(channels[-1]),
+                             bias_init=torch_uniform(channels[-1]))
+
+    def construct(self, image: Tensor) -> Tensor:
+        x = image  # (N, C, H, W)
+        for conv, norm in zip(self.convs, self.norms):  # noqa: B905 (graph mode: no strict=)
+            n, side = x.shape[0], x.shape[2] // 2
+            cols = ops.unfold(x, 3, 1, 1, 2).transpose(0, 2, 1)  # (N, side*side, 9C): (c, y, x)
+            y = ops.relu(norm(conv(cols)))  # (N, side*side, C_out), channels last
+            x = y.transpose(0, 2, 1).reshape(n, -1, side, side)  # (N, C_out, side, side)
+        x = x.reshape(x.shape[0], x.shape[1], -1).transpose(0, 2, 1)  # (N, g*g, C): row-major
+        return self.proj(x)  # (N, g*g, D)
+
+
 def _normal(shape: tuple[int, ...], std: float) -> Parameter:
     return Parameter(initializer(Normal(std), shape, ms.float32))
 
@@ -184,10 +222,13 @@ class VisionTransformer(nn.Cell):
         self.patch = p
         self.width = width
         scale = width**-0.5  # open_clip's init scale for class/positional embedding and proj
-        # Same numbers as open_clip's conv1.weight (D, 3, p, p), stored as (D, 3*p*p); initialised
-        # as that nn.Conv2d by PyTorch (fan_in 3*p*p).
-        self.patch_embed = nn.Dense(3 * p * p, width, has_bias=False,
-                                    weight_init=torch_uniform(3 * p * p))
+        self.conv_stem = cfg.stem == "conv"  # vision.stem 'conv': ConvStem, no patch_embed
+        if self.conv_stem:
+            self.stem = ConvStem(cfg)
+        else:  # Same numbers as open_clip's conv1.weight (D, 3, p, p), stored as (D, 3*p*p);
+            # initialised as that nn.Conv2d by PyTorch (fan_in 3*p*p).
+            self.patch_embed = nn.Dense(3 * p * p, width, has_bias=False,
+                                        weight_init=torch_uniform(3 * p * p))
         self.class_embedding = _normal((width,), scale)
         self.positional_embedding = _normal((cfg.num_tokens, width), scale)
         self.ln_pre = LayerNorm(width)
@@ -197,16 +238,20 @@ class VisionTransformer(nn.Cell):
         self.proj = _normal((width, embed_dim), scale)
 
     def construct(self, image: Tensor) -> Tensor:
-        n, g, p = image.shape[0], self.grid, self.patch
-        # (N, 3, g*p, g*p) -> (N, g*g, 3*p*p): each patch flattened in conv-weight order (c, y, x)
-        x = image.reshape(n, 3, g, p, g, p).transpose(0, 2, 4, 1, 3, 5).reshape(n, g * g, 3 * p * p)
-        x = self.patch_embed(x)  # (N, g*g, D)
+        n = image.shape[0]
+        x = self.stem(image) if self.conv_stem else self._patches(image)  # (N, g*g, D)
         cls = ops.broadcast_to(cast(self.class_embedding, x.dtype).reshape(1, 1, -1),
                                (n, 1, self.width))
         x = ops.cat((cls, x), axis=1) + cast(self.positional_embedding, x.dtype)  # (N, L, D)
         x = self.transformer(self.ln_pre(x))  # (N, L, D)
         pooled = self.ln_post(x[:, 0])  # (N, D); per-token LN, so pooling first is the same
         return ops.matmul(pooled, cast(self.proj, pooled.dtype))  # (N, E)
+
+    def _patches(self, image: Tensor) -> Tensor:
+        n, g, p = image.shape[0], self.grid, self.patch
+        # (N, 3, g*p, g*p) -> (N, g*g, 3*p*p): each patch flattened in conv-weight order (c, y, x)
+        x = image.reshape(n, 3, g, p, g, p).transpose(0, 2, 4, 1, 3, 5).reshape(n, g * g, 3 * p * p)
+        return self.patch_embed(x)  # (N, g*g, D)
 
 
 class TextTransformer(nn.Cell):

@@ -114,7 +114,10 @@ def parameter_count(cfg: CLIPConfig) -> int:
         return layers * (attention + mlp + 4 * width)  # + two LayerNorms
 
     v, t, e = cfg.vision, cfg.text, cfg.embed_dim
-    vision = (3 * v.patch_size**2 * v.width + v.width + v.num_tokens * v.width + 4 * v.width
+    c = v.stem_channels  # the conv stem's 3x3 convolutions (+ LayerNorm) and 1x1 (+ bias)
+    convs = sum(9 * a * b + 2 * b for a, b in zip(c, c[1:], strict=False))
+    stem = convs + (c[-1] + 1) * v.width if v.stem == "conv" else 3 * v.patch_size**2 * v.width
+    vision = (stem + v.width + v.num_tokens * v.width + 4 * v.width
               + v.width * e + blocks(v.width, v.layers, v.mlp_ratio))
     text = (t.vocab_size * t.width + t.context_length * t.width + 2 * t.width + t.width * e
             + blocks(t.width, t.layers, t.mlp_ratio))

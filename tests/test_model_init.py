@@ -22,7 +22,7 @@ import clipms  # noqa: F401  (sets MindSpore's environment before mindspore is i
 # isort: split
 import mindspore as ms
 
-from clipms.config import CLIPConfig, get_preset
+from clipms.config import CLIPConfig, get_preset, resolve_model
 from clipms.model import CLIP
 
 
@@ -41,6 +41,11 @@ def openclip_init(name: str, cfg: CLIPConfig) -> tuple[str, float]:
         return "const", 0.0
     if ".mlp." in name and leaf[1] == "bias":  # nn.Linear's default bias, never reset
         return "uniform", (width if leaf[0] == "c_fc" else hidden) ** -0.5
+    if name.startswith("visual.stem."):  # ConvStem: nn.Conv2d's default, fan_in 9 C_in / C_in
+        channels = cfg.vision.stem_channels
+        if leaf[0] == "proj":  # the 1x1 convolution: weight and bias
+            return "uniform", channels[-1] ** -0.5
+        return "uniform", (9 * channels[int(leaf[0])]) ** -0.5  # convs.<i>.weight
     fixed = {
         "visual.class_embedding": ("normal", cfg.vision.width**-0.5),
         "visual.positional_embedding": ("normal", cfg.vision.width**-0.5),
@@ -83,9 +88,10 @@ def check(name: str, values: np.ndarray, kind: str, scale: float) -> None:
         assert peak > 2.5 * std, (name, peak, std)
 
 
-@pytest.mark.parametrize("preset", ["mini", "tiny"])
+@pytest.mark.parametrize("preset", ["mini", "tiny", "mini-conv"])
 def test_every_tensor_starts_as_open_clips(preset):
-    cfg = get_preset(preset)
+    cfg = (resolve_model("mini", {"vision": {"stem": "conv"}}) if preset == "mini-conv"
+           else get_preset(preset))  # the conv stem: PyTorch's nn.Conv2d defaults
     ms.set_seed(0)
     net = CLIP(cfg)
     for name, param in net.parameters_and_names():  # openclip_init fails on a name it lacks
