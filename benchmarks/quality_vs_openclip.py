@@ -152,14 +152,19 @@ def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     """clipms's trainer on the shards; (features for scoring, run facts)."""
     from clipms.embed import embed_split
     from clipms.preprocess import PreprocessConfig
+    from clipms.runtime import for_precision, prepare_import
     from clipms.trainer import ShardBatches, TrainConfig, train
 
     cfg, tokenizer = model_config(args)
     config = TrainConfig(model=cfg, batch_size=args.batch_size, max_steps=args.steps,
                          lr=args.lr, warmup_steps=args.warmup, weight_decay=args.wd,
                          grad_clip_norm=args.grad_clip_norm or None, seed=args.seed,
-                         decay_embeddings=args.wd_rule == "openclip", log_every=20,
-                         init_from=openclip_init(args) if args.init == "openclip" else None)
+                         decay_embeddings=args.wd_rule == "openclip", log_every=20)
+    if args.init == "openclip":
+        # the conversion imports MindSpore before train() configures the runtime: export what
+        # MindSpore reads at import (OMP_WAIT_POLICY) first, or its idle threads spin
+        prepare_import(for_precision(config.runtime, config.precision))
+        config = config.model_copy(update={"init_from": openclip_init(args)})
     preprocess = PreprocessConfig(image_size=cfg.vision.image_size)
     shards = args.work / "data/shards"
     source = ShardBatches(shards, tokenizer, preprocess, args.batch_size, seed=args.seed)
