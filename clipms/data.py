@@ -16,12 +16,9 @@ Training
       start_step .. epochs * steps_per_epoch - 1 in order (so `start_step` resumes mid-run and the
       batches are the ones an uninterrupted run would have seen). Iterate it once:
       `for image, text in ds.create_tuple_iterator(num_epochs=1, output_numpy=True)`.
-      - Shuffle, per epoch, seeded by (seed, epoch): the shard order is permuted, then the samples
-        are permuted within windows of `shuffle_window_shards` consecutive shards (0 = all shards:
-        a uniform permutation of the split).
-      - Data parallel: global batch g of an epoch is positions [g*B*W, (g+1)*B*W) of that order;
-        rank r gets the contiguous block [r*B, (r+1)*B) of it. Ranks are disjoint and together
-        cover exactly what one process with batch B*W would see, in the same order.
+      - The order (clipms.sampling): shuffled per epoch, seeded by (seed, epoch), within windows
+        of `shuffle_window_shards` shards (0 = the whole split); each global batch of B*W split
+        into the ranks' disjoint contiguous shares of B.
       - One caption per image per epoch, drawn uniformly with a generator seeded by
         (seed, epoch, crc32(key)): independent of rank, world size and worker count.
       - `augment=True`: open_clip's training crop (RandomResizedCrop scale 0.9-1.0, ratio 3/4-4/3,
@@ -52,7 +49,6 @@ import json
 import logging
 import math
 import os
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,6 +70,7 @@ from clipms.preprocess import (
     preprocess_image,
     resize_shorter_side,
 )
+from clipms.sampling import BatchOrder, sample_rng
 from clipms.tokenizer import Tokenizer
 from clipms.webds import DataError  # the shard format's error type, raised for loader errors too
 
@@ -194,25 +191,6 @@ def iter_captions(shards_dir: Path | str, split: str = "train") -> Iterator[str]
 
 
 # --- training -------------------------------------------------------------------------------------
-def epoch_order(index: ShardIndex, seed: int, epoch: int, window_shards: int = 0) -> np.ndarray:
-    """Sample ids of one epoch: shards permuted, then samples permuted within shard windows."""
-    rng = np.random.default_rng([seed, epoch])
-    bounds = [*index.shard_starts, len(index)]
-    shard_order = rng.permutation(len(index.shards))
-    window = window_shards if window_shards > 0 else len(index.shards)
-    parts = []
-    for start in range(0, len(shard_order), window):
-        ids = np.concatenate([np.arange(bounds[s], bounds[s + 1])
-                              for s in shard_order[start:start + window]])
-        parts.append(rng.permutation(ids))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
-def sample_rng(seed: int, epoch: int, key: str) -> np.random.Generator:
-    """Per-sample randomness (caption, augmentation): the same on every rank, worker, world size."""
-    return np.random.default_rng([seed, epoch, zlib.crc32(key.encode())])
-
-
 def random_resized_crop(image: Image.Image, size: int, interpolation: str,
                         rng: np.random.Generator) -> Image.Image:
     """torchvision's RandomResizedCrop algorithm with open_clip's scale/ratio, then resize."""
@@ -262,8 +240,10 @@ class TrainSamples:
             raise DataError(f"batch_size and epochs must be >= 1, got {batch_size}, {epochs}")
         self.index, self.tokenizer, self.preprocess = index, tokenizer, preprocess
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
-        self.augment, self.window = augment, shuffle_window_shards
-        self.steps_per_epoch = len(index) // (batch_size * world_size)
+        self.augment = augment
+        self.order = BatchOrder(index, batch_size, seed=seed, rank=rank, world_size=world_size,
+                                window_shards=shuffle_window_shards)
+        self.steps_per_epoch = self.order.steps_per_epoch
         if self.steps_per_epoch == 0:
             raise DataError(f"{len(index)} samples cannot fill one global batch of "
                             f"{batch_size} x {world_size} ranks")
@@ -272,7 +252,6 @@ class TrainSamples:
             raise DataError(f"start_step {start_step} outside 0..{self.end_step}")
         self._handles: dict[int, Any] = {}
         self._pid = os.getpid()
-        self._cached_order: tuple[int, np.ndarray] = (-1, np.zeros(0, dtype=np.int64))
 
     def __len__(self) -> int:
         return (self.end_step - self.start_step) * self.batch_size
@@ -280,17 +259,9 @@ class TrainSamples:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_handles": {}}  # open files do not cross processes
 
-    def _order(self, epoch: int) -> np.ndarray:
-        """This epoch's sample order, computed once per process and epoch."""
-        if self._cached_order[0] != epoch:
-            self._cached_order = (epoch, epoch_order(self.index, self.seed, epoch, self.window))
-        return self._cached_order[1]
-
     def sample_ids(self, step: int) -> np.ndarray:
         """Indices (into the ShardIndex) of this rank's batch at global step `step`."""
-        epoch, in_epoch = divmod(step, self.steps_per_epoch)
-        start = (in_epoch * self.world_size + self.rank) * self.batch_size
-        return self._order(epoch)[start:start + self.batch_size]
+        return self.order.sample_ids(step)
 
     def caption(self, sample: int, epoch: int, captions: list[str]) -> str:
         rng = sample_rng(self.seed, epoch, self.index.keys[sample])
