@@ -4,7 +4,7 @@ normalises them on the device (`clipms.train_step.PixelNormalize`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -56,12 +56,14 @@ class ShardBatches:
 
     def __init__(self, shards_dir: Path | str, tokenizer: Any, preprocess: Any, batch_size: int,
                  seed: int = 0, rank: int = 0, group_size: int = 1, workers: int = 2,
-                 augment: bool = False, decode: str = "pil") -> None:
+                 augment: bool = False, decode: str = "pil",
+                 group_by: Sequence[str] | None = None, group_fraction: float = 0.0) -> None:
         from clipms import data
 
         self.shards_dir, self.tokenizer, self.preprocess = shards_dir, tokenizer, preprocess
         self.batch_size, self.seed, self.rank, self.group_size = batch_size, seed, rank, group_size
         self.workers, self.augment, self.decode = workers, augment, decode
+        self.group_by, self.group_fraction = group_by, group_fraction
         self.batches_per_epoch = data.steps_per_epoch(shards_dir, batch_size, group_size)
 
     def stream(self, start: int, stop: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -73,7 +75,8 @@ class ShardBatches:
             self.shards_dir, self.tokenizer, self.preprocess, self.batch_size,
             epochs=-(-stop // self.batches_per_epoch), start_step=start, seed=self.seed,
             rank=self.rank, world_size=self.group_size, workers=self.workers,
-            augment=self.augment, decode=self.decode)
+            augment=self.augment, decode=self.decode, group_by=self.group_by,
+            group_fraction=self.group_fraction)
         batches = dataset.create_tuple_iterator(num_epochs=1, output_numpy=True)
         for _, (images, tokens) in zip(range(stop - start), batches, strict=False):
             yield images, tokens

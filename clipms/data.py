@@ -11,14 +11,17 @@ Training
       = manifest samples // (batch_size * world_size): every epoch drops the remainder.
   `build_train_dataset(shards_dir, tokenizer, preprocess, batch_size, *, epochs=1, start_step=0,
                        seed=0, rank=0, world_size=1, workers=2, augment=False, split="train",
-                       shuffle_window_shards=0) -> mindspore.dataset.Dataset`
+                       shuffle_window_shards=0, decode="pil", group_by=None,
+                       group_fraction=0.0) -> mindspore.dataset.Dataset`
       Yields (image uint8 (B, 3, S, S), text int32 (B, context_length)) for the global steps
       start_step .. epochs * steps_per_epoch - 1 in order (so `start_step` resumes mid-run and the
       batches are the ones an uninterrupted run would have seen). Iterate it once:
       `for image, text in ds.create_tuple_iterator(num_epochs=1, output_numpy=True)`.
       - The order (clipms.sampling): shuffled per epoch, seeded by (seed, epoch), within windows
         of `shuffle_window_shards` shards (0 = the whole split); each global batch of B*W split
-        into the ranks' disjoint contiguous shares of B.
+        into the ranks' disjoint contiguous shares of B; with `group_by` (label fields) that
+        `group_fraction` of each epoch's global batches share those labels' values (hard
+        negatives). A DataError names the field when a sample's labels lack it.
       - One caption per image per epoch, drawn uniformly with a generator seeded by
         (seed, epoch, crc32(key)): independent of rank, world size and worker count.
       - `augment=True`: open_clip's training crop (RandomResizedCrop scale 0.9-1.0, ratio 3/4-4/3,
@@ -49,7 +52,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +73,7 @@ from clipms.preprocess import (
     preprocess_image,
     resize_shorter_side,
 )
-from clipms.sampling import BatchOrder, sample_rng
+from clipms.sampling import BatchOrder, SamplingError, group_ids, sample_rng
 from clipms.tokenizer import Tokenizer
 from clipms.webds import DataError  # the shard format's error type, raised for loader errors too
 
@@ -177,6 +180,17 @@ def captions_of(meta: dict[str, Any], key: str) -> list[str]:
     return captions
 
 
+def split_labels(index: ShardIndex) -> list[dict[str, Any] | None]:
+    """Every sample's json `labels` (None where absent), reading only the .json members."""
+    handles: dict[int, Any] = {}
+    try:
+        labels = [index.read_meta(i, handles).get("labels") for i in range(len(index))]
+    finally:
+        for handle in handles.values():
+            handle.close()
+    return [label if isinstance(label, dict) else None for label in labels]
+
+
 def iter_captions(shards_dir: Path | str, split: str = "train") -> Iterator[str]:
     """Every caption of every sample of `split`, reading only the .json members (to train the
     tokenizer)."""
@@ -233,7 +247,8 @@ class TrainSamples:
     def __init__(self, index: ShardIndex, tokenizer: Tokenizer, preprocess: PreprocessConfig,
                  batch_size: int, *, epochs: int, start_step: int = 0, seed: int = 0,
                  rank: int = 0, world_size: int = 1, augment: bool = False,
-                 shuffle_window_shards: int = 0) -> None:
+                 shuffle_window_shards: int = 0, group_by: Sequence[str] | None = None,
+                 group_fraction: float = 0.0) -> None:
         if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} out of range for world size {world_size}")
         if batch_size < 1 or epochs < 1:
@@ -241,8 +256,13 @@ class TrainSamples:
         self.index, self.tokenizer, self.preprocess = index, tokenizer, preprocess
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
         self.augment = augment
-        self.order = BatchOrder(index, batch_size, seed=seed, rank=rank, world_size=world_size,
-                                window_shards=shuffle_window_shards)
+        try:
+            groups = group_ids(split_labels(index), index.keys, group_by) if group_by else None
+            self.order = BatchOrder(index, batch_size, seed=seed, rank=rank,
+                                    world_size=world_size, window_shards=shuffle_window_shards,
+                                    groups=groups, group_fraction=group_fraction)
+        except SamplingError as err:
+            raise DataError(str(err)) from err
         self.steps_per_epoch = self.order.steps_per_epoch
         if self.steps_per_epoch == 0:
             raise DataError(f"{len(index)} samples cannot fill one global batch of "
@@ -325,7 +345,8 @@ def build_train_dataset(shards_dir: Path | str, tokenizer: Tokenizer, preprocess
                         batch_size: int, *, epochs: int = 1, start_step: int = 0, seed: int = 0,
                         rank: int = 0, world_size: int = 1, workers: int = 2,
                         augment: bool = False, split: str = "train",
-                        shuffle_window_shards: int = 0, decode: str = "pil") -> Any:
+                        shuffle_window_shards: int = 0, decode: str = "pil",
+                        group_by: Sequence[str] | None = None, group_fraction: float = 0.0) -> Any:
     """The mindspore.dataset pipeline of (image, text) batches; see the module docstring.
     `decode` is one of DECODERS; "cpu"/"ascend" decode in `workers` C++ threads of the dataset
     (no Python worker processes, no shared memory) and do not augment."""
@@ -342,7 +363,8 @@ def build_train_dataset(shards_dir: Path | str, tokenizer: Tokenizer, preprocess
     source = kind(index_shards(shards_dir, split), tokenizer, preprocess, batch_size,
                   epochs=epochs, start_step=start_step, seed=seed, rank=rank,
                   world_size=world_size, augment=augment,
-                  shuffle_window_shards=shuffle_window_shards)
+                  shuffle_window_shards=shuffle_window_shards, group_by=group_by,
+                  group_fraction=group_fraction)
     if decode == "pil":
         dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
                                       num_parallel_workers=max(1, workers),

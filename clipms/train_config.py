@@ -43,6 +43,9 @@ class TrainSettings(Section):
     loss_scale_window: int = Field(1000, ge=1)  # amp: finite steps before doubling the scale
     seed: int = 0  # initial weights, data order, captions, augmentation
     augment: bool = False
+    # Hard-negative batches: label fields whose values the grouped batches share (None: off).
+    group_by: tuple[str, ...] | None = None
+    group_fraction: float = Field(0.5, ge=0, le=1)  # of each epoch's global batches, grouped
     decode: Literal["pil", "cpu", "ascend"] = "pil"  # where training images decode
     lock_image: bool = False
     lock_text: bool = False
@@ -51,6 +54,15 @@ class TrainSettings(Section):
     checkpoint_every: int = cadence(100, ge=1)
     keep_checkpoints: int = cadence(2, ge=1)
     log_every: int = cadence(10, ge=1)
+
+
+    @field_validator("group_by", mode="before")
+    @classmethod
+    def _fields(cls, value: Any) -> Any:
+        """One field may be given as a string (`-S train.group_by=colour`); [] means off."""
+        if isinstance(value, str):
+            return (value,)
+        return value or None
 
 
 class TrainConfig(TrainSettings):

@@ -93,7 +93,8 @@ def run(job: TrainJob, callbacks: Sequence[Callback] = (),
     cfg = job.config
     source = ShardBatches(job.shards_dir, tokenizer, preprocess, cfg.batch_size, seed=cfg.seed,
                           rank=rank, group_size=group_size, workers=cfg.workers,
-                          augment=cfg.augment, decode=cfg.decode)
+                          augment=cfg.augment, decode=cfg.decode, group_by=cfg.group_by,
+                          group_fraction=cfg.group_fraction)
     result = train(cfg, source, job.checkpoint_dir, callbacks=callbacks, resume=job.resume,
                    distributed=distributed, preprocess=preprocess)
     if rank == 0:

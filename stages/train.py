@@ -91,6 +91,7 @@ def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
     model = resolve_model(params.preset, params.model)
     model = dataclasses.replace(model, text=dataclasses.replace(
         model.text, vocab_size=tokenizer.vocab_size, context_length=tokenizer.context_length))
+    _check_grouping(params, tokenizer, model.vision.image_size, cluster.workers)
     settings = params.model_dump(include=set(TrainSettings.model_fields))
     settings["workers"] = loader_workers(params.workers, cluster.local_workers)
     config = TrainConfig(**settings, model=model, runtime=runtime,
@@ -100,6 +101,20 @@ def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
     return TrainJob(config=config, shards_dir=str(paths.SHARDS), tokenizer=str(paths.TOKENIZER),
                     checkpoint_dir=str(paths.CHECKPOINTS), outputs=outputs,
                     resume=params.resume == "auto")
+
+
+def _check_grouping(params: TrainParams, tokenizer: Any, image_size: int, workers: int) -> None:
+    """train.group_by must name labels every train sample has, at a fraction its groups can fill:
+    the loader's own check (a DataError naming the field), run here before anything compiles."""
+    if not params.group_by:
+        return
+    from clipms.data import TrainSamples, index_shards
+    from clipms.preprocess import PreprocessConfig
+
+    TrainSamples(index_shards(paths.SHARDS, "train"), tokenizer,
+                 PreprocessConfig(image_size=image_size), params.batch_size, epochs=1,
+                 world_size=workers, group_by=params.group_by,
+                 group_fraction=params.group_fraction)
 
 
 def main() -> int:

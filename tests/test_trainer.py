@@ -180,6 +180,7 @@ def test_the_fingerprint_covers_every_setting_but_the_cadence_ones():
               "lr": 1e-3, "warmup_steps": 1, "weight_decay": 0.1, "decay_embeddings": False,
               "betas": (0.8, 0.9), "eps": 1e-8, "grad_clip_norm": 2.0, "loss_scale": 8.0,
               "loss_scale_window": 3, "seed": 1, "augment": True, "decode": "cpu",
+              "group_by": ("colour",), "group_fraction": 0.25,
               "lock_image": True, "lock_text": True, "init_from": "x.ckpt",
               "workers": 7, "checkpoint_every": 1, "keep_checkpoints": 9, "log_every": 1}
     assert set(values) == set(TrainSettings.model_fields)  # every setting of the schema is here
