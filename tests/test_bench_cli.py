@@ -10,6 +10,8 @@ import sys
 import time
 import tomllib
 
+import pytest
+
 from tests.workspace import PROJECT_ROOT
 
 SUBCOMMANDS = {"encode", "forward", "retrieval", "loader", "train"}
@@ -60,3 +62,13 @@ def test_timed_steps_leave_the_warm_up_out_and_the_mean_counts_every_interruptio
     assert 9.0 <= run.median_ms < 60.0  # the median step is a 10 ms one
     assert run.wall_s >= 0.27  # 7 x 10 ms + 200 ms
     assert run.mean_rate(4) == 32 / run.wall_s < run.median_rate(4) / 2  # the 200 ms step counts
+
+
+def test_a_step_count_below_one_is_refused_not_rounded_up():
+    from clipms.bench.common import time_steps, timed_steps
+
+    calls: list[int] = []
+    for timer in (time_steps, timed_steps):
+        with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
+            timer(lambda: calls.append(1), 1, 0)
+    assert calls == []  # refused before the warm-up ran

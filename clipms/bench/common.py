@@ -115,11 +115,11 @@ def timed_steps(step: Callable[[], Any], warmup: int, steps: int) -> StepTimes:
 
 def time_steps(step: Callable[[], Any], warmup: int, steps: int,
                cpu_ms: list[float] | None = None) -> list[float]:
-    """Run `step` warmup times untimed, then `steps` times; wall time of each in ms.
+    """Run `step` warmup times untimed, then `steps` (>= 1) times; wall time of each in ms.
     `step` must block until its result exists (e.g. end with .asnumpy()). If `cpu_ms` is a list,
     the process CPU time (all threads) per timed step is appended to it: less sensitive than wall
     time to other processes on a shared machine."""
-    run = timed_steps(step, warmup, max(steps, 1))
+    run = timed_steps(step, warmup, steps)
     if cpu_ms is not None:
         cpu_ms.append(run.cpu_s * 1000 / len(run.times_ms))
     return run.times_ms
