@@ -65,7 +65,6 @@ from registry.settings import (
     TrackingFiles,
     is_local_store,
     register_params,
-    tracking_uri,
 )
 
 # How long a stage waits for a server that has stopped answering (no record sent for that long),
@@ -237,7 +236,7 @@ class PipelineRun(RecordSender):
             logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
             self._monitor = SystemMetricsMonitor(self.run_id,
                                                  sampling_interval=self._monitor_interval,
-                                                 tracking_uri=tracking_uri())
+                                                 tracking_uri=self.tracking_uri)
             self._monitor.start()
         except Exception as err:  # optional: never let monitoring stop training
             print(f"[mlflow] system metrics disabled: {err}", file=sys.stderr)
@@ -287,9 +286,10 @@ class PipelineRun(RecordSender):
         self._queue(SetStatus(status, now_ms()))
         sent = self.flush(timeout)
         self.save()
+        self.stop_sending()
         if not sent:
             print(f"[mlflow] WARNING: could not send to the tracking server "
-                  f"{redact_url(tracking_uri())} ({self.last_error}); "
+                  f"{redact_url(self.tracking_uri)} ({self.last_error}); "
                   f"{len(self.pending)} queued record(s) saved to "
                   f"{Journal.path(self.files.journal_dir, self.run_key)}; they are replayed by "
                   "the next stage that reaches the server (register requires it). Model files "
@@ -305,7 +305,7 @@ class PipelineRun(RecordSender):
                 self.files.journal_dir)
         if not self.owns_run_file:
             return
-        uri = tracking_uri()
+        uri = self.tracking_uri
         info = {"run_key": self.run_key, "run_id": self.run_id, "experiment": self.experiment,
                 # no local paths in a DVC out:
                 "tracking_uri": DEFAULT_TRACKING_URI if is_local_store(uri) else redact_url(uri)}
@@ -319,7 +319,7 @@ class PipelineRun(RecordSender):
         self.save()
         if not sent or self.run_id is None:
             raise TrackingUnavailable(
-                f"cannot reach the MLflow tracking server at {redact_url(tracking_uri())} "
+                f"cannot reach the MLflow tracking server at {redact_url(self.tracking_uri)} "
                 f"({self.last_error}). The trained and exported model is safe in models/; "
                 f"{len(self.pending)} queued record(s) are kept in "
                 f"{Journal.path(self.files.journal_dir, self.run_key)}. Start the server (or fix "
@@ -366,6 +366,7 @@ def replay_journals(files: TrackingFiles, exclude: str | None = None,
         run = PipelineRun(saved.run_key, saved.run_id, saved.experiment, files, saved.records)
         sent = run.flush(timeout)
         run.save()  # removes the file when everything went
+        run.stop_sending()
         if not sent:
             print(f"[mlflow] WARNING: {len(paths) - done} earlier journal(s) in "
                   f"{files.journal_dir} not replayed yet ({run.last_error}); kept for the next "

@@ -16,7 +16,7 @@ from typing import Any
 from clipms.redact import redact_text
 from registry import journal
 from registry.journal import CreateRun, LogMetrics, Record, SetStatus
-from registry.settings import client, ensure_experiment
+from registry.settings import absolute_tracking_uri, client, ensure_experiment
 
 CLOSE_TIMEOUT_S = 15.0  # how long a stage's end waits for a server that has stopped answering
 RUN_KEY_TAG = "pipeline.run_key"
@@ -28,12 +28,14 @@ class TrackingUnavailable(RuntimeError):
 
 class Sender:
     """A daemon thread that runs `work` in rounds; `kick` asks for a round, `wait` waits (bounded)
-    for every round asked so far. A hanging server blocks this thread, never its callers."""
+    for every round asked so far, `retire` lets it end after the round in hand. A hanging server
+    blocks this thread, never its callers."""
 
     def __init__(self, work: Callable[[], bool]) -> None:
         self._work = work
         self._cond = threading.Condition()
         self._asked = self._done = 0
+        self._retired = False
         self.ok = True
         self._thread = threading.Thread(target=self._loop, name="mlflow-sender", daemon=True)
         self._thread.start()
@@ -48,10 +50,23 @@ class Sender:
         with self._cond:
             return self._cond.wait_for(lambda: self._done >= target, timeout)
 
+    def retire(self) -> None:
+        """Start no new round: the thread ends once the one in hand (if any) returns."""
+        with self._cond:
+            self._retired = True
+            self._cond.notify_all()
+
+    def join(self, timeout: float | None) -> bool:
+        """Wait (bounded) for a retired thread to end; True once it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._asked > self._done)
+                self._cond.wait_for(lambda: self._retired or self._asked > self._done)
+                if self._retired:
+                    return
                 target = self._asked
             try:
                 ok = self._work()
@@ -63,10 +78,12 @@ class Sender:
 
 
 class RecordSender:
-    """A run's queue of records not sent yet, and the thread that sends them in order."""
+    """A run's queue of records not sent yet, and the thread that sends them in order, to the
+    store that was the tracking URI when the run was made (a run never moves stores)."""
 
     def __init__(self, run_key: str, run_id: str | None, experiment: str,
                  records: Iterable[Record] = ()) -> None:
+        self.tracking_uri = absolute_tracking_uri()
         self.run_key = run_key
         self.run_id = run_id
         self.experiment = experiment
@@ -100,10 +117,22 @@ class RecordSender:
         with self._lock:
             return self._sender.ok and not self.pending and self._in_flight is None
 
+    def stop_sending(self, timeout: float | None = 0) -> bool:
+        """Once the journal holds what is unsent, send nothing more from here: the thread ends
+        after the request in hand (a hung server may still answer it; sending that one twice is
+        harmless), so a queued record never goes out behind the journal's replay. Waits up to
+        `timeout` seconds for the thread to end; True once it has (or there was none). A later
+        flush starts a new thread."""
+        sender, self._sender = self._sender, None
+        if sender is None:
+            return True
+        sender.retire()
+        return sender.join(timeout)
+
     def _send_all(self) -> bool:
         """The sender thread's round: records in order until the queue is empty or one fails."""
         try:
-            mlflow_client = client()
+            mlflow_client = client(self.tracking_uri)
             while True:
                 with self._lock:
                     if self._held or not self.pending:

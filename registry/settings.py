@@ -68,11 +68,20 @@ def tracking_uri() -> str:
     return DEFAULT_TRACKING_URI
 
 
-def client() -> Any:
-    """An MlflowClient for the tracking URI (the registry lives in the same store)."""
+def absolute_tracking_uri() -> str:
+    """`tracking_uri()` with a relative SQLite path made absolute against the cwd now: what a
+    long-lived sender binds, so a later change of cwd or environment cannot move its store."""
+    uri = tracking_uri()
+    db = sqlite_path(uri)
+    return f"sqlite:///{db.resolve()}" if db is not None and not db.is_absolute() else uri
+
+
+def client(uri: str | None = None) -> Any:
+    """An MlflowClient for `uri`, by default the tracking URI (the registry lives in the same
+    store)."""
     from mlflow import MlflowClient
 
-    uri = tracking_uri()
+    uri = uri or tracking_uri()
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
@@ -87,10 +96,11 @@ def sqlite_path(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///"))
 
 
-def local_artifact_location() -> str:
-    """Where a new experiment of a local store keeps its artifacts: `mlartifacts/` beside the
-    SQLite database (so a run started from a temporary copy of the project still lands there)."""
-    db = sqlite_path(tracking_uri())
+def local_artifact_location(uri: str | None = None) -> str:
+    """Where a new experiment of the local store `uri` (default: the tracking URI) keeps its
+    artifacts: `mlartifacts/` beside the SQLite database (so a run started from a temporary copy
+    of the project still lands there)."""
+    db = sqlite_path(uri or tracking_uri())
     folder = db.parent if db is not None else project_root()
     return (folder / LOCAL_ARTIFACTS_DIR).resolve().as_uri()
 
@@ -105,7 +115,8 @@ def ensure_experiment(mlflow_client: Any, name: str) -> str:
     marked as a model-training experiment unless it already says what kind it is."""
     experiment = mlflow_client.get_experiment_by_name(name)
     if experiment is None:
-        location = local_artifact_location() if is_local_store(tracking_uri()) else None
+        uri = mlflow_client.tracking_uri
+        location = local_artifact_location(uri) if is_local_store(uri) else None
         return str(mlflow_client.create_experiment(
             name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND}))
     if not (experiment.tags or {}).get(EXPERIMENT_KIND_TAG):  # made before this tag existed

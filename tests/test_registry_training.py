@@ -144,6 +144,38 @@ def test_a_hanging_server_never_stalls_the_training_loop(
     assert len(client.get_metric_history(found.info.run_id, "loss")) == 300
 
 
+def test_a_closed_run_sends_nothing_more_and_never_moves_store(
+        workspace: Path, tmp_path_factory: pytest.TempPathFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once close() gave up on a hung server and the journal holds the records, the run's sender
+    thread ends with the request in hand, and it never resolves the tracking URI again: before,
+    its next round sent the queue wherever the environment pointed by then (in this suite, the
+    default ./mlflow.db of whatever the cwd had become: the checkout's own database)."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    before = set(threading.enumerate())
+    silent = SilentServer()
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", silent.url)
+        pipeline_run = tracking_run.PipelineRun.open("train", {"lr": 1e-3}, FILES)
+        steps(pipeline_run, 20, pause_s=0.01)  # asks for rounds while one hangs
+        senders = [t for t in threading.enumerate()
+                   if t not in before and t.name == "mlflow-sender"]
+        assert pipeline_run.close(timeout=0.5) is False
+        assert Journal.path(FILES.journal_dir, pipeline_run.run_key).exists()
+        elsewhere = tmp_path_factory.mktemp("elsewhere")
+        monkeypatch.chdir(elsewhere)
+        monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    finally:
+        silent.close()  # the request in hand fails now
+    assert senders
+    for thread in senders:
+        thread.join(20)
+    assert not any(t.is_alive() for t in senders)
+    assert not (elsewhere / "mlflow.db").exists()
+    assert pipeline_run.tracking_uri == silent.url
+
+
 # ---------------------------------------------------------------------------------------------
 # the real train stage
 
