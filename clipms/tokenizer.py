@@ -67,9 +67,21 @@ def byte_to_unicode() -> dict[int, str]:
     return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
 
 
+def fix_text(text: str) -> str:
+    """`ftfy.fix_text(text)`, without ftfy when it could change nothing: on printable ASCII with
+    no `&` (most captions and queries). Each of ftfy's fixes needs a character outside that set:
+    an HTML entity starts with `&`; mojibake, curly quotes, ligatures, wide characters and C1
+    controls are not ASCII; terminal escapes, other control characters and `\r` line breaks are
+    not printable; ASCII is already NFC. ftfy costs about as much per short text as the whole BPE
+    (benchmarks/RESULTS.md, serving), and the service tokenizes every query."""
+    if text.isascii() and text.isprintable() and "&" not in text:
+        return text
+    return ftfy.fix_text(text)
+
+
 def clean_text(text: str) -> str:
     """open_clip's default cleaning: ftfy, html unescape twice, whitespace collapse, lower case."""
-    text = ftfy.fix_text(text)
+    text = fix_text(text)
     text = html.unescape(html.unescape(text)).strip()
     return " ".join(text.split()).lower()
 

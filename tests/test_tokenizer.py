@@ -191,3 +191,50 @@ def test_edges_make_mutation_found(openai: Tokenizer, tmp_path: Path) -> None:
     (tmp_path / "odd.txt.gz").write_bytes(gzip.compress("\n".join(lines).encode()))
     with pytest.raises(TokenizerError, match=f"^{tmp_path / 'odd.txt.gz'}: not an OpenAI CLIP"):
         Tokenizer.openai(8, bpe_path=tmp_path / "odd.txt.gz")
+
+
+TRICKY = ["&amp;", "&amp;amp;amp; triple", "Caf&amp;amp;é", "&lt;b&gt; bold", "<b>&amp;</b>",
+          "&#39;quoted&#39;", "AT&T", "tom & jerry", "a&b;c", "\x1b[31mred\x1b[0m", "bell\x07",
+          "nul\x00byte", "del\x7f",
+          "tab\there", "line\nbreak", "crlf\r\nline", "cr\ronly", "form\x0cfeed", "  spaced  ",
+          "", " ", "Ã©tÃ©", "don’t “quote”", "ﬁne ligature", "ＷＩＤＥ", "e\u0301", "\x85nel",
+          "\u2028sep", "naïve café", "mixed &amp; naïve", "a photo of thing number 7", "~!@#$%^*()"]
+
+
+def test_fix_text_is_ftfy_and_skips_it_only_where_ftfy_changes_nothing() -> None:
+    """The ASCII fast path: fix_text == ftfy.fix_text on every text (tricky ones: entities,
+    escapes, control characters, mojibake; random printable ASCII rich in `&`, `#`, `;`), and
+    ftfy is really skipped (the text itself comes back) on plain printable ASCII."""
+    import ftfy
+
+    from clipms.tokenizer import fix_text
+
+    rng = np.random.default_rng(0)
+    alphabet = list("abcdefghijklmnopqrstuvwxyzABCZ0123456789 .,;:!?'\"-()&#;&ltgampquot") + [
+        "\t", "\n", "\r", "\x1b", "é", "’", "Ã", "\u00a0"]
+    randoms = ["".join(rng.choice(alphabet, size=int(rng.integers(0, 40)))) for _ in range(3000)]
+    for text in [*TRICKY, *synthetic_captions(40), *randoms]:
+        assert fix_text(text) == ftfy.fix_text(text), repr(text)
+    for text in ["a photo of thing number 12", "A Red  Cube, left of 2 balls!", "x" * 300]:
+        copy = "".join(list(text))  # a new object: ftfy would return another one
+        assert fix_text(copy) is copy
+    for text in ["&amp;", "a\x1b[0m", "tab\there", "café"]:  # not the fast path: ftfy's answer
+        assert fix_text(text) is not text
+
+
+def test_tokenizer_ids_are_those_of_the_ftfy_path(openai: Tokenizer) -> None:
+    """Tokenizer.encode (the fast path inside) gives the ids of cleaning with ftfy on every text."""
+    import html
+
+    import ftfy
+
+    def cleaned_by_ftfy(text: str) -> str:
+        text = html.unescape(html.unescape(ftfy.fix_text(text))).strip()
+        return " ".join(text.split()).lower()
+
+    texts = [*TRICKY, *synthetic_captions(20)]
+    expected = np.zeros((len(texts), openai.context_length), np.int32)
+    for row, encoding in zip(expected, openai._tok.encode_batch(
+            [cleaned_by_ftfy(t) for t in texts]), strict=True):
+        row[:len(encoding.ids)] = encoding.ids
+    np.testing.assert_array_equal(openai.encode(texts), expected)
