@@ -164,10 +164,20 @@ def build(args: argparse.Namespace) -> Any:
     return create_app(state, limits, token, lifespan=lifespan)
 
 
+def sequential_tokenizer() -> None:
+    """Tokenize each batch in the model thread alone (`tokenizers` without its thread pool, unless
+    the environment says otherwise): a batch is at most max_batch short texts, less work than
+    handing parts of it to other threads and waiting for them, and the pool is sized for the CPUs
+    at start, so a service later pinned to fewer CPUs would keep paying for threads it cannot
+    run."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     args = parse_args(argv)
+    sequential_tokenizer()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     app = build(args)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

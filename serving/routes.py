@@ -130,14 +130,12 @@ def encoded(rows: list[np.ndarray], encoding: str) -> list[Any]:
 
 
 class Using:
-    """`with Using(request) as engine:` the current engine, kept alive until the block ends; the
-    response's X-Model-Version names it (serving.guard reads it from the scope). Without a
-    Request: `Using(state=..., scope=...)`."""
+    """`with Using(state, scope) as engine:` the current engine of `state`, kept alive until the
+    block ends; the response's X-Model-Version names it (serving.guard reads it from `scope`).
+    A route passes its request's (`Using(service(request), request.scope)`), the direct path the
+    guard's."""
 
-    def __init__(self, request: Request | None = None, state: ServiceState | None = None,
-                 scope: Scope | None = None) -> None:
-        state = service(request) if request is not None else state
-        scope = request.scope if request is not None else scope
+    def __init__(self, state: ServiceState, scope: Scope) -> None:
         self.engine = state.acquire()
         scope[MODEL_SCOPE_KEY] = self.engine.info
 
@@ -158,7 +156,7 @@ async def embed(state: ServiceState, limits: RequestLimits, scope: Scope, body: 
     if not texts and not images:
         raise ClientError("give 'texts' and/or 'images' (base64), at least one item")
     limits.check(texts, images)
-    with Using(state=state, scope=scope) as engine:
+    with Using(state, scope) as engine:
         if images:
             arrays = await decode(state, engine, images, "images")
             text_rows, image_rows = await asyncio.gather(engine.text.submit(texts),
@@ -189,7 +187,7 @@ async def search(request: Request) -> Response:
         raise ClientError("give exactly one of 'text', 'image' (base64) or 'key'")
     request.app.state.limits.check([body.text] if body.text is not None else [],
                                    [body.image] if body.image is not None else [])
-    with Using(request) as engine:
+    with Using(service(request), request.scope) as engine:
         query, skip = await query_vector(service(request), engine, body)
         found = await asyncio.to_thread(engine.index.search, query, body.k + len(skip))
         index = engine.index
@@ -203,7 +201,7 @@ async def search(request: Request) -> Response:
 async def rank(request: Request) -> Response:
     body = await parse(request, RankBody)
     request.app.state.limits.check(body.texts, [body.image])
-    with Using(request) as engine:
+    with Using(service(request), request.scope) as engine:
         arrays = await decode(service(request), engine, [body.image], "image")
         image_rows, text_rows = await asyncio.gather(engine.image.submit(arrays),
                                                      engine.text.submit(body.texts))
@@ -216,7 +214,7 @@ async def rank(request: Request) -> Response:
 
 
 async def thumbnail(request: Request) -> Response:
-    with Using(request) as engine:
+    with Using(service(request), request.scope) as engine:
         data = engine.index.thumbnail(request.path_params["key"])
         if data is None:
             raise ClientError("no such key in the index", status=404)
@@ -225,7 +223,7 @@ async def thumbnail(request: Request) -> Response:
 
 
 async def model(request: Request) -> Response:
-    with Using(request) as engine:
+    with Using(service(request), request.scope) as engine:
         return json_response({"model": engine.info.public(), **engine.describe(),
                               "auth_required": request.app.state.auth_required})
 
@@ -235,7 +233,7 @@ async def healthz(_: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    with Using(request) as engine:
+    with Using(service(request), request.scope) as engine:
         return json_response({"status": "ready", "model": engine.info.public()})
 
 

@@ -63,7 +63,9 @@ def mindspore_context() -> dict[str, Any]:
     return {"device_target": ms.get_context("device_target"),
             "mode": "graph" if ms.get_context("mode") == ms.GRAPH_MODE else "pynative",
             "jit_level": jit.get("jit_level") or None,
-            "kernel_fusion": bool(os.environ.get("MS_DEV_GRAPH_KERNEL_FLAGS"))}
+            "kernel_fusion": bool(os.environ.get("MS_DEV_GRAPH_KERNEL_FLAGS")),
+            # the tokenizer's thread pool (serving.cli.sequential_tokenizer): "false", none
+            "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM")}
 
 
 def broken_version(err: Exception) -> bool:

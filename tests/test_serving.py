@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 import time
@@ -69,8 +70,9 @@ def test_health_model_page_and_headers(world) -> None:
     model = json.loads(request(f"{url}/v1/model")[1])
     assert model["index_rows"] == 30 and model["search"] == "exact" and not model["auth_required"]
     # MindSpore's own context in the serving process, as the `runtime` section names it.
+    # and the tokenizer without its thread pool (serving.cli.sequential_tokenizer).
     assert model["runtime"] == {"device_target": "CPU", "mode": "graph", "jit_level": "O0",
-                                "kernel_fusion": False}
+                                "kernel_fusion": False, "tokenizers_parallelism": "false"}
     status, page, headers = request(f"{url}/")
     assert status == 200 and b'id="query"' in page and b"/static/app.js" in page
     assert b"http" not in page.replace(b"http-equiv", b"")  # nothing from a CDN
@@ -383,6 +385,20 @@ def test_the_service_runs_mindspore_as_the_runtime_section_says(tmp_path, monkey
     refused = subprocess.run([sys.executable, "-m", "serving", "--model", "unused"], cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "runtime.device_target = 'TPU'" in refused.stderr
+
+
+def test_the_tokenizer_runs_without_its_thread_pool_unless_the_environment_says(
+        monkeypatch) -> None:
+    """serving.cli.sequential_tokenizer: TOKENIZERS_PARALLELISM false by default; an operator's
+    own setting stays."""
+    from serving.cli import sequential_tokenizer
+
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    sequential_tokenizer()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    sequential_tokenizer()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
 
 
 def test_the_default_model_is_the_registered_name_of_the_projects_params(tmp_path, monkeypatch):
