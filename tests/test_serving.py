@@ -258,7 +258,10 @@ def test_hostile_inputs_are_client_errors_and_the_service_goes_on(world) -> None
 
 def test_concurrent_requests_batch_and_each_gets_its_own_result(world) -> None:
     url, encoder = world["url"], world["encoder"]
-    texts = [f"query number {i}" for i in range(6)]  # 6 <= MAX_QUEUE: none refused
+    # 6 <= MAX_QUEUE: none refused. Texts on both paths of the tokenizer's cleaning (plain
+    # ASCII skips ftfy, clipms.tokenizer.fix_text), tokenized together in one batch.
+    texts = ["query number 0", "tom &amp; jerry 1", "naïve café 2", "QUERY   number 3",
+             "\x1b[1mbold\x1b[0m 4", "query number 5"]
     want = encoder.encode_texts(texts)
     bursts = []  # (model calls, items) per burst; up to 5 bursts, since on a loaded machine the
     for _ in range(5):  # threads' requests can trickle in one by one (a lone request never waits)
