@@ -60,11 +60,17 @@ def _in_tree(pid: int, root: int) -> bool:
     return pid == root
 
 
-def _auth_mode(pid: int) -> str | None:
+def environ_of(pid: int) -> list[bytes] | None:
+    """The initial environment of a live process; None once it has exited (gone, or a zombie,
+    whose environ reads empty): its socket went with it, between `ss` and this read."""
     try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return None
+    return raw.split(b"\0") if raw else None
+
+
+def _auth_mode(environ: list[bytes]) -> str | None:
     values = [item.split(b"=", 1)[1].decode() for item in environ
               if item.startswith(b"RAY_AUTH_MODE=")]
     return values[0] if values else None
@@ -87,7 +93,10 @@ def listening(root: int | None = None) -> set[Listener]:
         host, port = _split(fields[4])
         for process, pid in re.findall(r'\("([^"]*)",pid=(\d+)', line):
             if root is None or _in_tree(int(pid), root):
-                found.add(Listener(fields[0], host, port, process, int(pid), _auth_mode(int(pid))))
+                environ = environ_of(int(pid))
+                if environ is not None:  # else it exited after `ss` listed it
+                    found.add(Listener(fields[0], host, port, process, int(pid),
+                                       _auth_mode(environ)))
     return found
 
 

@@ -17,7 +17,10 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +35,7 @@ from tests.distributor_runs import (
     samples_of,
 )
 from tests.image_site import Site, stage_env
-from tests.listeners import ListenerWatch
+from tests.listeners import ListenerWatch, environ_of
 
 pytest.importorskip("pyspark", reason="the `distributed` extra is not installed")
 pytest.importorskip("ray", reason="the `distributed` extra is not installed")
@@ -114,3 +117,20 @@ def test_a_local_ray_is_not_started_unauthenticated_when_ray_was_imported_first(
     with pytest.raises(EngineError, match="RAY_AUTH_MODE=token"), \
             engine_session(EngineSettings(distributor="ray")):
         pytest.fail("a local Ray was started")
+
+
+def test_a_process_that_exits_between_ss_and_its_environ_read_is_not_a_listener():
+    """A Ray server sampled as it exits reads as a zombie with an empty environ; taken as a
+    listener it would look started without RAY_AUTH_MODE (a flake seen under load)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child did not exit"
+            time.sleep(0.05)
+        assert environ_of(child.pid) is None  # exited, not yet reaped
+    finally:
+        child.wait()
+    assert environ_of(child.pid) is None  # reaped: gone
+    mine = environ_of(os.getpid())
+    assert mine is not None and any(item.startswith(b"PATH=") for item in mine)
