@@ -62,7 +62,8 @@ def _in_tree(pid: int, root: int) -> bool:
 
 def environ_of(pid: int) -> list[bytes] | None:
     """The initial environment of a live process; None once it has exited (gone, or a zombie,
-    whose environ reads empty): its socket went with it, between `ss` and this read."""
+    whose environ reads empty: its socket went with it, between `ss` and this read), and for the
+    instant a new process's exec is still under way (it reads empty too, and has no socket yet)."""
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:

@@ -132,5 +132,16 @@ def test_a_process_that_exits_between_ss_and_its_environ_read_is_not_a_listener(
     finally:
         child.wait()
     assert environ_of(child.pid) is None  # reaped: gone
-    mine = environ_of(os.getpid())
-    assert mine is not None and any(item.startswith(b"PATH=") for item in mine)
+    # A live process reads as its environment. (Not this one: pytest-xdist's process title is
+    # written over the memory /proc/self/environ shows.)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, "CLIPMS_LISTENER_PROBE": "1"})
+    try:
+        deadline = time.monotonic() + 30
+        while (environ := environ_of(live.pid)) is None:  # empty until its exec has finished
+            assert time.monotonic() < deadline, "the child never read as live"
+            time.sleep(0.05)
+        assert b"CLIPMS_LISTENER_PROBE=1" in environ
+    finally:
+        live.kill()
+        live.wait()
