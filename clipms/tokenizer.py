@@ -15,6 +15,8 @@ Ids:
   - trained (`bpe`): id 0 is a dedicated `<|pad|>` token that no text ever produces, then the 512
     byte-level base symbols (each byte, and each byte + `</w>`), then the learned merges, then SOT
     and EOT as the two highest ids (EOT = vocab_size - 1, so EOT pooling = argmax over the ids).
+    The merges are learned by `clipms.bpe` (deterministic: the same captions give the same file in
+    every process; `tokenizers`' BpeTrainer breaks ties between equal counts in hash-map order).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import gzip
 import html
 import json
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from importlib import resources
@@ -30,9 +33,10 @@ from typing import Any
 
 import ftfy
 import numpy as np
-from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from clipms.bpe import learn_merges
 from clipms.jsonio import write_json
 
 SOT = "<|startoftext|>"
@@ -114,11 +118,21 @@ def _build(vocab: dict[str, int], merges: list[tuple[str, str]],
     return tok
 
 
-def _pre_tokenizer_only() -> HFTokenizer:
-    """An empty-model tokenizer whose pre-tokeniser is used to train the BPE on cleaned captions."""
-    tok = HFTokenizer(models.BPE(end_of_word_suffix=EOW))
-    tok.pre_tokenizer = _pre_tokenizer()
-    return tok
+def _word_counts(texts: Iterable[str]) -> Counter[str]:
+    """How often each word (byte-level characters, as the BPE sees it) occurs in the cleaned
+    texts. Only the distinct space-separated chunks go through the pre-tokeniser: no word of it
+    holds a space (every alternative of SPLIT_PATTERN excludes whitespace), so a chunk splits
+    alone as it does inside its text, and pre-tokenising every caption of a large corpus costs
+    ten times more than counting them (Python objects per word)."""
+    chunks: Counter[str] = Counter()
+    for text in _checked(texts):
+        chunks.update(clean_text(text).split(" "))
+    split = _pre_tokenizer().pre_tokenize_str
+    counts: Counter[str] = Counter()
+    for chunk, n in chunks.items():
+        for word, _ in split(chunk):
+            counts[word] += n
+    return counts
 
 
 def _read_openai_merges(path: Path | str | None) -> list[tuple[str, str]]:
@@ -135,12 +149,6 @@ def _read_openai_merges(path: Path | str | None) -> list[tuple[str, str]]:
         raise TokenizerError(f"{path or OPENAI_VOCAB_ASSET}: not an OpenAI CLIP BPE merges file "
                              f"(expected {OPENAI_NUM_MERGES} lines of 'a b' after the header)")
     return [tuple(line.split()) for line in lines]  # type: ignore[misc]
-
-
-def _merges_of(trained: HFTokenizer) -> list[tuple[str, str]]:
-    """Merges of a trained BPE in learned order (tokenizers serialises them as pairs or 'a b')."""
-    merges = json.loads(trained.to_str())["model"]["merges"]
-    return [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in merges]
 
 
 class Tokenizer:
@@ -179,24 +187,17 @@ class Tokenizer:
     def train(cls, texts: Iterable[str], vocab_size: int, context_length: int,
               min_frequency: int = 2) -> Tokenizer:
         """Train a CLIP-style BPE of at most `vocab_size` ids on captions (fewer if the corpus runs
-        out of pairs that occur `min_frequency` times; `.vocab_size` is the real size)."""
+        out of pairs that occur `min_frequency` times; `.vocab_size` is the real size). The same
+        captions always give the same tokenizer (`clipms.bpe`: ties go to the smallest ids)."""
         if vocab_size < MIN_TRAINED_VOCAB:
             raise TokenizerError(f"vocab_size must be >= {MIN_TRAINED_VOCAB} (pad + 512 byte "
                                  f"symbols + SOT/EOT + at least one merge), got {vocab_size}")
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size - 3, min_frequency=min_frequency, show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), end_of_word_suffix=EOW)
-        learner = _pre_tokenizer_only()
-        learner.train_from_iterator((clean_text(t) for t in _checked(texts)), trainer=trainer)
+        base = _byte_symbols()
+        merges = learn_merges(_word_counts(texts), base, max_new_tokens=vocab_size - 3 - len(base),
+                              min_frequency=min_frequency, end_of_word=EOW)
         vocab = {PAD: 0}
-        for symbol in _byte_symbols():
-            vocab[symbol] = len(vocab)
-        merges: list[tuple[str, str]] = []
-        for left, right in _merges_of(learner):
-            if len(vocab) >= vocab_size - 2:
-                break
-            merges.append((left, right))
-            vocab.setdefault(left + right, len(vocab))
+        for token in [*base, *("".join(m) for m in merges)]:
+            vocab.setdefault(token, len(vocab))  # a merge can make an existing token again
         vocab[SOT] = len(vocab)
         vocab[EOT] = len(vocab)
         return cls(_build(vocab, merges, context_length), "bpe", context_length)
