@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from clipms.bpe import BpeError
 from clipms.prep.synthetic import image_rng, sample_scene, write_captions
 from clipms.tokenizer import Tokenizer, TokenizerError, clean_text
 
@@ -238,3 +242,142 @@ def test_tokenizer_ids_are_those_of_the_ftfy_path(openai: Tokenizer) -> None:
             [cleaned_by_ftfy(t) for t in texts]), strict=True):
         row[:len(encoding.ids)] = encoding.ids
     np.testing.assert_array_equal(openai.encode(texts), expected)
+
+
+# --- the BPE trainer (clipms.bpe) ---------------------------------------------------------------
+# A tiny corpus with a known answer: ("x", "y") and ("y", "z</w>") are seen 3 times, ("a", "b"),
+# ("b", "c</w>") and ("b", "d</w>") twice, ("p", "q</w>") once.
+HAND_MADE = {"xyz": 3, "abc": 2, "bd": 2, "pq": 1}
+# Count first, then the smallest (left id, right id): x < y; a < b; then ("b", "d</w>") before
+# ("ab", "c</w>") because "ab", a new token, has a higher id than every base symbol (in string
+# order "ab" < "b" would go first).
+HAND_MADE_MERGES = [("x", "y"), ("xy", "z</w>"), ("a", "b"), ("b", "d</w>"), ("ab", "c</w>")]
+
+
+def _learn(word_counts: dict[str, int], max_new_tokens: int = 50,
+           min_frequency: int = 2) -> list[tuple[str, str]]:
+    from clipms.bpe import learn_merges
+    from clipms.tokenizer import EOW, _byte_symbols
+
+    return learn_merges(word_counts, _byte_symbols(), max_new_tokens, min_frequency, EOW)
+
+
+def test_bpe_tie_rule_on_a_hand_made_corpus() -> None:
+    assert _learn(HAND_MADE) == HAND_MADE_MERGES
+    assert _learn(dict(reversed(HAND_MADE.items()))) == HAND_MADE_MERGES  # not by word order
+    # End-of-word symbols are ordered as their bytes (BpeTrainer numbers them in hash-map order).
+    assert _learn({"ac": 1, "ab": 1}, min_frequency=1) == [("a", "b</w>"), ("a", "c</w>")]
+    # The trained tokenizer's ids are the trainer's: pad, 512 byte symbols, merges, SOT, EOT.
+    tok = Tokenizer.train([w for w, n in HAND_MADE.items() for _ in range(n)], vocab_size=600,
+                          context_length=8)
+    vocab = tok._tok.get_vocab()
+    assert [vocab["".join(m)] for m in HAND_MADE_MERGES] == [513, 514, 515, 516, 517]
+    assert (tok.sot_id, tok.eot_id, tok.vocab_size) == (518, 519, 520)
+    assert tok.encode(["abc bd XYZ pq"])[0].tolist() == [518, 517, 516, 514, vocab["p"],
+                                                        vocab["q</w>"], 519, 0]
+
+
+def test_bpe_counts_cap_and_min_frequency() -> None:
+    assert _learn(HAND_MADE, min_frequency=1) == [*HAND_MADE_MERGES, ("p", "q</w>")]
+    assert _learn(HAND_MADE, min_frequency=3) == HAND_MADE_MERGES[:2]
+    assert _learn(HAND_MADE, min_frequency=4) == []
+    for cap in range(6):
+        assert _learn(HAND_MADE, max_new_tokens=cap) == HAND_MADE_MERGES[:cap]
+    # BpeTrainer's counts: overlapping occurrences count ("aaab": ("a", "a") twice), the merge
+    # goes left to right ("aa", "a", "b</w>": no pair left twice).
+    assert _learn({"aaab": 1}) == [("a", "a")]
+    assert _learn({"aaab": 1}, min_frequency=3) == []
+    # A vocab_size cap keeps a prefix of the merges: pad + 512 + merges + SOT/EOT = vocab_size.
+    texts = [w for w, n in HAND_MADE.items() for _ in range(n)]
+    for vocab_size, merges in [(516, 1), (518, 3), (520, 5), (600, 5)]:
+        tok = Tokenizer.train(texts, vocab_size=vocab_size, context_length=8)
+        assert tok.vocab_size == 515 + merges
+        assert [tok._tok.token_to_id("".join(m)) for m in HAND_MADE_MERGES[:merges]] == list(
+            range(513, 513 + merges))
+    with pytest.raises(BpeError, match="symbol '中</w>' is not a base symbol"):
+        _learn({"a中": 1})  # words come byte-mapped: raw text here is a caller's mistake
+
+
+def _tie_corpus() -> list[str]:
+    """Captions made of ties: each two-letter word of a-l twice, so the 144 pairs (x, y</w>) all
+    count 2 and which 25 of them a 540-id vocabulary takes is the tie rule alone (BpeTrainer took
+    a different set nearly every run)."""
+    words = [x + y for x in TIE_LETTERS for y in TIE_LETTERS]
+    return [" ".join(words[i::7]) for i in range(7)] * 2
+
+
+TIE_LETTERS = "abcdefghijkl"
+
+
+def test_bpe_training_is_deterministic_in_and_across_processes(tmp_path: Path) -> None:
+    """Same captions -> a byte-identical tokenizer file: twice in this process, with the captions
+    in another order, and in processes with other PYTHONHASHSEEDs (str hashes, set orders)."""
+    captions = _tie_corpus()
+    tok = Tokenizer.train(captions, vocab_size=540, context_length=8)
+    tok.save(tmp_path / "first.json")
+    Tokenizer.train(captions, vocab_size=540, context_length=8).save(tmp_path / "again.json")
+    Tokenizer.train(captions[::-1], vocab_size=540, context_length=8).save(
+        tmp_path / "reversed.json")
+    root = Path(__file__).resolve().parent.parent
+    script = ("import json, sys; from clipms.tokenizer import Tokenizer; "
+              "Tokenizer.train(json.load(sys.stdin), 540, 8).save(sys.argv[1])")
+    for seed in ("1", "2"):
+        subprocess.run([sys.executable, "-c", script, str(tmp_path / f"seed{seed}.json")],
+                       input=json.dumps(captions), text=True, check=True, cwd=root,
+                       env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(root)})
+    files = sorted(tmp_path.glob("*.json"))
+    assert len(files) == 5 and len({f.read_bytes() for f in files}) == 1
+    # The tie rule's choice: the 25 pairs of the smallest (left, right) ids, in that order.
+    learned = sorted((i, t) for t, i in tok._tok.get_vocab().items() if 513 <= i < tok.sot_id)
+    assert [t for _, t in learned] == [x + y + "</w>" for x in TIE_LETTERS
+                                       for y in TIE_LETTERS][:25]
+
+
+def test_bpe_is_bpetrainers_but_for_the_tie_rule() -> None:
+    """Given the ids of a BpeTrainer run (it numbers the end-of-word symbols in hash-map order),
+    learn_merges makes that run's merges: the words, the counts (overlaps included), the merge
+    order within a word, min_frequency and the vocabulary cap are BpeTrainer's; only the ids,
+    which decide ties, differ. On synthetic captions and on random words of a, b, c."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from clipms.bpe import learn_merges
+    from clipms.tokenizer import EOW, _byte_symbols, _pre_tokenizer, _word_counts
+
+    rng = np.random.default_rng(0)
+    cases = [(synthetic_captions(40), 600, 2), (synthetic_captions(150), 700, 2),
+             (synthetic_captions(150), 2000, 1)]
+    for _ in range(20):
+        words = ["".join(rng.choice(list("abc"), size=rng.integers(1, 8)))
+                 for _ in range(rng.integers(1, 9))]
+        cases.append(([w for w in words for _ in range(rng.integers(1, 5))],
+                      int(rng.integers(516, 541)), int(rng.integers(1, 4))))
+    for captions, vocab_size, min_frequency in cases:
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size - 3, min_frequency=min_frequency, show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), end_of_word_suffix=EOW)
+        hf = HFTokenizer(models.BPE(end_of_word_suffix=EOW))
+        hf.pre_tokenizer = _pre_tokenizer()
+        hf.train_from_iterator([clean_text(c) for c in captions], trainer=trainer)
+        model = json.loads(hf.to_str())["model"]
+        expected = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1))
+                    for m in model["merges"]]
+        seen = sorted((s for s in _byte_symbols() if s in model["vocab"]), key=model["vocab"].get)
+        unseen = [s for s in _byte_symbols() if s not in model["vocab"]]
+        merges = learn_merges(_word_counts(captions), seen + unseen,
+                              vocab_size - 3 - len(seen), min_frequency, EOW)
+        assert merges == expected, (captions[:8], vocab_size, min_frequency)
+
+
+def test_word_counts_are_those_of_pre_tokenizing_each_text() -> None:
+    """Counting distinct space-separated chunks gives the words of pre-tokenising every cleaned
+    text whole (contractions, punctuation runs, digits, unicode spaces, control characters)."""
+    from collections import Counter
+
+    from clipms.tokenizer import _pre_tokenizer, _word_counts
+
+    texts = [*TRICKY, *synthetic_captions(20), "it's 'tis 'S don't x's  's", "a\u3000b\u00a0c",
+             "a\u200bb\u180ec", "9 1/2 -- ok!!", "東京 😀 ÿ"]
+    split = _pre_tokenizer().pre_tokenize_str
+    expected = Counter(word for text in texts for word, _ in split(clean_text(text)))
+    assert _word_counts(texts) == expected and len(expected) > 100
