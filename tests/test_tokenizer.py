@@ -265,7 +265,7 @@ def _learn(word_counts: dict[str, int], max_new_tokens: int = 50,
 def test_bpe_tie_rule_on_a_hand_made_corpus() -> None:
     assert _learn(HAND_MADE) == HAND_MADE_MERGES
     assert _learn(dict(reversed(HAND_MADE.items()))) == HAND_MADE_MERGES  # not by word order
-    # End-of-word symbols are ordered as their bytes (BpeTrainer numbers them in hash-map order).
+    # End-of-word symbols are in the vocabulary's byte order (BpeTrainer's: hash-map order).
     assert _learn({"ac": 1, "ab": 1}, min_frequency=1) == [("a", "b</w>"), ("a", "c</w>")]
     # The trained tokenizer's ids are the trainer's: pad, 512 byte symbols, merges, SOT, EOT.
     tok = Tokenizer.train([w for w, n in HAND_MADE.items() for _ in range(n)], vocab_size=600,
