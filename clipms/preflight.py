@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from clipms.config import DEFAULT_PRESET, CLIPConfig, get_preset
+from clipms.prep.download import DownloadSettings
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 # msrun sets these for every worker; a value already in the environment would fight it.
@@ -271,6 +272,15 @@ def check_schedule(plan: RunPlan, train_samples: int | None, source: str,
     return checks
 
 
+def check_image_size(downloaded: int, model_side: int) -> Check:
+    """The downloaded images against the model's input: smaller ones are upscaled every step."""
+    if downloaded < model_side:
+        return Check("image size", WARN, f"download.image_size {downloaded} < the model's "
+                     f"{model_side}-px input: every image is upscaled (set download.image_size "
+                     f">= {model_side}, as profiles/ do)")
+    return Check("image size", OK, f"downloaded at {downloaded} px, the model takes {model_side}")
+
+
 def train_split_size(manifest: Path) -> tuple[int | None, str]:
     try:
         splits = json.loads(manifest.read_text())["splits"]
@@ -295,6 +305,8 @@ def preflight(params: dict[str, Any], manifest: Path, checkpoints: Path,
     checks = [check_mindspore(), check_devices(plan), *check_launcher(plan),
               check_shared_memory(plan, workers, row_bytes),
               check_disk(checkpoints, plan, count, stale_sets),
+              check_image_size((params.get("download") or {}).get(
+                  "image_size", DownloadSettings().image_size), plan.image_size),
               *check_schedule(plan, samples, source,
                               (params.get("dedupe") or {}).get("val_fraction", 0.1))]
     runtime = runtime_settings(params.get("runtime") or {}, checks)

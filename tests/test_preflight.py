@@ -26,13 +26,14 @@ def _cli(*args: str, cwd: Path = PROJECT_ROOT):
 
 def _schemas() -> dict[str, type]:
     from clipms.runtime import RuntimeConfig
+    from stages.download import DownloadParams
     from stages.evaluate import EvaluateParams
     from stages.metadata import MetadataParams
     from stages.tokenizer import TokenizerParams
     from stages.train import TrainParams
 
     return {"train": TrainParams, "tokenizer": TokenizerParams, "metadata": MetadataParams,
-            "evaluate": EvaluateParams, "runtime": RuntimeConfig}
+            "evaluate": EvaluateParams, "runtime": RuntimeConfig, "download": DownloadParams}
 
 
 def test_the_plan_defaults_are_the_train_stages_own():
@@ -69,6 +70,7 @@ def test_each_ascend_profile_is_valid_params_and_a_sensible_schedule(profile):
     assert plan.preset == "ViT-B-32" and plan.image_size == 224
     checks = preflight.check_schedule(plan, None, "no manifest", 0.1)
     assert all(c.status != preflight.FAIL for c in checks), checks
+    assert preflight.check_image_size(params["download"]["image_size"], 224).status == "ok"
     steps = int(checks[-1].detail.split(" of ")[1].split()[0])
     assert plan.warmup_steps / steps < 0.1  # warmup is a small part of the run
     assert f"-S 'train.batch_size={plan.batch_size}'" in preflight.dvc_command(overrides)
@@ -100,6 +102,15 @@ def test_the_default_cpu_run_passes_and_the_plan_is_checked_against_the_manifest
     checks = {c["name"]: c for c in report["checks"]}
     assert "23 steps an epoch of 1500" in checks["global batch"]["detail"]  # 1500 // 64
     assert report["command"] == "dvc repro" and report["plan"]["device"] == "CPU"
+    assert checks["image size"]["status"] == "ok"  # 128-px synthetic images, 64-px model
+
+    upscaled = _cli("--manifest", str(manifest), "-S", "train.preset=small")  # 128 px: fine
+    assert {c["name"]: c for c in json.loads(upscaled.stdout.splitlines()[-1])["checks"]}[
+        "image size"]["status"] == "ok"
+    upscaled = _cli("--manifest", str(manifest), "-S", "train.preset=ViT-B-32")  # 224 px
+    detail = {c["name"]: c for c in json.loads(upscaled.stdout.splitlines()[-1])["checks"]}
+    assert detail["image size"]["status"] == "warn"
+    assert "download.image_size 128 < the model's 224-px input" in detail["image size"]["detail"]
 
     too_big = _cli("--manifest", str(manifest), "-S", "train.batch_size=1024",
                    "-S", "train.distributed.workers=2")
