@@ -212,10 +212,7 @@ def _object_phrase(scene: Scene, rng: random.Random) -> str:
     adjectives = f"{scene.size} {scene.colour}" if rng.random() < 0.5 else scene.colour
     if scene.count == 1:
         return f"{_article(adjectives)} {adjectives} {scene.shape}"
-    # Half the time the shape stays singular ("two red star shapes"), so that the word a single
-    # object is named by also names it in a group (a plural is a token of its own).
-    noun = f"{scene.shape} shapes" if rng.random() < 0.5 else _plural(scene.shape)
-    return f"{_COUNT_WORDS[scene.count]} {adjectives} {noun}"
+    return f"{_COUNT_WORDS[scene.count]} {adjectives} {_plural(scene.shape)}"
 
 
 def _where_phrase(scene: Scene, rng: random.Random) -> str:
