@@ -21,14 +21,17 @@ answered request (all its processes), the client's, the 1-minute load, and for t
 mean batch size (from its /metrics).
 
 Two modes, alternated in one run (`--modes`): `shared`, every process on every core (the client
-takes its share of them), and `pinned` (text embeddings, `--pinned-targets`): the servers on
-`--server-cpu`, the client on `--client-cpu`. After the cells `clipms-bench encode --bundle`
-measures what the model itself does at the batched service's mean text batch size at concurrency
-32, per mode on the CPUs the service had in it (both cores; the server CPU): the limit, so the
-service's own overhead shows (`--limit-runs` runs per mode, alternated, medians). The limit's rate
-is the mean over its `--limit-steps` timed steps (texts / time), not its median step: the
-service's QPS is a mean over seconds with every interruption in it, so the limit is measured the
-same way (the median step's rate is reported beside it). Every server is stopped at the end.
+takes its share of them), and `pinned` (text embeddings, `--pinned-targets`): servers of their own
+started on `--server-cpu` (benchmarks/serving_servers.py says why), the client on `--client-cpu`.
+Right after each cell of the batched service's text embeddings at concurrency 32,
+`clipms-bench encode --bundle` measures what the model itself does at that cell's mean batch size,
+on the CPUs the service had (both cores; the server CPU) with as many MindSpore threads: the
+limit, so the service's own overhead shows. Each cell and its limit are a pair measured in the
+same minute, so the machine's drift (its speed moves by 10-20 % over minutes here) falls on both
+sides of the ratio; the summary gives the median of the pairs' ratios. The limit's rate is the
+mean over its `--limit-steps` timed steps (texts / time), not its median step: the service's QPS
+is a mean over seconds with every interruption in it, so the limit is measured the same way (the
+median step's rate is reported beside it). Every server is stopped at the end.
 """
 
 from __future__ import annotations
@@ -46,13 +49,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from serving_load import pin, run_load, tree, workload
-from serving_servers import Server, start_servers
+from serving_load import pin, run_load, workload
+from serving_servers import PINNED, Server, start_servers
 
 BIN = Path(sys.executable).parent
 WORKLOADS = ("text_embed", "image_embed", "text_search")
 TARGETS = ("service", "service_b1", "mlflow")
 MODES = ("shared", "pinned")
+GOAL_CONCURRENCY = 32  # issue 16's goals are stated at this concurrency
 LIMIT_RATE = ("texts/s of the model alone: the mean over its timed steps (texts / time, every "
               "interruption counted, as in the service's QPS), warm-up left out; "
               "model_texts_per_s_median_step: at its median step")
@@ -92,17 +96,18 @@ class Bench:
         self.cpus = {"shared": (everything, everything),  # (servers, client)
                      "pinned": ({args.server_cpu}, {args.client_cpu})}
 
+    def server(self, mode: str, target: str) -> Server | None:
+        return self.servers.get(target + PINNED if mode == "pinned" else target)
+
     def enter(self, mode: str) -> None:
-        servers, client = self.cpus[mode]
-        for server in self.servers.values():
-            pin(tree(server.proc.pid), servers)
-        pin([os.getpid()], client)
+        """The client on the mode's CPUs (each server stays on the CPUs it started on)."""
+        pin([os.getpid()], self.cpus[mode][1])
 
     def measure(self, mode: str, target: str, kind: str, concurrency: int,
                 seconds: float) -> dict[str, Any]:
         """One cell: the load, the server's mean batch size over it, and whether it died."""
         self.enter(mode)
-        server = self.servers[target]
+        server = self.servers[target + PINNED if mode == "pinned" else target]  # cells() checked
         tower = "image" if kind == "image_embed" else "text"
         alive = server.exit_code() is None
         before = batch_totals(server.url, tower) if target != "mlflow" and alive else None
@@ -129,18 +134,19 @@ class Bench:
         kinds = self.args.workloads if mode == "shared" else ["text_embed"]
         targets = TARGETS if mode == "shared" else self.args.pinned_targets
         return [(t, k) for k in kinds for t in targets
-                if t in self.servers and self.work[t, k] is not None]
+                if self.server(mode, t) is not None and self.work[t, k] is not None]
 
 
 def warm_up(bench: Bench) -> list[dict[str, Any]]:
     """Untimed load on every server and workload (compiles, lazy start-up); errors kept."""
     cells = []
     if bench.args.warmup_s > 0:
-        for target, kind in bench.cells("shared"):
-            cell = bench.measure("shared", target, kind, max(bench.args.concurrency),
-                                 bench.args.warmup_s)
-            cells.append(cell)
-            print(json.dumps({"warmup": True, **cell}), flush=True)
+        for mode in bench.args.modes:
+            for target, kind in bench.cells(mode):
+                cell = bench.measure(mode, target, kind, max(bench.args.concurrency),
+                                     bench.args.warmup_s)
+                cells.append(cell)
+                print(json.dumps({"warmup": True, **cell}), flush=True)
     return cells
 
 
@@ -159,38 +165,35 @@ def run_cells(bench: Bench) -> list[dict[str, Any]]:
                     for target in targets[shift:] + targets[:shift]:
                         cell = bench.measure(mode, target, kind, concurrency, args.seconds)
                         cell["round"] = rnd
+                        pair_with_limit(bench, cell)
                         cells.append(cell)
                         print(json.dumps(cell), flush=True)
     bench.enter("shared")
     return cells
 
 
+def pair_with_limit(bench: Bench, cell: dict[str, Any]) -> None:
+    """After a cell of the batched service's text embeddings at GOAL_CONCURRENCY: the model
+    alone at the cell's mean batch, on the CPUs the service had (`limit`), and the pair's ratio
+    (`vs_model_limit`)."""
+    if bench.args.no_limit or not cell.get("mean_batch") or (
+            cell["target"], cell["workload"], cell["concurrency"]) != (
+            "service", "text_embed", GOAL_CONCURRENCY):
+        return
+    run = model_limit(bench.args, max(1, round(cell["mean_batch"])), bench.cpus[cell["mode"]][0])
+    cell["limit"] = run
+    cell["vs_model_limit"] = ratio(cell["qps"], run["texts_per_s_mean"])
+
+
 def model_limit(args: argparse.Namespace, batch: int, cpus: set[int]) -> dict[str, Any]:
-    """`clipms-bench encode --bundle` at `batch`, allowed only `cpus` (as the service was)."""
+    """`clipms-bench encode --bundle` at `batch`, started on `cpus` only and with as many
+    MindSpore threads, as the service was."""
     out = subprocess.run([str(BIN / "clipms-bench"), "encode", "--bundle", str(args.bundle),
                           "--towers", "text", "--batch-size", str(batch),
-                          "--steps", str(args.limit_steps)],
+                          "--steps", str(args.limit_steps), "--threads", str(len(cpus))],
                          capture_output=True, text=True, check=True, timeout=1800,
                          preexec_fn=lambda: os.sched_setaffinity(0, cpus))
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "cpus": sorted(cpus)}
-
-
-def limits(bench: Bench, cells: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Per mode, `--limit-runs` model-alone runs at the mode's mean batch, modes alternated."""
-    runs: dict[str, list[dict[str, Any]]] = {}
-    batch = {}
-    for mode in bench.args.modes:
-        means = [c["mean_batch"] for c in cells if (c["mode"], c["target"], c["workload"],
-                 c["concurrency"]) == (mode, "service", "text_embed", 32) and c.get("mean_batch")]
-        if means:
-            batch[mode] = max(1, round(statistics.median(means)))
-    for rnd in range(bench.args.limit_runs):
-        order = list(batch)[rnd % max(1, len(batch)):] + list(batch)[:rnd % max(1, len(batch))]
-        for mode in order:
-            run = model_limit(bench.args, batch[mode], bench.cpus[mode][0])
-            runs.setdefault(mode, []).append(run)
-            print(json.dumps({"limit": mode, **run}), flush=True)
-    return runs
 
 
 def median_of(cells: list[dict[str, Any]], mode: str, target: str, kind: str,
@@ -205,18 +208,18 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarize(cells: list[dict[str, Any]], warmup: list[dict[str, Any]],
-              runs: dict[str, list[dict[str, Any]]], mode: str) -> dict[str, Any]:
-    qps = {t: median_of(cells, mode, t, "text_embed", 32, "qps") for t in TARGETS}
+              mode: str) -> dict[str, Any]:
+    qps = {t: median_of(cells, mode, t, "text_embed", GOAL_CONCURRENCY, "qps") for t in TARGETS}
     loads = [c["load_avg_1min"] for c in cells if c["mode"] == mode]
     summary: dict[str, Any] = {
         "text_qps_c32": qps,
         "vs_mlflow": ratio(qps["service"], qps["mlflow"]),
         "vs_batching_off": ratio(qps["service"], qps["service_b1"]),
         "p99_ms_c8_text": median_of(cells, mode, "service", "text_embed", 8, "p99_ms"),
-        "server_cpu_ms_per_request_c32": median_of(cells, mode, "service", "text_embed", 32,
-                                                   "server_cpu_ms_per_request"),
-        "client_cpu_ms_per_request_c32": median_of(cells, mode, "service", "text_embed", 32,
-                                                   "client_cpu_ms_per_request"),
+        "server_cpu_ms_per_request_c32": median_of(cells, mode, "service", "text_embed",
+                                                   GOAL_CONCURRENCY, "server_cpu_ms_per_request"),
+        "client_cpu_ms_per_request_c32": median_of(cells, mode, "service", "text_embed",
+                                                   GOAL_CONCURRENCY, "client_cpu_ms_per_request"),
         "errors": sum(c["errors"] for c in cells if c["mode"] == mode),
         "servers_died": sorted({c["target"] for c in cells if "server_exit" in c
                                 and c["mode"] == mode}),
@@ -224,30 +227,41 @@ def summarize(cells: list[dict[str, Any]], warmup: list[dict[str, Any]],
     }
     if mode == "shared":
         summary["warmup_errors"] = sum(c["errors"] for c in warmup)
-    if runs.get(mode) and qps["service"]:
-        rates = [r["texts_per_s_mean"] for r in runs[mode]]
-        summary.update(model_texts_per_s=statistics.median(rates), model_runs=rates,
-                       model_rate=LIMIT_RATE, model_texts_per_s_median_step=statistics.median(
-                           r["texts_per_s"] for r in runs[mode]),
-                       model_cpu_ms_per_text=statistics.median(
-                           r["cpu_ms_per_text"] for r in runs[mode]),
-                       limit_batch=runs[mode][0]["batch_size"], limit_cpus=runs[mode][0]["cpus"],
-                       vs_model_limit=ratio(qps["service"], statistics.median(rates)))
+    pairs = [c for c in cells if c["mode"] == mode and c.get("vs_model_limit") is not None]
+    if pairs:
+        runs = [c["limit"] for c in pairs]
+        summary.update(
+            vs_model_limit=statistics.median(c["vs_model_limit"] for c in pairs),
+            vs_model_limit_pairs=[c["vs_model_limit"] for c in pairs],
+            service_qps_of_pairs=[c["qps"] for c in pairs],
+            model_runs=[r["texts_per_s_mean"] for r in runs], model_rate=LIMIT_RATE,
+            model_texts_per_s=statistics.median(r["texts_per_s_mean"] for r in runs),
+            model_texts_per_s_median_step=statistics.median(r["texts_per_s"] for r in runs),
+            model_cpu_ms_per_text=statistics.median(r["cpu_ms_per_text"] for r in runs),
+            limit_batch=[r["batch_size"] for r in runs], limit_cpus=runs[0]["cpus"],
+            limit_threads=runs[0]["threads"])
     return summary
 
 
 def markdown(cells: list[dict[str, Any]]) -> str:
     rows = ["| mode | workload | concurrency | server | QPS | p50 ms | p95 ms | p99 ms "
-            "| mean batch | server CPU ms/request | client CPU ms/request | errors | load |",
-            "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| mean batch | server CPU ms/request | client CPU ms/request | errors | load "
+            "| model alone, texts/s (QPS / it) |",
+            "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         died = f" (server died: {c['server_exit']})" if "server_exit" in c else ""
         rows.append(f"| {c['mode']} | {c['workload']} | {c['concurrency']} | {c['target']} | "
                     f"{c['qps']} | {c['p50_ms']} | {c['p95_ms']} | {c['p99_ms']} | "
                     f"{c.get('mean_batch', '-')} | {c.get('server_cpu_ms_per_request', '-')} | "
                     f"{c['client_cpu_ms_per_request']} | {c['errors']}{died} | "
-                    f"{c['load_avg_1min']} |")
+                    f"{c['load_avg_1min']} | {paired(c)} |")
     return "\n".join(rows)
+
+
+def paired(cell: dict[str, Any]) -> str:
+    if "limit" not in cell:
+        return "-"
+    return f"{cell['limit']['texts_per_s_mean']} ({cell['vs_model_limit']})"
 
 
 def parse_args() -> argparse.Namespace:
@@ -282,7 +296,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mlflow-tracking-uri")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--no-limit", action="store_true", help="skip the clipms-bench model limit")
-    p.add_argument("--limit-runs", type=int, default=2, help="model-alone runs per mode")
     p.add_argument("--limit-steps", type=int, default=300,
                    help="timed steps per model-alone run (its rate: the mean over them)")
     p.add_argument("--out", type=Path, help="write all cells and the summary as JSON here")
@@ -304,15 +317,16 @@ def main() -> int:
         servers: dict[str, Server] = {}
         try:
             start_servers(args, Path(tmp), servers)
+            started_on = {name: sorted(os.sched_getaffinity(server.proc.pid))
+                          for name, server in servers.items()}
             bench = Bench(args, servers, sample_image(), dim)
             warmup = warm_up(bench)
             cells = run_cells(bench)
         finally:
             for server in servers.values():
                 server.stop()
-    runs = {} if args.no_limit else limits(bench, cells)
-    summary = {mode: summarize(cells, warmup, runs, mode) for mode in args.modes}
-    result = {"summary": summary, "cells": cells, "warmup": warmup, "limits": runs,
+    summary = {mode: summarize(cells, warmup, mode) for mode in args.modes}
+    result = {"summary": summary, "cells": cells, "warmup": warmup, "server_cpus": started_on,
               "bundle": str(args.bundle), "bundle_digest": bundle_digest(args.bundle),
               "mlflow_workers": args.mlflow_workers, "mlflow_timeout_s": args.mlflow_timeout,
               "cpus": os.cpu_count(), "server_cpu": args.server_cpu,

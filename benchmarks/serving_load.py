@@ -8,8 +8,9 @@ answer in `check_every`, which is decoded and checked (`check(answer)`: None whe
 is wrong; a wrong answer counts as an error). The client's own CPU time is measured per cell.
 
 `pin(pids, cpus)` restricts every thread of the given processes (and so the threads they start
-later) to `cpus`: the benchmark's `pinned` mode puts the servers on one CPU and the client on
-another, so a QPS figure shows the server's own work, not the client's share of the same cores.
+later) to `cpus`: the benchmark's `pinned` mode puts the client on one CPU, its servers having
+started on the other, so a QPS figure shows the server's own work, not the client's share of the
+same cores.
 """
 
 from __future__ import annotations
@@ -39,17 +40,6 @@ def pin(pids: Iterable[int], cpus: set[int]) -> None:
                 os.sched_setaffinity(int(task.name), cpus)
             except (ProcessLookupError, FileNotFoundError):
                 continue  # the thread ended meanwhile
-
-
-def tree(pid: int) -> list[int]:
-    """`pid` and every process under it."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        return [pid, *(child.pid for child in root.children(recursive=True))]
-    except psutil.NoSuchProcess:
-        return []
 
 
 @dataclass

@@ -1,10 +1,17 @@
 """The servers of benchmarks/bench_serving.py: each in its own process session on a free
 127.0.0.1 port (harness.processes, as the tests start theirs), waited for until ready, its CPU
-time readable, and stopped with its children."""
+time readable, and stopped with its children.
+
+The pinned mode's servers are processes of their own, started on the server CPU (`cpus`), not the
+shared mode's servers pinned later: a process sizes its thread pools by the CPUs it may use when
+it starts (MindSpore's among them), and the model-alone limit it is compared with starts on that
+CPU too. A service started on both cores and pinned later keeps a second MindSpore kernel thread
+busy, taking turns with the first on one CPU (docs/serving.md, "Load benchmark")."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -18,14 +25,16 @@ class Server:
     """One server process in its own session; `stop()` ends it and its children."""
 
     def __init__(self, name: str, cmd: list[str], ready_path: str, env: dict[str, str],
-                 log_dir: Path, workers: int = 1) -> None:
+                 log_dir: Path, workers: int = 1, cpus: set[int] | None = None) -> None:
         self.name, self.port = name, processes.free_port()
+        self.cpus = cpus  # None: every CPU
         self.workers = workers  # uvicorn workers: each logs its start-up when its app loaded
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready = self.url + ready_path
         self.log = log_dir / f"{name}.log"
         cmd = [c.replace("{port}", str(self.port)) for c in cmd]
-        self.proc = processes.spawn(cmd, self.log, mode="wb", env=env)
+        start_on = {"preexec_fn": functools.partial(os.sched_setaffinity, 0, cpus)} if cpus else {}
+        self.proc = processes.spawn(cmd, self.log, mode="wb", env=env, **start_on)
 
     def _started(self) -> bool:
         """/ready answers 200 and every worker has logged its start-up."""
@@ -81,30 +90,48 @@ def log_pyfunc(bundle: Path, folder: Path) -> tuple[str, str]:
     return uri, f"models:/bench-clip/{version}"
 
 
+PINNED = "@pinned"  # the name of a target's pinned-mode server: "service@pinned"
+
+
 def start_servers(args: argparse.Namespace, work: Path, servers: dict[str, Server]) -> None:
     """Start the chosen targets into `servers` (filled as they start, so the caller stops every
-    one that started even when a later one fails) and wait until all are ready."""
+    one that started even when a later one fails) and wait until all are ready: the shared
+    mode's on every CPU, the pinned mode's (`<target>@pinned`) on `--server-cpu`."""
+    specs = server_specs(args, work)
+    if "shared" in args.modes:
+        for target in args.targets:
+            servers[target] = Server(target, *specs[target], work, workers=workers(args, target))
+    if "pinned" in args.modes:
+        for target in args.pinned_targets:
+            servers[target + PINNED] = Server(target + PINNED, *specs[target], work,
+                                              workers=workers(args, target),
+                                              cpus={args.server_cpu})
+    for server in servers.values():
+        server.wait(args.startup_timeout)
+
+
+def workers(args: argparse.Namespace, target: str) -> int:
+    return args.mlflow_workers if target == "mlflow" else 1
+
+
+def server_specs(args: argparse.Namespace, work: Path) -> dict[str, tuple[list[str], str,
+                                                                         dict[str, str]]]:
+    """(command, ready path, environment) of every target either mode uses."""
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
     serve = [str(BIN / "python"), "-m", "serving", "--model", str(args.bundle), "--index",
              str(args.index), "--port", "{port}", "--max-wait-ms", str(args.max_wait_ms),
              "--max-queue", "4096", "--log-level", "info"]
-    if "service" in args.targets:
-        servers["service"] = Server("service", [*serve, "--max-batch", str(args.max_batch)],
-                                    "/readyz", env, work)
-    if "service_b1" in args.targets:
-        servers["service_b1"] = Server("service_b1", [*serve, "--max-batch", "1"], "/readyz", env,
-                                       work)
-    if "mlflow" in args.targets:
+    specs = {"service": ([*serve, "--max-batch", str(args.max_batch)], "/readyz", env),
+             "service_b1": ([*serve, "--max-batch", "1"], "/readyz", env)}
+    if "mlflow" in {*args.targets, *args.pinned_targets}:
         if args.mlflow_model:
             tracking = args.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
             model = args.mlflow_model
         else:
             tracking, model = log_pyfunc(args.bundle, work)
-        servers["mlflow"] = Server("mlflow", [
+        specs["mlflow"] = ([
             str(BIN / "mlflow"), "models", "serve", "-m", model, "--env-manager", "local",
             "--host", "127.0.0.1", "--port", "{port}", "--workers", str(args.mlflow_workers),
-            "--timeout", str(args.mlflow_timeout)],
-            "/ping", {**env, "MLFLOW_TRACKING_URI": tracking}, work,
-            workers=args.mlflow_workers)
-    for server in servers.values():
-        server.wait(args.startup_timeout)
+            "--timeout", str(args.mlflow_timeout)], "/ping",
+            {**env, "MLFLOW_TRACKING_URI": tracking})
+    return specs
