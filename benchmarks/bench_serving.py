@@ -200,7 +200,11 @@ def median_of(cells: list[dict[str, Any]], mode: str, target: str, kind: str,
               concurrency: int, key: str) -> float | None:
     values = [c[key] for c in cells if (c["mode"], c["target"], c["workload"], c["concurrency"])
               == (mode, target, kind, concurrency) and c.get(key) is not None]
-    return statistics.median(values) if values else None
+    return median(values) if values else None
+
+
+def median(values: Any) -> float:
+    return round(statistics.median(values), 3)  # no 365.95000000000005 in the JSON
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -231,13 +235,13 @@ def summarize(cells: list[dict[str, Any]], warmup: list[dict[str, Any]],
     if pairs:
         runs = [c["limit"] for c in pairs]
         summary.update(
-            vs_model_limit=statistics.median(c["vs_model_limit"] for c in pairs),
+            vs_model_limit=median(c["vs_model_limit"] for c in pairs),
             vs_model_limit_pairs=[c["vs_model_limit"] for c in pairs],
             service_qps_of_pairs=[c["qps"] for c in pairs],
             model_runs=[r["texts_per_s_mean"] for r in runs], model_rate=LIMIT_RATE,
-            model_texts_per_s=statistics.median(r["texts_per_s_mean"] for r in runs),
-            model_texts_per_s_median_step=statistics.median(r["texts_per_s"] for r in runs),
-            model_cpu_ms_per_text=statistics.median(r["cpu_ms_per_text"] for r in runs),
+            model_texts_per_s=median(r["texts_per_s_mean"] for r in runs),
+            model_texts_per_s_median_step=median(r["texts_per_s"] for r in runs),
+            model_cpu_ms_per_text=median(r["cpu_ms_per_text"] for r in runs),
             limit_batch=[r["batch_size"] for r in runs], limit_cpus=runs[0]["cpus"],
             limit_threads=runs[0]["threads"])
     return summary
