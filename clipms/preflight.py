@@ -27,7 +27,6 @@ from typing import Any
 import yaml
 
 from clipms.config import DEFAULT_PRESET, CLIPConfig, get_preset
-from clipms.prep.download import DownloadSettings
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 # msrun sets these for every worker; a value already in the environment would fight it.
@@ -272,13 +271,27 @@ def check_schedule(plan: RunPlan, train_samples: int | None, source: str,
     return checks
 
 
-def check_image_size(downloaded: int, model_side: int) -> Check:
-    """The downloaded images against the model's input: smaller ones are upscaled every step."""
+def check_image_size(download: dict[str, Any], model_side: int) -> Check:
+    """The downloaded images (the `download` params section) against the model's input: smaller
+    ones are upscaled every step."""
+    # img2dataset keeps each image's own size; YAML 1.1 reads an unquoted `no` as false
+    if download.get("resize_mode") in ("no", False):
+        return Check("image size", OK, "download.resize_mode no: images keep their own size, "
+                     f"not checked against the model's {model_side}-px input")
+    downloaded = download.get("image_size") or default_download_size()
     if downloaded < model_side:
         return Check("image size", WARN, f"download.image_size {downloaded} < the model's "
                      f"{model_side}-px input: every image is upscaled (set download.image_size "
                      f">= {model_side}, as profiles/ do)")
     return Check("image size", OK, f"downloaded at {downloaded} px, the model takes {model_side}")
+
+
+def default_download_size() -> int:
+    """The download stage's image size when params do not set one (imported only then: the
+    download module brings pandas, pyarrow and fsspec with it)."""
+    from clipms.prep.download import DownloadSettings
+
+    return DownloadSettings().image_size
 
 
 def train_split_size(manifest: Path) -> tuple[int | None, str]:
@@ -305,8 +318,7 @@ def preflight(params: dict[str, Any], manifest: Path, checkpoints: Path,
     checks = [check_mindspore(), check_devices(plan), *check_launcher(plan),
               check_shared_memory(plan, workers, row_bytes),
               check_disk(checkpoints, plan, count, stale_sets),
-              check_image_size((params.get("download") or {}).get(
-                  "image_size", DownloadSettings().image_size), plan.image_size),
+              check_image_size(params.get("download") or {}, plan.image_size),
               *check_schedule(plan, samples, source,
                               (params.get("dedupe") or {}).get("val_fraction", 0.1))]
     runtime = runtime_settings(params.get("runtime") or {}, checks)

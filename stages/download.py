@@ -59,6 +59,11 @@ class DownloadParams(FetchParams):
     ray_address: str | None = Field(None, min_length=1)
     output: str | None = Field(None, min_length=1)  # null: data/download; else an fsspec URL
 
+    @field_validator("resize_mode", mode="before")
+    @classmethod
+    def _unquoted_no(cls, value: object) -> object:
+        return "no" if value is False else value  # YAML 1.1 reads an unquoted `no` as false
+
     @field_validator("output")
     @classmethod
     def _output(cls, value: str | None) -> str | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 from PIL import Image
 
 from clipms import webds
@@ -230,3 +231,15 @@ def test_download_reports_bad_params(tmp_path):
     proc = run_stage("download", tmp_path, check=False)
     assert proc.returncode == 1
     assert "download.allowed_schemes" in proc.stderr and "'file' is not allowed" in proc.stderr
+
+
+def test_resize_mode_no_may_be_written_unquoted():
+    """`resize_mode: no` (img2dataset's word) is read by YAML 1.1 as false; it means "no"."""
+    from stages.download import DownloadParams
+    from stages.params import ParamsError, validate_section
+
+    section = yaml.safe_load("resize_mode: no")
+    assert section == {"resize_mode": False}
+    assert validate_section("download", DownloadParams, section).resize_mode == "no"
+    with pytest.raises(ParamsError, match="download.resize_mode"):
+        validate_section("download", DownloadParams, {"resize_mode": True})

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,7 +72,7 @@ def test_each_ascend_profile_is_valid_params_and_a_sensible_schedule(profile):
     assert plan.preset == "ViT-B-32" and plan.image_size == 224
     checks = preflight.check_schedule(plan, None, "no manifest", 0.1)
     assert all(c.status != preflight.FAIL for c in checks), checks
-    assert preflight.check_image_size(params["download"]["image_size"], 224).status == "ok"
+    assert preflight.check_image_size(params["download"], 224).status == "ok"
     steps = int(checks[-1].detail.split(" of ")[1].split()[0])
     assert plan.warmup_steps / steps < 0.1  # warmup is a small part of the run
     assert f"-S 'train.batch_size={plan.batch_size}'" in preflight.dvc_command(overrides)
@@ -111,6 +113,10 @@ def test_the_default_cpu_run_passes_and_the_plan_is_checked_against_the_manifest
     detail = {c["name"]: c for c in json.loads(upscaled.stdout.splitlines()[-1])["checks"]}
     assert detail["image size"]["status"] == "warn"
     assert "download.image_size 128 < the model's 224-px input" in detail["image size"]["detail"]
+    kept = _cli("--manifest", str(manifest), "-S", "train.preset=ViT-B-32",
+                "-S", "download.resize_mode=no")  # img2dataset does not resize: nothing to say
+    assert {c["name"]: c for c in json.loads(kept.stdout.splitlines()[-1])["checks"]}[
+        "image size"]["status"] == "ok"
 
     too_big = _cli("--manifest", str(manifest), "-S", "train.batch_size=1024",
                    "-S", "train.distributed.workers=2")
@@ -147,3 +153,21 @@ def test_shared_memory_estimate_follows_mindsporess_formula():
     check = preflight.check_shared_memory(plan, workers=16, row_bytes=row)
     # MindSpore: ranks (<= 8) x workers x (max(2, min(16, 16*4 // workers)) + 2) x row size
     assert f"~{8 * 16 * (4 + 2) * row / 2**20:,.0f} MB" in check.detail
+
+
+def test_image_size_check_without_params_falls_back_to_the_download_default():
+    from clipms.prep.download import DownloadSettings
+
+    default = DownloadSettings().image_size
+    assert preflight.check_image_size({}, default).status == "ok"
+    assert preflight.check_image_size({}, default + 1).status == "warn"
+    assert preflight.check_image_size({"resize_mode": "no"}, default + 1).status == "ok"
+
+
+def test_importing_preflight_leaves_the_download_stack_out():
+    """The preflight CLI starts without pandas, pyarrow and fsspec (the download module's)."""
+    probe = ("import sys, clipms.preflight; print(sorted(m for m in ('clipms.prep.download', "
+             "'pandas', 'pyarrow', 'fsspec') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, cwd=PROJECT_ROOT)
+    assert out.stdout.strip() == "[]", out.stdout
