@@ -44,6 +44,7 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "params": ("clipms/params.py", ("clipms.params.*",)),
     "loss": ("clipms/loss.py", ("clipms.loss.*",)),
     "tokenizer": ("clipms/tokenizer.py", ("clipms.tokenizer.*",)),
+    "bpe": ("clipms/bpe.py", ("clipms.bpe.*",)),
     "shards": ("clipms/prep/shards.py", ("clipms.prep.shards.*",)),
     "checkpoint": ("clipms/checkpoint.py", ("clipms.checkpoint.*",)),
     # the parity part of export: the report, its error measure and the pass/fail decision

@@ -298,6 +298,60 @@ def test_bpe_counts_cap_and_min_frequency() -> None:
         _learn({"a中": 1})  # words come byte-mapped: raw text here is a caller's mistake
 
 
+def test_bpe_skips_empty_and_unused_words() -> None:
+    """An empty word and words of count 0 are left out, wherever they are in the counts (even one
+    with a symbol outside the base: it is not used, so it is no error)."""
+    assert _learn({"": 3, "中中": 0, "xx": -1, **HAND_MADE}) == HAND_MADE_MERGES
+
+
+def _naive_merges(word_counts: dict[str, int], base: list[str],
+                  end_of_word: str) -> list[tuple[str, str]]:
+    """The reference for learn_merges run to the end (min_frequency 1, no cap): every pair
+    recounted after each merge, the highest count first, ties to the smallest (left, right) id."""
+    tokens = list(base)
+    ids = {t: i for i, t in enumerate(tokens)}
+    words = [([ids[c] for c in w[:-1]] + [ids[w[-1] + end_of_word]], n)
+             for w, n in word_counts.items()]
+    merges = []
+    while True:
+        counts: dict[tuple[int, int], int] = {}
+        for word, n in words:
+            for pair in zip(word, word[1:], strict=False):
+                counts[pair] = counts.get(pair, 0) + n
+        if not counts:
+            return merges
+        left, right = min(counts, key=lambda p: (-counts[p], p))
+        token = tokens[left] + tokens[right]
+        if token not in ids:
+            ids[token] = len(tokens)
+            tokens.append(token)
+        merges.append((tokens[left], tokens[right]))
+        for k, (word, n) in enumerate(words):
+            out, i = [], 0
+            while i < len(word):
+                if word[i:i + 2] == [left, right]:
+                    out.append(ids[token])
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            words[k] = (out, n)
+
+
+def test_bpe_to_the_end_matches_a_naive_recount() -> None:
+    """Random corpora of a-d trained until no pair is left (min_frequency 1): counts that fall
+    to 1 on the way are still merged, in the reference's order."""
+    from clipms.bpe import learn_merges
+    from clipms.tokenizer import EOW, _byte_symbols
+
+    rng = np.random.default_rng(7)
+    base = _byte_symbols()
+    for _ in range(200):
+        words = {"".join(rng.choice(list("abcd"), size=rng.integers(1, 9))): int(rng.integers(1, 4))
+                 for _ in range(rng.integers(1, 7))}
+        assert learn_merges(words, base, 10_000, 1, EOW) == _naive_merges(words, base, EOW), words
+
+
 def _tie_corpus() -> list[str]:
     """Captions made of ties: each two-letter word of a-l twice, so the 144 pairs (x, y</w>) all
     count 2 and which 25 of them a 540-id vocabulary takes is the tie rule alone (BpeTrainer took
