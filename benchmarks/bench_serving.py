@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 from serving_load import pin, run_load, workload
-from serving_servers import PINNED, Server, start_servers
+from serving_servers import Server, server_name, start_servers
 
 BIN = Path(sys.executable).parent
 WORKLOADS = ("text_embed", "image_embed", "text_search")
@@ -97,7 +97,7 @@ class Bench:
                      "pinned": ({args.server_cpu}, {args.client_cpu})}
 
     def server(self, mode: str, target: str) -> Server | None:
-        return self.servers.get(target + PINNED if mode == "pinned" else target)
+        return self.servers.get(server_name(mode, target))
 
     def enter(self, mode: str) -> None:
         """The client on the mode's CPUs (each server stays on the CPUs it started on)."""
@@ -107,7 +107,7 @@ class Bench:
                 seconds: float) -> dict[str, Any]:
         """One cell: the load, the server's mean batch size over it, and whether it died."""
         self.enter(mode)
-        server = self.servers[target + PINNED if mode == "pinned" else target]  # cells() checked
+        server = self.servers[server_name(mode, target)]
         tower = "image" if kind == "image_embed" else "text"
         alive = server.exit_code() is None
         before = batch_totals(server.url, tower) if target != "mlflow" and alive else None

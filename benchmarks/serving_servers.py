@@ -90,7 +90,12 @@ def log_pyfunc(bundle: Path, folder: Path) -> tuple[str, str]:
     return uri, f"models:/bench-clip/{version}"
 
 
-PINNED = "@pinned"  # the name of a target's pinned-mode server: "service@pinned"
+PINNED = "@pinned"
+
+
+def server_name(mode: str, target: str) -> str:
+    """The name of `target`'s server in `mode`: "service", or "service@pinned" when pinned."""
+    return target + PINNED if mode == "pinned" else target
 
 
 def start_servers(args: argparse.Namespace, work: Path, servers: dict[str, Server]) -> None:
@@ -100,12 +105,13 @@ def start_servers(args: argparse.Namespace, work: Path, servers: dict[str, Serve
     specs = server_specs(args, work)
     if "shared" in args.modes:
         for target in args.targets:
-            servers[target] = Server(target, *specs[target], work, workers=workers(args, target))
+            name = server_name("shared", target)
+            servers[name] = Server(name, *specs[target], work, workers=workers(args, target))
     if "pinned" in args.modes:
         for target in args.pinned_targets:
-            servers[target + PINNED] = Server(target + PINNED, *specs[target], work,
-                                              workers=workers(args, target),
-                                              cpus={args.server_cpu})
+            name = server_name("pinned", target)
+            servers[name] = Server(name, *specs[target], work, workers=workers(args, target),
+                                   cpus={args.server_cpu})
     for server in servers.values():
         server.wait(args.startup_timeout)
 
