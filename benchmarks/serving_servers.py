@@ -108,7 +108,7 @@ def start_servers(args: argparse.Namespace, work: Path, servers: dict[str, Serve
             name = server_name("shared", target)
             servers[name] = Server(name, *specs[target], work, workers=workers(args, target))
     if "pinned" in args.modes:
-        for target in args.pinned_targets:
+        for target in (t for t in args.pinned_targets if t in args.targets):
             name = server_name("pinned", target)
             servers[name] = Server(name, *specs[target], work, workers=workers(args, target),
                                    cpus={args.server_cpu})
@@ -129,7 +129,7 @@ def server_specs(args: argparse.Namespace, work: Path) -> dict[str, tuple[list[s
              "--max-queue", "4096", "--log-level", "info"]
     specs = {"service": ([*serve, "--max-batch", str(args.max_batch)], "/readyz", env),
              "service_b1": ([*serve, "--max-batch", "1"], "/readyz", env)}
-    if "mlflow" in {*args.targets, *args.pinned_targets}:
+    if "mlflow" in args.targets:
         if args.mlflow_model:
             tracking = args.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
             model = args.mlflow_model
