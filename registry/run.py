@@ -325,11 +325,6 @@ class PipelineRun(RecordSender):
                 f"{Journal.path(self.files.journal_dir, self.run_key)}. Start the server (or fix "
                 "MLFLOW_TRACKING_URI) and rerun `dvc repro` to replay and register.")
 
-    def callback(self, flush_every_s: float = 10.0, prefix: str = "") -> Any:
-        from registry.callback import TrainCallback
-
-        return TrainCallback(self, flush_every_s=flush_every_s, prefix=prefix)
-
 
 def _finish_quietly(monitor: Any) -> None:
     try:

@@ -133,6 +133,7 @@ def main() -> int:
         return _join_as_worker_node(job, cluster)
     from clipms import train_job
     from clipms.trainer import NonFiniteLossError
+    from registry.callback import TrainCallback
     from registry.run import PipelineRun  # MLflow: one run per pipeline run (docs/mlflow.md)
     from stages.tracking import FILES
 
@@ -141,7 +142,7 @@ def main() -> int:
     run = PipelineRun.open("train", params.model_dump(), FILES,
                            resume_record=paths.CHECKPOINTS_RUN)
     run.start_system_metrics()
-    sinks = [*callbacks(), run.callback()]
+    sinks = [*callbacks(), TrainCallback(run)]
     try:
         with run.failure_recorded():  # any error, SIGTERM too: the run ends FAILED with it
             if cluster.workers > 1:

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from registry import gate, journal, lineage, run, settings
+from registry.callback import TrainCallback
 from registry.compare import VersionRow, differing_params, render
 from registry.gate import CHALLENGER, CHAMPION, Candidate, decide
 from stages import paths
@@ -243,7 +244,7 @@ def test_metric_names_become_names_mlflow_accepts() -> None:
 
 def test_training_metrics_are_queued_into_one_batch() -> None:
     pipeline_run = run.PipelineRun("key", None, "exp", FILES)
-    callback = pipeline_run.callback(flush_every_s=3600)
+    callback = TrainCallback(pipeline_run, flush_every_s=3600)
     for step in range(1, 51):
         callback.on_step_end(step, {"loss": 1.0 / step, "lr": 1e-3, "bad": float("nan")})
     assert [type(r) for r in pipeline_run.pending] == [journal.LogMetrics]

@@ -27,6 +27,7 @@ import pytest
 
 from registry import run as tracking_run
 from registry import settings
+from registry.callback import TrainCallback
 from stages.tracking import FILES
 from tests import test_registry_server
 from tests.fault_proxy import FaultProxy, Rule
@@ -253,7 +254,7 @@ def test_journal_replays_after_the_server_was_down(server: MlflowOnPostgres, bun
     server.stop()  # mid-run: training goes on, evaluate runs, register cannot
     started = time.monotonic()
     train_like(run, 10, start=11)
-    run.callback().on_train_end({"loss": 0.1})
+    TrainCallback(run).on_train_end({"loss": 0.1})
     assert run.close() is False
     tracking_run.log_stage("evaluate", {"batch_size": 16}, FILES, metrics)
     assert time.monotonic() - started < 120

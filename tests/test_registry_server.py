@@ -19,6 +19,7 @@ import pytest
 
 from registry import gate, lineage, settings
 from registry import run as tracking_run
+from registry.callback import TrainCallback
 from stages.tracking import FILES
 from tests import mlflow_server as server_fixtures
 from tests.mlflow_server import MlflowServer, http_get
@@ -50,7 +51,7 @@ def journals() -> list[Path]:
 
 
 def train_like(run: tracking_run.PipelineRun, steps: int, start: int = 1) -> None:
-    callback = run.callback(flush_every_s=0.0, prefix="")
+    callback = TrainCallback(run, flush_every_s=0.0, prefix="")
     for step in range(start, start + steps):
         callback.on_step_end(step, {"loss": 2.0 / step, "lr": 1e-3})
 
@@ -65,7 +66,7 @@ def test_pipeline_run_has_params_metrics_lineage_dataset(workspace: Path) -> Non
     assert run.flush() and run.run_id and not run.pending
     run.start_system_metrics(sampling_interval=1.0)
     train_like(run, 20)
-    callback = run.callback()
+    callback = TrainCallback(run)
     callback.on_train_end({"loss": 0.1, "samples_per_s": 42.0})
     time.sleep(2.5)  # let the monitor take a sample
     (workspace / "plots").mkdir()
@@ -115,7 +116,7 @@ def test_server_going_away_mid_run_loses_nothing(workspace: Path, server: Mlflow
     server.stop()
     started = time.monotonic()
     train_like(run, 10, start=11)  # training goes on; the failed flush backs off
-    run.callback().on_train_end({"loss": 0.2})
+    TrainCallback(run).on_train_end({"loss": 0.2})
     assert run.close() is False
     assert time.monotonic() - started < 60
     assert journals() and FILES.run_file.exists()

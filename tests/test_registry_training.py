@@ -19,6 +19,7 @@ import pytest
 from clipms.jsonio import read_json
 from registry import run as tracking_run
 from registry import settings
+from registry.callback import TrainCallback
 from registry.journal import CreateRun, Journal, LogMetrics
 from stages.tracking import FILES
 from tests import mlflow_server as server_fixtures
@@ -67,7 +68,7 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def steps(pipeline_run: tracking_run.PipelineRun, count: int, start: int = 1,
           pause_s: float = 0.0, flush_every_s: float = 0.05) -> list[float]:
     """A training loop's calls into the callback; returns how long each call took."""
-    callback = pipeline_run.callback(flush_every_s=flush_every_s)
+    callback = TrainCallback(pipeline_run, flush_every_s=flush_every_s)
     took = []
     for step in range(start, start + count):
         time.sleep(pause_s)
