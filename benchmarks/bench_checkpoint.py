@@ -23,9 +23,9 @@ def main() -> None:
     import mindspore as ms
     import numpy as np
 
-    from clipms import checkpoint
-    from clipms.config import get_preset
-    from clipms.preflight import parameter_count
+    from clipms.model.config import get_preset
+    from clipms.train import checkpoint
+    from pipeline.preflight import parameter_count
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", default="tiny")

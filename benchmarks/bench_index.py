@@ -5,7 +5,7 @@
 Random vectors have no cluster structure, so they are the hard case for approximate indexes: the
 recall@10 here is a floor, real CLIP embeddings cluster. Prints one JSON line per index: build
 seconds, mean query milliseconds (one query at a time, as the service searches), and recall@10
-against `clipms.search.ExactSearch` on the same vectors.
+against `clipms.deploy.search.ExactSearch` on the same vectors.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from clipms.search import ExactSearch, FaissSearch, SearchOptions
+from clipms.deploy.search import ExactSearch, FaissSearch, SearchOptions
 
 
 def unit(rows: int, dim: int, seed: int) -> np.ndarray:

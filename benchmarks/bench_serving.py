@@ -313,7 +313,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    from clipms.index import bundle_digest
+    from clipms.deploy.index import bundle_digest
 
     dim = json.loads((args.bundle / "bundle.json").read_text())["embed_dim"]
     load_before = os.getloadavg()

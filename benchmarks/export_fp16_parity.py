@@ -2,8 +2,8 @@
 
     python benchmarks/export_fp16_parity.py --preset ViT-B-32 --out /tmp/export-parity
 
-Prints one JSON line per precision (the errors clipms.export.parity_report gates on, the MindIR
-sizes, the export time). Random weights, random normalised images and random token rows: the
+Prints one JSON line per precision (the errors clipms.deploy.export.parity_report gates on, the
+MindIR sizes, the export time). Random weights, random normalised images and random token rows: the
 errors measure fp16's rounding through the architecture, not a trained model's quality. Used for
 the fp16 parity bar in docs/ascend.md.
 """
@@ -22,11 +22,11 @@ def main() -> None:
     import mindspore as ms
 
     from clipms.bench import random_images, random_tokens
-    from clipms.config import get_preset
-    from clipms.export import export_bundle, parity_report
-    from clipms.model import CLIP
-    from clipms.preprocess import PreprocessConfig
-    from clipms.tokenizer import Tokenizer
+    from clipms.data.preprocess import PreprocessConfig
+    from clipms.deploy.export import export_bundle, parity_report
+    from clipms.model.clip import CLIP
+    from clipms.model.config import get_preset
+    from clipms.text.tokenizer import Tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--preset", default="ViT-B-32")

@@ -19,11 +19,11 @@ def main() -> None:
 
     import mindspore as ms
 
-    from clipms.config import get_preset
-    from clipms.export import export_bundle
-    from clipms.model import CLIP
-    from clipms.preprocess import PreprocessConfig
-    from clipms.tokenizer import Tokenizer
+    from clipms.data.preprocess import PreprocessConfig
+    from clipms.deploy.export import export_bundle
+    from clipms.model.clip import CLIP
+    from clipms.model.config import get_preset
+    from clipms.text.tokenizer import Tokenizer
 
     ms.set_seed(0)
     cfg = get_preset(args.preset)

@@ -34,24 +34,24 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "urlguard": ("clipms/prep/urlguard.py", ("clipms.prep.urlguard.*",)),
     "captions": ("clipms/prep/captions.py", ("clipms.prep.captions.*",)),
-    "metrics": ("clipms/metrics.py", ("clipms.metrics.*",)),
+    "metrics": ("clipms/eval/metrics.py", ("clipms.eval.metrics.*",)),
     # the pure decision; current_champion/apply talk to MLflow (tests/test_registry_gate.py, slow)
     "gate": ("registry/gate.py", ("registry.gate.x_decide__*",
                                   "registry.gate.x_primary_direction__*",
                                   "registry.gate.x_describe__*",
                                   "registry.gate.x_decided_alias__*",
                                   "registry.gate.x_candidate_from_version__*")),
-    "params": ("clipms/params.py", ("clipms.params.*",)),
-    "loss": ("clipms/loss.py", ("clipms.loss.*",)),
-    "tokenizer": ("clipms/tokenizer.py", ("clipms.tokenizer.*",)),
-    "bpe": ("clipms/bpe.py", ("clipms.bpe.*",)),
+    "params": ("pipeline/params.py", ("pipeline.params.*",)),
+    "loss": ("clipms/train/loss.py", ("clipms.train.loss.*",)),
+    "tokenizer": ("clipms/text/tokenizer.py", ("clipms.text.tokenizer.*",)),
+    "bpe": ("clipms/text/bpe.py", ("clipms.text.bpe.*",)),
     "shards": ("clipms/prep/shards.py", ("clipms.prep.shards.*",)),
-    "checkpoint": ("clipms/checkpoint.py", ("clipms.checkpoint.*",)),
+    "checkpoint": ("clipms/train/checkpoint.py", ("clipms.train.checkpoint.*",)),
     # the parity part of export: the report, its error measure and the pass/fail decision
-    "export": ("clipms/export.py", ("clipms.export.x_parity_report__*",
-                                    "clipms.export.x__errors__*",
-                                    "clipms.export.x_assert_parity__*",
-                                    "clipms.export.x__cycle_rows__*")),
+    "export": ("clipms/deploy/export.py", ("clipms.deploy.export.x_parity_report__*",
+                                    "clipms.deploy.export.x__errors__*",
+                                    "clipms.deploy.export.x_assert_parity__*",
+                                    "clipms.deploy.export.x__cycle_rows__*")),
 }
 KILLED = {1, 3}  # mutmut's exit codes: 1 a test failed, 3 pytest's internal error
 SURVIVED = {0}

@@ -12,10 +12,10 @@ AdamW over two parameter groups (no decay on tensors with < 2 dims, "bn"/"ln"/"b
 `logit_scale`; `--wd-rule embeddings` also exempts the token and positional embeddings, clipms's
 old rule), `open_clip_train.scheduler.cosine_lr` set before each step, `open_clip.loss.ClipLoss`,
 optional global-norm clipping, and `logit_scale` clamped to [0, ln 100] after each step. The
-batches are clipms's own (`clipms.data.TrainSamples`: same sample order, caption draw and
+batches are clipms's own (`clipms.data.dataset.TrainSamples`: same sample order, caption draw and
 preprocessing as clipms's trainer for the seed), so both sides see bit-identical inputs; the val
-split is embedded from `clipms.data.iter_eval_batches` and scored by the driver with
-clipms.metrics. Writes an .npz of features and a JSON line on stdout.
+split is embedded from `clipms.data.dataset.iter_eval_batches` and scored by the driver with
+clipms.eval.metrics. Writes an .npz of features and a JSON line on stdout.
 """
 
 from __future__ import annotations
@@ -35,9 +35,14 @@ import open_clip  # noqa: E402
 import torch  # noqa: E402
 from open_clip_train.scheduler import cosine_lr  # noqa: E402
 
-from clipms.data import TrainSamples, index_shards, iter_eval_batches, steps_per_epoch  # noqa: E402
-from clipms.preprocess import PreprocessConfig  # noqa: E402
-from clipms.tokenizer import Tokenizer  # noqa: E402
+from clipms.data.dataset import (  # noqa: E402
+    TrainSamples,
+    index_shards,
+    iter_eval_batches,
+    steps_per_epoch,
+)
+from clipms.data.preprocess import PreprocessConfig  # noqa: E402
+from clipms.text.tokenizer import Tokenizer  # noqa: E402
 
 
 def _parse() -> argparse.Namespace:
@@ -75,7 +80,7 @@ def decay_groups(model: torch.nn.Module, wd: float, rule: str) -> list[dict]:
 
 def normalise(pixels: np.ndarray, preprocess: PreprocessConfig) -> torch.Tensor:
     """uint8 (N, 3, H, W) training pixels -> (x / 255 - mean) / std, as clipms's step does on the
-    device (`clipms.train_step.PixelNormalize`)."""
+    device (`clipms.train.step.PixelNormalize`)."""
     mean = torch.tensor(preprocess.mean, dtype=torch.float32).reshape(1, 3, 1, 1)
     std = torch.tensor(preprocess.std, dtype=torch.float32).reshape(1, 3, 1, 1)
     return (torch.from_numpy(pixels).float() / 255.0 - mean) / std

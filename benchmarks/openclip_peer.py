@@ -26,7 +26,7 @@ import open_clip  # noqa: E402
 import torch  # noqa: E402
 
 from clipms.bench import random_images, random_tokens, time_steps  # noqa: E402
-from clipms.config import get_preset  # noqa: E402
+from clipms.model.config import get_preset  # noqa: E402
 
 
 def _parse() -> argparse.Namespace:

@@ -16,10 +16,10 @@
 
 Same on both sides: architecture (`--preset`, open_clip's CLIP built from `to_openclip()`), the
 OpenAI BPE tokenizer (`tokenizer.kind: openai`), batches (the same samples, captions and
-preprocessing per seed, from clipms.data), steps, lr, warmup + cosine, AdamW betas/eps, weight
-decay and its rule (`--wd-rule openclip`: not on < 2-D tensors, norms, biases, logit_scale;
+preprocessing per seed, from clipms.data.dataset), steps, lr, warmup + cosine, AdamW betas/eps,
+weight decay and its rule (`--wd-rule openclip`: not on < 2-D tensors, norms, biases, logit_scale;
 `embeddings`: also not on the token/positional embeddings), grad clipping, the logit-scale clamp,
-and the scoring: every val image and caption, clipms.metrics.retrieval_metrics. Each side keeps
+and the scoring: every val image and caption, clipms.eval.metrics.retrieval_metrics. Each side keeps
 its own initialisation. One MindSpore training at a time: run the commands one after another.
 """
 
@@ -78,7 +78,8 @@ def _parse() -> argparse.Namespace:
     run.add_argument("--grad-clip-norm", type=float, default=1.0)
     run.add_argument("--init", choices=("own", "openclip"), default="own",
                      help="--side ours: openclip = start from open_clip's initial weights for the "
-                     "seed (converted by clipms.convert; needs --peer-python), to isolate init")
+                     "seed (converted by clipms.model.convert; needs --peer-python), to isolate "
+                     "init")
     run.add_argument("--peer-python", help="--side openclip: the python of a venv with "
                      "torch + open_clip_torch (see benchmarks/openclip_fit.py)")
     table = sub.add_parser("table", help="markdown table of WORK/results.jsonl")
@@ -138,8 +139,8 @@ def prepare(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------------------- run
 def model_config(args: argparse.Namespace) -> Any:
-    from clipms.config import get_preset
-    from clipms.tokenizer import Tokenizer
+    from clipms.model.config import get_preset
+    from clipms.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(args.work / "models/tokenizer.json")
     cfg = get_preset(args.preset)
@@ -150,10 +151,10 @@ def model_config(args: argparse.Namespace) -> Any:
 
 def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """clipms's trainer on the shards; (features for scoring, run facts)."""
-    from clipms.embed import embed_split
-    from clipms.preprocess import PreprocessConfig
+    from clipms.data.preprocess import PreprocessConfig
+    from clipms.eval.embed import embed_split
     from clipms.runtime import for_precision, prepare_import
-    from clipms.trainer import ShardBatches, TrainConfig, train
+    from clipms.train.loop import ShardBatches, TrainConfig, train
 
     cfg, tokenizer = model_config(args)
     config = TrainConfig(model=cfg, batch_size=args.batch_size, max_steps=args.steps,
@@ -194,7 +195,7 @@ def peer_command(args: argparse.Namespace) -> tuple[Path, list[str]]:
 
 def openclip_init(args: argparse.Namespace) -> str:
     """open_clip's initial weights for the seed (the peer's own init), as a clipms checkpoint."""
-    from clipms import convert
+    from clipms.model import convert
 
     config_path, base = peer_command(args)
     weights = config_path.parent / f"openclip-init-{args.preset}-seed{args.seed}.safetensors"
@@ -226,7 +227,7 @@ def train_peer(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
 def run(args: argparse.Namespace) -> None:
     import numpy as np
 
-    from clipms import metrics
+    from clipms.eval import metrics
 
     features, facts = (train_ours if args.side == "ours" else train_peer)(args)
     found = metrics.retrieval_metrics(features["image_features"], features["text_features"],

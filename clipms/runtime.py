@@ -54,8 +54,7 @@ from typing import Literal
 
 from pydantic import ConfigDict
 
-from clipms.params import Section
-from clipms.schema import cadence
+from clipms.schema import Section, cadence
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
-"""Which settings change the trained weights, declared on the schema itself.
+"""The base of every settings schema, and which settings change the trained weights, declared on
+the schema itself.
 
 A field made with `cadence(...)` cannot change what a training run computes (how often to log or
 checkpoint, how many loader processes, which device of a host); `weights_view` is a config as JSON
 data without those fields, nested sections included: the resume fingerprint hashes it
-(`clipms.train_config.TrainConfig.fingerprint`), so no list of keys is kept by hand.
+(`clipms.train.config.TrainConfig.fingerprint`), so no list of keys is kept by hand.
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Section(BaseModel):
+    """Base of every settings section (a `params.yaml` section in the pipeline): unknown keys are
+    errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
 
 _CADENCE = {"weights": False}  # the json_schema_extra that marks a cadence field
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from clipms.redact import redact_text
+from clipms.utils.redact import redact_text
 
 # Lines DVC prints for a stage it executes (repro and repro --dry).
 _RUNNING = re.compile(r"^Running stage '([^']+)'")
@@ -26,7 +26,7 @@ _CACHED = re.compile(r"^Stage '([^']+)' is cached - skipping run")
 _DOT_EDGE = re.compile(r'^"([^"]+)"\s*->\s*"([^"]+)";?$')
 _DOT_NODE = re.compile(r'^"([^"]+)";?$')
 # A bad params value is not transient: retrying the stage cannot fix it.
-_CONFIG_ERRORS = ("ParamsError", "params.yaml: invalid '")  # stages/params.py's messages
+_CONFIG_ERRORS = ("ParamsError", "params.yaml: invalid '")  # pipeline/params.py's messages
 
 
 class DvcError(RuntimeError):

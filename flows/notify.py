@@ -3,7 +3,7 @@
 The webhook URL is a setting: the `CLIPMS_FAILURE_WEBHOOK` environment variable of the worker (or
 serve process), else the Prefect Variable `clipms_failure_webhook`; neither set means log only.
 Its path is usually its secret (Slack/Teams/Mattermost), so it is logged by host only, and the
-notice's message has its URLs redacted (`clipms.redact`).
+notice's message has its URLs redacted (`clipms.utils.redact`).
 The body is JSON with a `text` field, which Slack/Teams/Mattermost incoming webhooks accept.
 """
 
@@ -15,7 +15,7 @@ import os
 import urllib.request
 from typing import Any
 
-from clipms.redact import host_only, redact_text
+from clipms.utils.redact import host_only, redact_text
 
 WEBHOOK_ENV = "CLIPMS_FAILURE_WEBHOOK"
 WEBHOOK_VARIABLE = "clipms_failure_webhook"

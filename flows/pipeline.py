@@ -31,7 +31,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
-from clipms.redact import redact_text
+from clipms.utils.redact import redact_text
 from flows import dvc_cli, summary, workspace
 from flows.notify import notify_failure
 from registry.prefect_limits import ensure_one_slot_limit

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clipms.redact import redact_text
+from clipms.utils.redact import redact_text
 
 EVAL_METRICS = Path("metrics/eval.json")
 REGISTER_DECISION = Path("metrics/register.json")

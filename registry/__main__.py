@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _default_model_name(params_file: Path) -> str:
-    from clipms.params import ParamsError
+    from pipeline.params import ParamsError
     from registry.settings import RegisterParams, register_params
 
     try:

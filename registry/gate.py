@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from clipms.metrics import HIGHER, LOWER, metric_direction
+from clipms.eval.metrics import HIGHER, LOWER, metric_direction
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 

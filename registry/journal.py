@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
-from clipms.jsonio import read_json, write_json
+from clipms.utils.jsonio import read_json, write_json
 
 MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100  # MLflow's per-request limits for log_batch
 MAX_TAG_CHARS = 8000

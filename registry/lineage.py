@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from clipms.jsonio import read_json
-from clipms.redact import redact_text
+from clipms.utils.jsonio import read_json
+from clipms.utils.redact import redact_text
 
 # Stages that never talk to MLflow: their resolved params are taken from dvc.lock by `open`.
 DATA_STAGES = ("metadata", "dedupe", "download", "shard", "tokenizer")

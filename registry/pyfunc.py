@@ -24,7 +24,7 @@ ALLOWED_SUFFIXES = (".mindir", ".json")
 # The pyfunc's artifact key of the bundle: pyfunc_model.py reads context.artifacts["bundle"], and
 # serving/source.py finds the bundle's folder under it in a downloaded model's MLmodel.
 BUNDLE_ARTIFACT = "bundle"
-# What clipms.infer needs at serving time; versions are pinned to the ones installed here.
+# What clipms.deploy.infer needs at serving time; versions are pinned to the ones installed here.
 REQUIREMENTS = ("mlflow", "mindspore", "numpy", "pandas", "pillow", "tokenizers", "ftfy", "regex",
                 "pyyaml")
 

@@ -2,7 +2,8 @@
 
 MLflow copies this file into the logged model and runs it on load; the last line hands it the model
 object, so nothing of ours is pickled. `load_context` opens the bundle artifact once (two MindIR
-graphs + tokenizer.json + preprocess.json, through `clipms.infer.Encoder`); `predict` only computes.
+graphs + tokenizer.json + preprocess.json, through `clipms.deploy.infer.Encoder`); `predict` only
+computes.
 
 Input: a DataFrame with a `text` column and/or an `image` column (base64-encoded JPEG, PNG or WEBP);
 a row may leave one of them empty. Output: a DataFrame with `text_embedding` and/or
@@ -11,10 +12,10 @@ a row may leave one of them empty. Output: a DataFrame with `text_embedding` and
 The served model reads no file of its host: an image is only ever base64 (or raw bytes from a Python
 caller), so a string naming a path is refused like any other bad input. Every bad input - not
 base64, not an allowed format, over the bundle's pixel limit, a request over the row or byte limit
-(`clipms.inputs.RequestLimits`; `CLIPMS_SERVE_MAX_ROWS` / `CLIPMS_SERVE_MAX_BYTES` in the serving
-process's environment raise them) - is an MLflow INVALID_PARAMETER_VALUE (HTTP 400) whose message
-names the row and what is allowed, with no stack trace. Any other failure is an INTERNAL_ERROR
-(HTTP 500) without details; the traceback goes to the server's log only.
+(`clipms.deploy.inputs.RequestLimits`; `CLIPMS_SERVE_MAX_ROWS` / `CLIPMS_SERVE_MAX_BYTES` in the
+serving process's environment raise them) - is an MLflow INVALID_PARAMETER_VALUE (HTTP 400) whose
+message names the row and what is allowed, with no stack trace. Any other failure is an
+INTERNAL_ERROR (HTTP 500) without details; the traceback goes to the server's log only.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ LIMIT_VARIABLES = {"max_rows": "CLIPMS_SERVE_MAX_ROWS", "max_bytes": "CLIPMS_SER
 
 def request_limits(environ: dict[str, str] | None = None) -> Any:
     """The limits of this serving process: RequestLimits' defaults, or the environment's."""
-    from clipms.inputs import RequestLimits
+    from clipms.deploy.inputs import RequestLimits
 
     environ = os.environ if environ is None else environ
     values = {}
@@ -61,7 +62,7 @@ class ClipEmbeddingModel(PythonModel):
     """Text and image embeddings from the exported MindIR towers."""
 
     def load_context(self, context: Any) -> None:
-        from clipms.infer import Encoder
+        from clipms.deploy.infer import Encoder
 
         self.encoder = Encoder(context.artifacts["bundle"])  # registry.pyfunc.BUNDLE_ARTIFACT
         self.limits = request_limits()
@@ -70,8 +71,8 @@ class ClipEmbeddingModel(PythonModel):
     # signature stays the contract); without any hint it warns "Add type hints to the `predict`
     # method" every time this file runs: at each register, load and serve.
     def predict(self, context, model_input: pd.DataFrame, params=None):  # noqa: ANN001, ANN201
-        from clipms.inputs import InputError
-        from clipms.preprocess import PreprocessError
+        from clipms.data.preprocess import PreprocessError
+        from clipms.deploy.inputs import InputError
 
         try:
             return self._predict(model_input)
@@ -105,8 +106,8 @@ class ClipEmbeddingModel(PythonModel):
         return self.encoder.encode_texts([str(v) for v in values])
 
     def _images(self, rows: list[int], values: list[Any]) -> np.ndarray:
-        from clipms.inputs import image_bytes
-        from clipms.preprocess import preprocess_image
+        from clipms.data.preprocess import preprocess_image
+        from clipms.deploy.inputs import image_bytes
 
         arrays = [preprocess_image(image_bytes(value, f"image row {row}"),
                                    self.encoder.preprocess, name=f"image row {row}")

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from clipms.metrics import metric_direction
+from clipms.eval.metrics import metric_direction
 from registry import gate, pyfunc
 from registry.gatelock import gate_lock
 from registry.journal import mlflow_key, now_ms

@@ -31,8 +31,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from clipms.jsonio import read_json, write_json
-from clipms.redact import redact_text, redact_url
+from clipms.utils.jsonio import read_json, write_json
+from clipms.utils.redact import redact_text, redact_url
 from registry.journal import (
     CreateRun,
     Journal,

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from clipms.redact import redact_text
+from clipms.utils.redact import redact_text
 from registry import journal
 from registry.journal import CreateRun, LogMetrics, Record, SetStatus
 from registry.settings import absolute_tracking_uri, client, ensure_experiment

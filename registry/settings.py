@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import Field
 
-from clipms.params import Section, load_section
+from clipms.schema import Section
+from pipeline.params import load_section
 
 # MLflow's HTTP client retries 7 times with exponential backoff (minutes) before giving up; a stage
 # that cannot reach the server should notice in seconds and fall back to the journal instead.

@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from clipms.inputs import RequestLimits
+from clipms.deploy.inputs import RequestLimits
 from serving.errors import HANDLED, error_answer
 from serving.guard import Guard
 from serving.routes import ROUTES, direct_embeddings

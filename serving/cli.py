@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from clipms.inputs import RequestLimits
+from clipms.deploy.inputs import RequestLimits
 
 TOKEN_VARIABLE = "CLIPMS_SERVE_TOKEN"
 log = logging.getLogger("clipms.serving")
@@ -80,7 +80,7 @@ def check_bind(host: str, token: str | None) -> None:
 
 def default_model_name() -> str:
     """register.model_name of the project's params.yaml (the name the pipeline registers)."""
-    from clipms.params import PARAMS_FILE, ParamsError
+    from pipeline.params import PARAMS_FILE, ParamsError
     from registry.settings import register_params
 
     try:
@@ -94,8 +94,8 @@ def default_model_name() -> str:
 def runtime_config(args: argparse.Namespace) -> Any:
     """The `runtime` section of the project's params.yaml (defaults outside a project checkout),
     with --device over its device_target: the service runs MindSpore as the stages do."""
-    from clipms.params import PARAMS_FILE, ParamsError, load_section
     from clipms.runtime import RuntimeConfig
+    from pipeline.params import PARAMS_FILE, ParamsError, load_section
 
     try:
         config = load_section("runtime", RuntimeConfig) if PARAMS_FILE.is_file() else \

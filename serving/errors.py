@@ -14,8 +14,8 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from clipms.inputs import InputError
-from clipms.preprocess import PreprocessError
+from clipms.data.preprocess import PreprocessError
+from clipms.deploy.inputs import InputError
 from serving.batcher import Overloaded
 from serving.state import NotReady
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from serving.metrics import ENDPOINTS, endpoint_label
 
-MODEL_SCOPE_KEY = "clipms.model"  # set by the handler to the ModelInfo of the engine it used
+MODEL_SCOPE_KEY = "clipms.model.clip"  # set by the handler to the ModelInfo of the engine it used
 BODY_SCOPE_KEY = "clipms.body"  # the body as read here (within the limit), for the handlers
 LABELS = {endpoint: endpoint for endpoint in ENDPOINTS if endpoint != "/static"}  # exact paths
 MODEL_ENDPOINTS = frozenset({"/v1/embeddings", "/v1/search", "/v1/rank"})

@@ -32,8 +32,8 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.routing import BaseRoute, Mount, Route
 
-from clipms.inputs import RequestLimits, image_bytes
-from clipms.preprocess import preprocess_image
+from clipms.data.preprocess import preprocess_image
+from clipms.deploy.inputs import RequestLimits, image_bytes
 from serving.engine import Engine
 from serving.errors import ClientError, error_answer
 from serving.guard import BODY_SCOPE_KEY, MODEL_SCOPE_KEY, Headers, Scope

@@ -19,7 +19,6 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from clipms.jsonio import write_json
 from clipms.prep.download import (
     DownloadError,
     DownloadSettings,
@@ -29,9 +28,11 @@ from clipms.prep.download import (
 from clipms.prep.engines import DISTRIBUTORS, EngineError, EngineSettings
 from clipms.prep.remote import RemoteError, check_output_url
 from clipms.prep.urlguard import FetchPolicy
-from clipms.redact import redact_text
+from clipms.schema import Section
+from clipms.utils.jsonio import write_json
+from clipms.utils.redact import redact_text
+from pipeline.params import PARAMS_FILE, ParamsError, read_params, validate_section
 from stages import paths
-from stages.params import PARAMS_FILE, ParamsError, Section, read_params, validate_section
 from stages.urlpolicy import FetchParams, read_source
 
 READS = (paths.IMAGES, paths.SYNTHETIC)  # file: URLs of the synthetic source point there

@@ -18,10 +18,11 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from clipms.config import DEFAULT_PRESET
+from clipms.model.config import DEFAULT_PRESET
 from clipms.runtime import RuntimeConfig, configure
+from clipms.schema import Section
+from pipeline.params import ParamsError, load_section, read_params
 from stages import paths
-from stages.params import ParamsError, Section, load_section, read_params
 
 READS = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.TOKENIZER, paths.SHARDS_VAL, paths.MANIFEST,
          paths.MLFLOW_RUN)
@@ -99,18 +100,18 @@ def main() -> int:
         print(f"evaluate: error: {err}", file=sys.stderr)
         return 1
     configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
-    from clipms.clip_benchmark import BenchmarkFormatError, BenchmarkRun
-    from clipms.eval_outputs import (
+    from clipms.eval.clip_benchmark import BenchmarkFormatError, BenchmarkRun
+    from clipms.eval.evaluate import EvaluationError, ZeroShotSpec, evaluate
+    from clipms.eval.metrics import MetricsInputError
+    from clipms.eval.outputs import (
         EvalOutputs,
         GallerySpec,
         write_benchmark_files,
         write_gallery,
         write_outputs,
     )
-    from clipms.evaluation import EvaluationError, ZeroShotSpec, evaluate
-    from clipms.metrics import MetricsInputError
-    from clipms.tokenizer import Tokenizer
-    from clipms.trained import RunConfig, TrainedModelError, load_clip
+    from clipms.text.tokenizer import Tokenizer
+    from clipms.train.trained import RunConfig, TrainedModelError, load_clip
 
     zs = params.zeroshot
     spec = ZeroShotSpec(source=zs.source, templates=tuple(zs.templates),

@@ -2,7 +2,7 @@
 models/export/, then a parity check of each MindIR graph against the checkpoint on real val samples.
 
 `python -m stages.export`; reads the `export` and `runtime` sections. `export.precision` (fp32 |
-fp16) is the bundle's; the parity bar is that precision's (clipms.export.PARITY) unless
+fp16) is the bundle's; the parity bar is that precision's (clipms.deploy.export.PARITY) unless
 `export.tolerance` is set. Fails (exit 1) when an error exceeds the bar; metrics/export.json holds
 the errors either way.
 """
@@ -18,8 +18,9 @@ import numpy as np
 from pydantic import Field
 
 from clipms.runtime import RuntimeConfig, configure, for_precision
+from clipms.schema import Section
+from pipeline.params import ParamsError, load_section
 from stages import paths
-from stages.params import ParamsError, Section, load_section
 
 READS = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.TOKENIZER, paths.SHARDS_VAL, paths.MANIFEST,
          paths.MLFLOW_RUN)
@@ -29,13 +30,14 @@ WRITES = (paths.BUNDLE, paths.EXPORT_METRICS)
 class ExportParams(Section):
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 7, 32], min_length=1)
     precision: Literal["fp32", "fp16"] = "fp32"  # of the MindIR graphs (I/O stay float32)
-    tolerance: float | None = Field(None, gt=0)  # null: the precision's bar (clipms.export.PARITY)
+    # null: the precision's bar (clipms.deploy.export.PARITY)
+    tolerance: float | None = Field(None, gt=0)
     split: str = "val"  # where the real parity samples come from
 
 
 def parity_inputs(params: ExportParams, preprocess, tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """The first max(batch_sizes) images of the split and all their captions, model-ready."""
-    from clipms.data import iter_eval_batches
+    from clipms.data.dataset import iter_eval_batches
 
     wanted = max(params.batch_sizes)
     batch = next(iter_eval_batches(paths.SHARDS, preprocess, wanted, split=params.split), None)
@@ -62,10 +64,10 @@ def main() -> int:
     # the device and mode of the `runtime` section, before any graph compiles; an fp16 bundle's
     # parity graphs run unfused on CPU, as amp training does (clipms.runtime.for_precision)
     configure(for_precision(runtime, params.precision))
-    from clipms.export import ParityError, assert_parity, export_bundle, parity_report
-    from clipms.jsonio import read_json, write_json
-    from clipms.tokenizer import Tokenizer
-    from clipms.trained import RunConfig, TrainedModelError, load_clip
+    from clipms.deploy.export import ParityError, assert_parity, export_bundle, parity_report
+    from clipms.text.tokenizer import Tokenizer
+    from clipms.train.trained import RunConfig, TrainedModelError, load_clip
+    from clipms.utils.jsonio import read_json, write_json
 
     try:
         run = RunConfig.read(paths.RUN_CONFIG)

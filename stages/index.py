@@ -1,8 +1,8 @@
 """Stage `index`: embed the shards' images with the exported bundle and write the search index.
 
 `python -m stages.index`; reads the `index` and `runtime` sections. Writes models/index/
-(clipms.index: unit-length embeddings, keys, captions, thumbnails, the bundle's digest; a FAISS
-index when `index.search` is hnsw or ivf) and metrics/index.json. Images the bundle's decoder
+(clipms.deploy.index: unit-length embeddings, keys, captions, thumbnails, the bundle's digest; a
+FAISS index when `index.search` is hnsw or ivf) and metrics/index.json. Images the bundle's decoder
 refuses are skipped and counted.
 """
 
@@ -16,8 +16,9 @@ from typing import Literal
 from pydantic import Field
 
 from clipms.runtime import RuntimeConfig, configure
+from clipms.schema import Section
+from pipeline.params import ParamsError, load_section
 from stages import paths
-from stages.params import ParamsError, Section, load_section
 
 READS = (paths.BUNDLE, paths.SHARDS_TRAIN, paths.SHARDS_VAL, paths.MANIFEST)
 WRITES = (paths.INDEX, paths.INDEX_METRICS)
@@ -35,9 +36,9 @@ class IndexParams(Section):
 
 
 def items(splits: list[str]) -> Iterator:
-    """Every sample of the splits, in manifest order, as clipms.index.Item."""
-    from clipms.index import Item
-    from clipms.webds import read_manifest, read_tar, split_entry
+    """Every sample of the splits, in manifest order, as clipms.deploy.index.Item."""
+    from clipms.data.webds import read_manifest, read_tar, split_entry
+    from clipms.deploy.index import Item
 
     manifest = read_manifest(paths.SHARDS)
     for split in splits:
@@ -56,11 +57,11 @@ def main() -> int:
         print(f"index: error: {err}", file=sys.stderr)
         return 1
     configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
-    from clipms.index import ImageIndexError, build_index, bundle_digest
-    from clipms.infer import BundleError, Encoder
-    from clipms.jsonio import write_json
-    from clipms.search import SearchOptions
-    from clipms.webds import DataError
+    from clipms.data.webds import DataError
+    from clipms.deploy.index import ImageIndexError, build_index, bundle_digest
+    from clipms.deploy.infer import BundleError, Encoder
+    from clipms.deploy.search import SearchOptions
+    from clipms.utils.jsonio import write_json
 
     options = SearchOptions(kind=params.search, hnsw_m=params.hnsw_m,
                             hnsw_ef_search=params.hnsw_ef_search, ivf_nlist=params.ivf_nlist,

@@ -14,8 +14,9 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from clipms.prep.metadata import MSCOCO_URL, MetadataError, MetadataSpec, build_metadata
+from clipms.schema import Section
+from pipeline.params import ParamsError, load_section
 from stages import paths
-from stages.params import ParamsError, Section, load_section
 from stages.urlpolicy import fetch_policy
 
 READS: tuple = ()

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
+from pipeline.params import ParamsError
 from stages import paths
-from stages.params import ParamsError
 
 READS = (paths.BUNDLE, paths.INDEX, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST)
 WRITES = (paths.REGISTER_METRICS,)
@@ -24,7 +24,7 @@ def main() -> int:
     except ParamsError as err:
         print(f"register: error: {err}", file=sys.stderr)
         return 1
-    from clipms.jsonio import read_json, write_json
+    from clipms.utils.jsonio import read_json, write_json
     from registry.gate import GateError
     from registry.gatelock import GateLockTimeout
     from registry.lineage import flatten

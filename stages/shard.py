@@ -13,7 +13,6 @@ from typing import Any
 
 from pydantic import Field
 
-from clipms.jsonio import write_json
 from clipms.prep.remote import (
     POINTER_FILE,
     RemoteError,
@@ -21,9 +20,11 @@ from clipms.prep.remote import (
     read_pointer,
 )
 from clipms.prep.shards import ShardError, ShardSettings, build_shards
-from clipms.redact import redact_url
+from clipms.schema import Section
+from clipms.utils.jsonio import write_json
+from clipms.utils.redact import redact_url
+from pipeline.params import PARAMS_FILE, ParamsError, load_section, read_params
 from stages import paths
-from stages.params import PARAMS_FILE, ParamsError, Section, load_section, read_params
 
 READS = (paths.DOWNLOAD,)
 WRITES = (paths.SHARDS_TRAIN, paths.SHARDS_VAL, paths.MANIFEST, paths.SHARD_METRICS)

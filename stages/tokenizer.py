@@ -13,10 +13,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from clipms.data import DataError, iter_captions
-from clipms.tokenizer import MIN_TRAINED_VOCAB, Tokenizer, TokenizerError
+from clipms.data.dataset import DataError, iter_captions
+from clipms.schema import Section
+from clipms.text.tokenizer import MIN_TRAINED_VOCAB, Tokenizer, TokenizerError
+from pipeline.params import ParamsError, load_section
 from stages import paths
-from stages.params import ParamsError, Section, load_section
 
 READS = (paths.SHARDS_TRAIN, paths.MANIFEST)
 WRITES = (paths.TOKENIZER,)

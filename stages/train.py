@@ -17,11 +17,12 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from clipms.config import DEFAULT_PRESET, resolve_model
+from clipms.model.config import DEFAULT_PRESET, resolve_model
 from clipms.runtime import RuntimeConfig, for_precision, prepare_import
-from clipms.train_config import TrainSettings
+from clipms.schema import Section
+from clipms.train.config import TrainSettings
+from pipeline.params import ParamsError, load_section
 from stages import paths
-from stages.params import ParamsError, Section, load_section
 
 READS = (paths.TOKENIZER, paths.SHARDS_TRAIN, paths.MANIFEST)
 WRITES = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.MLFLOW_RUN, paths.CHECKPOINTS,
@@ -29,7 +30,8 @@ WRITES = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.MLFLOW_RUN, paths.CHECKPOINT
 
 
 class DistributedParams(Section):
-    """msrun's cluster (clipms.distributed.Cluster); docs/ascend.md has the multi-host recipe."""
+    """msrun's cluster (clipms.parallel.launch.Cluster); docs/ascend.md has the multi-host
+    recipe."""
 
     workers: int = Field(1, ge=1, le=1024)  # data-parallel processes in all hosts; 1 = no msrun
     nodes: int = Field(1, ge=1, le=128)  # hosts; each runs workers / nodes of them
@@ -38,19 +40,19 @@ class DistributedParams(Section):
     master_port: int | None = Field(None, ge=1024, le=65535)  # null: a free port (one node)
 
     def cluster(self) -> Any:
-        from clipms.distributed import Cluster
+        from clipms.parallel.launch import Cluster
 
         return Cluster(workers=self.workers, nodes=self.nodes, node_rank=self.node_rank,
                        master_addr=self.master_addr, master_port=self.master_port)
 
 
 class TrainParams(TrainSettings):
-    """The `train` section: the library's TrainSettings (clipms.train_config, the one train
+    """The `train` section: the library's TrainSettings (clipms.train.config, the one train
     schema) plus the stage's own keys. params.yaml documents every key."""
 
     model_config = ConfigDict(frozen=False)
 
-    preset: str = DEFAULT_PRESET  # a name of clipms.config.PRESETS
+    preset: str = DEFAULT_PRESET  # a name of clipms.model.config.PRESETS
     model: dict[str, Any] = Field(default_factory=dict)  # overrides, e.g. {vision: {layers: 2}}
     resume: Literal["auto", "never"] = "auto"
     distributed: DistributedParams = Field(default_factory=DistributedParams)
@@ -73,11 +75,11 @@ def callbacks() -> list[Any]:
 def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
     """The TrainJob the params describe; a ParamsError when the train split cannot fill one
     global batch (before anything compiles)."""
-    from clipms.data import split_sample_count
-    from clipms.loader import loader_workers
-    from clipms.tokenizer import Tokenizer
-    from clipms.train_config import TrainConfig
-    from clipms.train_job import Outputs, TrainJob, data_fingerprint
+    from clipms.data.dataset import split_sample_count
+    from clipms.data.decode import loader_workers
+    from clipms.text.tokenizer import Tokenizer
+    from clipms.train.config import TrainConfig
+    from clipms.train.job import Outputs, TrainJob, data_fingerprint
 
     cluster = params.distributed.cluster()
     global_batch = params.batch_size * params.accum_steps * cluster.workers
@@ -108,8 +110,8 @@ def _check_grouping(params: TrainParams, tokenizer: Any, image_size: int, worker
     the loader's own check (a DataError naming the field), run here before anything compiles."""
     if not params.group_by:
         return
-    from clipms.data import TrainSamples, index_shards
-    from clipms.preprocess import PreprocessConfig
+    from clipms.data.dataset import TrainSamples, index_shards
+    from clipms.data.preprocess import PreprocessConfig
 
     TrainSamples(index_shards(paths.SHARDS, "train"), tokenizer,
                  PreprocessConfig(image_size=image_size), params.batch_size, epochs=1,
@@ -131,8 +133,8 @@ def main() -> int:
         return 1
     if not cluster.writes_outputs:
         return _join_as_worker_node(job, cluster)
-    from clipms import train_job
-    from clipms.trainer import NonFiniteLossError
+    from clipms.train import job as train_job
+    from clipms.train.loop import NonFiniteLossError
     from registry.callback import TrainCallback
     from registry.run import PipelineRun  # MLflow: one run per pipeline run (docs/mlflow.md)
     from stages.tracking import FILES
@@ -146,7 +148,7 @@ def main() -> int:
     try:
         with run.failure_recorded():  # any error, SIGTERM too: the run ends FAILED with it
             if cluster.workers > 1:
-                from clipms.distributed import launch
+                from clipms.parallel.launch import launch
 
                 launch(job, cluster, paths.MSRUN_LOGS)
                 summary = train_job.replay(job.outputs, sinks)
@@ -167,7 +169,7 @@ def main() -> int:
 def _join_as_worker_node(job: Any, cluster: Any) -> int:
     """Node 1.. of a multi-host run: start this host's workers; global rank 0 (on node 0) writes
     the model, the metrics and the MLflow run, so nothing is written or tracked here."""
-    from clipms.distributed import LaunchError, launch
+    from clipms.parallel.launch import LaunchError, launch
 
     try:
         launch(job, cluster, paths.MSRUN_LOGS)

@@ -11,7 +11,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from clipms.prep.urlguard import FetchPolicy, allowed_schemes
-from stages.params import PARAMS_FILE, Section, read_params, validate_section
+from clipms.schema import Section
+from pipeline.params import PARAMS_FILE, read_params, validate_section
 
 
 class FetchParams(Section):

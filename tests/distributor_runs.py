@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from clipms import webds
+from clipms.data import webds
 from harness import processes
 from harness.processes import free_port
 from tests.image_site import Site, images_parquet, run_stage, write_params

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from clipms.atomic import atomic_write
+from clipms.utils.atomic import atomic_write
 from tests.webdriver import Browser
 
 RENDER_TIMEOUT_S = 60.0  # wall time for the React UI to fetch and render on a loaded machine

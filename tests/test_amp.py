@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from clipms.config import CLIPConfig
-from clipms.convert import openclip_shapes
+from clipms.model.config import CLIPConfig
+from clipms.model.convert import openclip_shapes
 from clipms.runtime import SWITCH
 from tests.workspace import PROJECT_ROOT, checkpoint_arrays, make_workspace, run
 
@@ -28,9 +28,9 @@ import json, logging, sys
 from pathlib import Path
 import clipms
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True)
-from clipms.config import CLIPConfig, TextConfig, VisionConfig
+from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
 from clipms.runtime import RuntimeConfig
-from clipms.trainer import RandomBatches, TrainConfig, save_model, train
+from clipms.train.loop import RandomBatches, TrainConfig, save_model, train
 out = Path(sys.argv[1])
 micro = CLIPConfig(
     embed_dim=16,
@@ -58,7 +58,7 @@ def train_amp(folder, fusion: str) -> tuple[list[float], str]:
 
 
 def test_amp_with_fusion_on_trains_unfused_and_saves_a_loadable_convertible_checkpoint(tmp_path):
-    from clipms.trained import load_clip
+    from clipms.train.trained import load_clip
 
     folder = tmp_path / "on"
     losses, out = train_amp(folder, "on")  # kernel_fusion: true, the default
@@ -73,7 +73,7 @@ def test_amp_with_fusion_on_trains_unfused_and_saves_a_loadable_convertible_chec
     assert {p.name for p in net.get_parameters()} == set(saved)
     assert all(value.dtype == np.float32 for value in saved.values())  # fp32 master weights
     converted = folder / "open_clip.safetensors"
-    run([sys.executable, "-m", "clipms.convert", "to-openclip", "--checkpoint",
+    run([sys.executable, "-m", "clipms.model.convert", "to-openclip", "--checkpoint",
          str(folder / "clip.ckpt"), "--out", str(converted)], cwd=PROJECT_ROOT)
     state = load_file(str(converted))
     assert {k: tuple(v.shape) for k, v in state.items()} == openclip_shapes(config)

@@ -1,4 +1,4 @@
-"""clipms.atomic: the one writer every output goes through."""
+"""clipms.utils.atomic: the one writer every output goes through."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from clipms.atomic import atomic_write, dead_writers_temps, write_text
+from clipms.utils.atomic import atomic_write, dead_writers_temps, write_text
 
 
 def test_the_target_changes_only_when_the_block_succeeds(tmp_path):

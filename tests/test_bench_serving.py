@@ -26,9 +26,9 @@ ROUNDS = 2
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the pinned mode needs two CPUs")
-    from clipms.index import Item, build_index, bundle_digest
-    from clipms.infer import Encoder
-    from clipms.search import SearchOptions
+    from clipms.deploy.index import Item, build_index, bundle_digest
+    from clipms.deploy.infer import Encoder
+    from clipms.deploy.search import SearchOptions
     from tests.tiny_model import export_tiny_bundle
 
     root = tmp_path_factory.mktemp("bench-serving")

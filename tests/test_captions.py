@@ -22,9 +22,9 @@ from clipms.prep.captions import (
 from clipms.prep.download import read_parquet
 from clipms.prep.identity import IdentityError, assign_splits, image_identities, stable_keys
 from clipms.prep.urlguard import allowed_schemes, url_scheme
+from pipeline.params import ParamsError, load_section
 from stages.dedupe import DedupeParams
 from stages.download import load_download
-from stages.params import ParamsError, load_section
 
 HTTP = frozenset({"http", "https"})
 

@@ -1,4 +1,5 @@
-"""clipms.convert: open_clip golden vectors reproduced, exact round trips, errors naming tensors."""
+"""clipms.model.convert: open_clip golden vectors reproduced, exact round trips, errors naming
+tensors."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import clipms  # noqa: F401  (sets MindSpore's environment before mindspore is i
 # isort: split
 import mindspore as ms
 
-from clipms.config import CLIPConfig
-from clipms.convert import (
+from clipms.model.config import CLIPConfig
+from clipms.model.convert import (
     ConversionError,
     clip_params,
     load_clipms,
@@ -140,7 +141,7 @@ def test_every_problem_is_listed_at_once():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "clipms.convert", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "clipms.model.convert", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
 
 

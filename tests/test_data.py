@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clipms import webds
-from clipms.data import (
+from clipms.data.dataset import (
     DataError,
     TrainSamples,
     build_train_dataset,
@@ -21,9 +20,10 @@ from clipms.data import (
     iter_eval_batches,
     normalize_pixels,
     steps_per_epoch,
+    webds,
 )
-from clipms.preprocess import PreprocessConfig, preprocess_image
-from clipms.tokenizer import Tokenizer
+from clipms.data.preprocess import PreprocessConfig, preprocess_image
+from clipms.text.tokenizer import Tokenizer
 
 CAPTIONS = 3
 PRE = PreprocessConfig(image_size=16)

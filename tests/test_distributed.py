@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clipms.distributed import Cluster, free_port, msrun_command, worker_logs_tail
+from clipms.parallel.launch import Cluster, free_port, msrun_command, worker_logs_tail
 from tests.workspace import checkpoint_arrays
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -35,8 +35,9 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     import clipms
     import mindspore as ms
-    from clipms.config import CLIPConfig, TextConfig, VisionConfig
-    from clipms.trainer import RandomBatches, TrainConfig, init_distributed, save_model, train
+    from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
+    from clipms.parallel.comm import init_distributed
+    from clipms.train.loop import RandomBatches, TrainConfig, save_model, train
 
     out, mode = sys.argv[1], sys.argv[2]
     micro = CLIPConfig(

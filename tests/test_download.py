@@ -19,7 +19,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from clipms import webds
+from clipms.data import webds
 from clipms.prep.download import (
     FINGERPRINT_FILE,
     DownloadSettings,
@@ -235,8 +235,8 @@ def test_download_reports_bad_params(tmp_path):
 
 def test_resize_mode_no_may_be_written_unquoted():
     """`resize_mode: no` (img2dataset's word) is read by YAML 1.1 as false; it means "no"."""
+    from pipeline.params import ParamsError, validate_section
     from stages.download import DownloadParams
-    from stages.params import ParamsError, validate_section
 
     section = yaml.safe_load("resize_mode: no")
     assert section == {"resize_mode": False}

@@ -14,8 +14,8 @@ import yaml
 
 from clipms.prep.download import FINGERPRINT_FILE, DownloadError, prepare_output
 from clipms.prep.remote import POINTER_FILE, check_output_url
+from pipeline.params import ParamsError, validate_section
 from stages.download import DownloadParams
-from stages.params import ParamsError, validate_section
 from tests.distributor_runs import (
     SHARD_1_REQUESTS,
     resume_after_losing_shard_1,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from clipms import webds
+from clipms.data import webds
 from clipms.prep.download import FINGERPRINT_FILE, DownloadError, prepare_output
 from clipms.prep.remote import POINTER_FILE
 from tests.distributor_runs import SHARD_1_REQUESTS, samples_of, site_urls

@@ -1,7 +1,7 @@
 """dvc.yaml's code dependencies are checked against the code, never trusted.
 
 For every stage, the project modules its entry point imports (transitively, read from the source by
-clipms.codehash) must be exactly the `.py` deps dvc.yaml lists for it: a missing one means
+clipms.utils.codehash) must be exactly the `.py` deps dvc.yaml lists for it: a missing one means
 `dvc repro` would call stale results "up to date"; an extra one reruns a stage for nothing.
 """
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from clipms.codehash import code_digest, module_closure
+from clipms.utils.codehash import code_digest, module_closure
+from tests.packages import PROJECT_PACKAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +34,7 @@ def stage_code_problems(root: Path) -> dict[str, dict[str, list[str]]]:
         assert entry, f"stage {name}: cmd {stage['cmd']!r} is not `python -m <module> ...`"
         listed = {d for d in _dep_paths(stage) if d.endswith(".py")}
         imported = {str(path) for module in [entry.group(1), *RUN_WITHOUT_IMPORT.get(name, [])]
-                    for path in module_closure(module, root)}
+                    for path in module_closure(module, root, PROJECT_PACKAGES)}
         missing, extra = sorted(imported - listed), sorted(listed - imported)
         if missing or extra:
             problems[name] = {"missing": missing, "extra": extra}

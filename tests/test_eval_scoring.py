@@ -4,7 +4,7 @@ The per-attribute case is built so the answers are known by construction: colour
 right for every image, shape for four of six, the count for none of one class. The
 CLIP_benchmark files are checked against a re-implementation of CLIP_benchmark's own
 definitions (its `recall_at_k` over a positive-pair matrix, `accuracy` over top-k, and
-scikit-learn's balanced accuracy over the confusion matrix), not against clipms.metrics.
+scikit-learn's balanced accuracy over the confusion matrix), not against clipms.eval.metrics.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import math
 import numpy as np
 import pytest
 
-from clipms.clip_benchmark import BenchmarkFormatError, BenchmarkRun, output_name
-from clipms.embed import EvaluationError, ValEmbeddings
-from clipms.eval_outputs import write_benchmark_files
-from clipms.evaluation import ZeroShotSpec, score_embeddings
-from clipms.zeroshot_sets import zeroshot_from_labels
+from clipms.eval.clip_benchmark import BenchmarkFormatError, BenchmarkRun, output_name
+from clipms.eval.embed import EvaluationError, ValEmbeddings
+from clipms.eval.evaluate import ZeroShotSpec, score_embeddings
+from clipms.eval.outputs import write_benchmark_files
+from clipms.eval.zeroshot import zeroshot_from_labels
 
 # word -> direction; a class name's embedding is the sum of its words' directions
 WORDS = {"red": [1, 0, 0, 0], "blue": [-1, 0, 0, 0], "circle": [0, 1, 0, 0],

@@ -13,11 +13,12 @@ import json
 import numpy as np
 import pytest
 
-from clipms import metrics, webds
-from clipms.config import DEFAULT_PRESET
-from clipms.preprocess import preprocess_image
-from clipms.tokenizer import Tokenizer
-from clipms.trained import RunConfig, load_clip
+from clipms.data import webds
+from clipms.data.preprocess import preprocess_image
+from clipms.eval import metrics
+from clipms.model.config import DEFAULT_PRESET
+from clipms.text.tokenizer import Tokenizer
+from clipms.train.trained import RunConfig, load_clip
 from tests.hostile_images import png_bomb
 from tests.tiny_model import jpeg_bytes, make_val_shards, random_images, write_trained
 from tests.workspace import PROJECT_ROOT, run, tool_env
@@ -51,7 +52,7 @@ def one_by_one(ws):
 
 
 def test_retrieval_and_zeroshot_match_an_unbatched_recomputation(workspace):
-    from clipms.evaluation import ZeroShotSpec, class_features, evaluate
+    from clipms.eval.evaluate import ZeroShotSpec, class_features, evaluate
 
     ws = workspace
     spec = ZeroShotSpec(templates=("a {}.", "a picture of a {}."))
@@ -81,7 +82,7 @@ def test_retrieval_and_zeroshot_match_an_unbatched_recomputation(workspace):
 
 
 def test_label_fields_that_no_image_has_are_a_clear_error(workspace):
-    from clipms.evaluation import EvaluationError, ZeroShotSpec, evaluate
+    from clipms.eval.evaluate import EvaluationError, ZeroShotSpec, evaluate
 
     ws = workspace
     with pytest.raises(EvaluationError, match=r"no val image has label fields \['species'\]"):
@@ -91,7 +92,7 @@ def test_label_fields_that_no_image_has_are_a_clear_error(workspace):
 
 
 def test_folder_per_class_zeroshot_counts_broken_images(workspace, tmp_path):
-    from clipms.zeroshot_sets import zeroshot_from_folder
+    from clipms.eval.zeroshot import zeroshot_from_folder
 
     for c, name in enumerate(["red_circle", "blue_square", "green_star"]):
         (tmp_path / name).mkdir()
@@ -107,7 +108,7 @@ def test_folder_per_class_zeroshot_counts_broken_images(workspace, tmp_path):
 
 
 def test_webdataset_cls_zeroshot(workspace, tmp_path):
-    from clipms.zeroshot_sets import EvaluationError, zeroshot_from_webdataset
+    from clipms.eval.zeroshot import EvaluationError, zeroshot_from_webdataset
 
     images = random_images(4, seed=9)
     jpgs = [jpeg_bytes(image) for image in images]
@@ -150,9 +151,9 @@ def frame_components(png, rgb, min_pixels=200):
 
 
 def test_gallery_renders_every_tile_with_its_hits(workspace, tmp_path):
-    from clipms.eval_outputs import GallerySpec, write_gallery
-    from clipms.evaluation import ZeroShotSpec, evaluate
-    from clipms.gallery import HIT_RGB, MISS_RGB, QUERY_RGB
+    from clipms.eval.evaluate import ZeroShotSpec, evaluate
+    from clipms.eval.gallery import HIT_RGB, MISS_RGB, QUERY_RGB
+    from clipms.eval.outputs import GallerySpec, write_gallery
 
     ws = workspace
     shards = ws["root"] / "data" / "shards"
@@ -222,7 +223,7 @@ def test_stage_writes_its_declared_outputs(workspace):
 def test_an_undecodable_val_image_is_a_bad_sample_not_a_crash(workspace, tmp_path):
     """Issue 14.1: a decompression bomb among the val images is left out and named; retrieval
     and zero-shot on labels run on the other images."""
-    from clipms.evaluation import ZeroShotSpec, evaluate
+    from clipms.eval.evaluate import ZeroShotSpec, evaluate
 
     ws = workspace
     files = [(key, {"jpg": data, "json": json.dumps({"captions": captions, "key": key,

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from clipms.preprocess import preprocess_image
-from clipms.tokenizer import Tokenizer
-from clipms.trained import RunConfig, TrainedModelError, load_clip
+from clipms.data.preprocess import preprocess_image
+from clipms.text.tokenizer import Tokenizer
+from clipms.train.trained import RunConfig, TrainedModelError, load_clip
 from tests.tiny_model import CAPTIONS, random_images, write_trained
 
 BATCH_SIZES = (1, 3, 8)
@@ -24,7 +24,7 @@ def trained(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(trained, tmp_path_factory):
-    from clipms.export import export_bundle
+    from clipms.deploy.export import export_bundle
 
     paths = trained["a"]
     run = RunConfig.read(paths["config"])
@@ -59,7 +59,7 @@ def test_bundle_has_every_file_and_describes_dynamic_batch_inputs(exported, trai
 
 
 def test_lite_config_for_ascend_has_the_dynamic_batch_profiles_and_precision(exported):
-    from clipms.export import lite_ascend_config
+    from clipms.deploy.export import lite_ascend_config
 
     _, bundle, _ = exported
     cfg = lite_ascend_config(bundle, "image_encoder", [8, 1, 32, 8])
@@ -73,7 +73,7 @@ def test_lite_config_for_ascend_has_the_dynamic_batch_profiles_and_precision(exp
 
 
 def test_parity_passes_at_every_batch_size(exported, trained):
-    from clipms.export import assert_parity, parity_report
+    from clipms.deploy.export import assert_parity, parity_report
 
     out, _, run = exported
     net = load_clip(trained["a"]["checkpoint"], run.model)
@@ -86,7 +86,7 @@ def test_parity_passes_at_every_batch_size(exported, trained):
 
 
 def test_a_different_checkpoint_fails_the_parity_check(exported, trained):
-    from clipms.export import ParityError, assert_parity, parity_report
+    from clipms.deploy.export import ParityError, assert_parity, parity_report
 
     out, _, run = exported
     other = load_clip(trained["b"]["checkpoint"], run.model)  # same architecture, other weights
@@ -100,7 +100,7 @@ def test_a_different_checkpoint_fails_the_parity_check(exported, trained):
 
 def test_fp16_bundle_is_half_the_size_and_meets_its_own_bar_not_the_fp32_one(exported, trained,
                                                                              tmp_path):
-    from clipms.export import PARITY, assert_parity, export_bundle, parity_report
+    from clipms.deploy.export import PARITY, assert_parity, export_bundle, parity_report
 
     fp32_dir, fp32_bundle, run = exported
     paths = trained["a"]
@@ -243,6 +243,6 @@ def test_dvc_repro_to_export_on_the_tiny_synthetic_config(tmp_path):
     # Up to date: a second repro runs nothing.
     again = run(["dvc", "repro", "evaluate", "export"], cwd=ws, timeout=300)
     assert "Running stage" not in again.stdout
-    hits = run(["python", "-m", "clipms.infer", "search", "--bundle", "models/export",
+    hits = run(["python", "-m", "clipms.deploy.infer", "search", "--bundle", "models/export",
                 "--shards", "data/shards/val", "--top", "3", "a red circle"], cwd=ws)
     assert len(hits.stdout.strip().splitlines()) == 4

@@ -1,4 +1,5 @@
-"""The search index (clipms.index, clipms.search) and the `index` stage, on a real tiny bundle."""
+"""The search index (clipms.deploy.index, clipms.deploy.search) and the `index` stage, on a real
+tiny bundle."""
 
 from __future__ import annotations
 
@@ -12,8 +13,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clipms.index import EMBEDDINGS, ImageIndex, ImageIndexError, Item, build_index, bundle_digest
-from clipms.search import ExactSearch, FaissSearch, SearchOptions
+from clipms.deploy.index import (
+    EMBEDDINGS,
+    ImageIndex,
+    ImageIndexError,
+    Item,
+    build_index,
+    bundle_digest,
+)
+from clipms.deploy.search import ExactSearch, FaissSearch, SearchOptions
 from tests.hostile_images import encoded, png_bomb
 from tests.tiny_model import jpeg_bytes, make_val_shards, random_images
 from tests.workspace import run, tool_env
@@ -28,7 +36,7 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def encoder(bundle: Path):
-    from clipms.infer import Encoder
+    from clipms.deploy.infer import Encoder
 
     return Encoder(bundle, batch_size=4, kernel_fusion=False)
 
@@ -117,7 +125,7 @@ def test_faiss_indexes_agree_with_exact_search(kind, min_recall, tmp_path) -> No
 
 @pytest.mark.slow
 def test_index_stage_writes_its_declared_outputs(bundle, tmp_path) -> None:
-    from clipms.jsonio import read_json
+    from clipms.utils.jsonio import read_json
 
     ws = tmp_path / "ws"
     make_val_shards(ws / "data" / "shards", n_images=11, per_shard=4)

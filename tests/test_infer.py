@@ -1,4 +1,4 @@
-"""clipms.infer on a real exported bundle: Encoder outputs equal the checkpoint's normalised
+"""clipms.deploy.infer on a real exported bundle: Encoder outputs equal the checkpoint's normalised
 features for every input kind, and the `search` CLI finds images in a real tar shard."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from clipms import webds
-from clipms.preprocess import PreprocessError, preprocess_image
-from clipms.tokenizer import Tokenizer
-from clipms.trained import RunConfig, load_clip
+from clipms.data import webds
+from clipms.data.preprocess import PreprocessError, preprocess_image
+from clipms.text.tokenizer import Tokenizer
+from clipms.train.trained import RunConfig, load_clip
 from tests.hostile_images import EPS, png_bomb
 from tests.tiny_model import CAPTIONS, jpeg_bytes, random_images, write_trained
 from tests.workspace import PROJECT_ROOT, tool_env
@@ -21,7 +21,7 @@ from tests.workspace import PROJECT_ROOT, tool_env
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from clipms.export import export_bundle
+    from clipms.deploy.export import export_bundle
 
     paths = write_trained(tmp_path_factory.mktemp("trained"), seed=0)
     run = RunConfig.read(paths["config"])
@@ -39,7 +39,7 @@ def reference(net, x, tower):
 
 
 def test_encoder_matches_the_checkpoint_for_paths_pil_and_bytes(bundle, tmp_path):
-    from clipms.infer import Encoder
+    from clipms.deploy.infer import Encoder
 
     images = random_images(5, seed=3)
     path = tmp_path / "image.jpg"
@@ -55,7 +55,7 @@ def test_encoder_matches_the_checkpoint_for_paths_pil_and_bytes(bundle, tmp_path
 
 
 def test_encoder_texts_match_the_checkpoint(bundle):
-    from clipms.infer import Encoder
+    from clipms.deploy.infer import Encoder
 
     encoder = Encoder(bundle["dir"])
     got = encoder.encode_texts(CAPTIONS[:7])
@@ -66,7 +66,7 @@ def test_encoder_texts_match_the_checkpoint(bundle):
 
 
 def test_encoder_errors_name_the_problem(bundle, tmp_path):
-    from clipms.infer import BundleError, Encoder
+    from clipms.deploy.infer import BundleError, Encoder
 
     encoder = Encoder(bundle["dir"])
     with pytest.raises(PreprocessError, match=r"images\[1\].*not found"):
@@ -92,7 +92,7 @@ def write_shard(path, images, captions, first_key=0):
 
 
 def test_search_cli_ranks_shard_images_and_counts_bad_ones(bundle, tmp_path):
-    from clipms.infer import Encoder, search
+    from clipms.deploy.infer import Encoder, search
 
     images = random_images(6, seed=5)
     (tmp_path / "val").mkdir()
@@ -109,7 +109,7 @@ def test_search_cli_ranks_shard_images_and_counts_bad_ones(bundle, tmp_path):
     assert hits[0]["searched"] == 6 and hits[0]["skipped"] == 1
 
     proc = subprocess.run(
-        [sys.executable, "-m", "clipms.infer", "search", "--bundle", str(bundle["dir"]),
+        [sys.executable, "-m", "clipms.deploy.infer", "search", "--bundle", str(bundle["dir"]),
          "--shards", str(tmp_path), "--top", "2", query],
         cwd=PROJECT_ROOT, env=tool_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -118,7 +118,7 @@ def test_search_cli_ranks_shard_images_and_counts_bad_ones(bundle, tmp_path):
     assert [line.split()[2] for line in lines[1:]] == expected[:2]
 
     missing = subprocess.run(
-        [sys.executable, "-m", "clipms.infer", "search", "--bundle", str(tmp_path),
+        [sys.executable, "-m", "clipms.deploy.infer", "search", "--bundle", str(tmp_path),
          "--shards", str(tmp_path), "x"],
         cwd=PROJECT_ROOT, env=tool_env(), capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "no bundle.json" in missing.stderr

@@ -1,4 +1,4 @@
-"""Untrusted inputs of the served model (clipms.inputs): base64 only, request limits."""
+"""Untrusted inputs of the served model (clipms.deploy.inputs): base64 only, request limits."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import base64
 
 import pytest
 
-from clipms.inputs import InputError, RequestLimits, image_bytes
+from clipms.deploy.inputs import InputError, RequestLimits, image_bytes
 from tests.hostile_images import encoded
 
 

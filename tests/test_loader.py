@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from clipms.loader import MAX_AUTO_WORKERS, DataError, loader_workers, usable_cores
+from clipms.data.decode import MAX_AUTO_WORKERS, DataError, loader_workers, usable_cores
 
 
 def test_auto_shares_the_hosts_cores_between_its_ranks():
@@ -29,8 +29,7 @@ def test_auto_shares_the_hosts_cores_between_its_ranks():
 
 
 def test_train_params_accept_auto_or_a_count_and_name_anything_else():
-    from clipms.params import ParamsError
-    from stages.params import validate_section
+    from pipeline.params import ParamsError, validate_section
     from stages.train import TrainParams
 
     assert validate_section("train", TrainParams, {}).workers == "auto"
@@ -81,9 +80,9 @@ def shards(tmp_path_factory):
 
 
 def _batches(shards, decode, **kw):
-    from clipms.data import build_train_dataset
-    from clipms.preprocess import PreprocessConfig
-    from clipms.tokenizer import Tokenizer
+    from clipms.data.dataset import build_train_dataset
+    from clipms.data.preprocess import PreprocessConfig
+    from clipms.text.tokenizer import Tokenizer
 
     dataset = build_train_dataset(shards, Tokenizer.openai(16), PreprocessConfig(64), 8,
                                   epochs=1, workers=2, decode=decode, **kw)
@@ -102,7 +101,7 @@ def test_mindspores_own_decoder_gives_the_same_batches_as_pil_up_to_resampling(s
 
 
 def test_device_decode_refuses_augment_and_unknown_decoders(shards):
-    from clipms.loader import DataError
+    from clipms.data.decode import DataError
 
     with pytest.raises(DataError, match="does not augment"):
         _batches(shards, "cpu", augment=True)
@@ -111,7 +110,7 @@ def test_device_decode_refuses_augment_and_unknown_decoders(shards):
 
 
 def test_device_decode_reads_the_header_first_and_refuses_a_bomb(tmp_path):
-    from clipms import webds
+    from clipms.data import webds
     from tests.hostile_images import png_header_bomb
 
     # 10^10 pixels claimed (over PIL's own limit) and 6.4 x 10^7 (over ours only)

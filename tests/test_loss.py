@@ -1,4 +1,5 @@
-"""clipms.loss: InfoNCE against numpy; the rank-split (gathered) loss equals the global one."""
+"""clipms.train.loss: InfoNCE against numpy; the rank-split (gathered) loss equals the global
+one."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import clipms  # noqa: F401  (sets MindSpore's environment before mindspore is i
 # isort: split
 import mindspore as ms
 
-from clipms.loss import ClipLoss, contrastive_loss
+from clipms.train.loss import ClipLoss, contrastive_loss
 
 
 def _features(n: int, d: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -78,7 +79,7 @@ def test_gather_without_communication_is_a_clear_error():
 
 def test_the_loss_does_not_depend_on_how_often_its_graph_has_run():
     """MindSpore's CPU kernels re-split their work across threads over their first launches
-    (clipms/loss.py says which one mattered): two compiled losses fed the same 30 batches in
+    (clipms/train/loss.py says which one mattered): two compiled losses fed the same 30 batches in
     opposite orders see each batch at different launch counts and must agree bit for bit. This
     is what keeps a resumed run's logged losses bitwise those of an uninterrupted run."""
     previous = ms.get_context("mode")

@@ -22,8 +22,8 @@ import yaml
 from clipms.prep import synthetic
 from clipms.prep.metadata import MetadataError, MetadataSpec, build_metadata, download
 from clipms.prep.urlguard import FetchPolicy
+from pipeline.params import ParamsError, validate_section
 from stages.metadata import MetadataParams
-from stages.params import ParamsError, validate_section
 from tests.workspace import PROJECT_ROOT, make_workspace, run, tool_env
 
 FAST = {"retries": 2, "timeout": 5.0}  # with backoff_seconds=0.01 below: no real waiting

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from clipms.metrics import (
+from clipms.eval.metrics import (
     MetricsInputError,
     build_prompts,
     class_embeddings,

@@ -1,4 +1,5 @@
-"""clipms.config + clipms.model: presets, shapes/dtypes, causal masking, EOT pooling, both modes."""
+"""clipms.model.config + clipms.model.clip: presets, shapes/dtypes, causal masking, EOT pooling,
+both modes."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import clipms  # noqa: F401  (sets MindSpore's environment before mindspore is i
 # isort: split
 import mindspore as ms
 
-from clipms.config import PRESETS, CLIPConfig, TextConfig, get_preset
-from clipms.convert import openclip_shapes
-from clipms.model import CLIP, GELU, count_parameters, l2_normalize, to_mixed_precision
+from clipms.model.clip import CLIP, GELU, count_parameters, l2_normalize, to_mixed_precision
+from clipms.model.config import PRESETS, CLIPConfig, TextConfig, get_preset
+from clipms.model.convert import openclip_shapes
 
 MODES = {"graph": ms.GRAPH_MODE, "pynative": ms.PYNATIVE_MODE}
 

@@ -1,4 +1,4 @@
-"""clipms.model's initialisation is open_clip's, tensor by tensor.
+"""clipms.model.clip's initialisation is open_clip's, tensor by tensor.
 
 The expected distributions are written out from open_clip 3.3.0's source and torch's defaults, not
 taken from clipms: open_clip/transformer.py `TextTransformer.init_parameters` (the CLIP paper's
@@ -22,8 +22,8 @@ import clipms  # noqa: F401  (sets MindSpore's environment before mindspore is i
 # isort: split
 import mindspore as ms
 
-from clipms.config import CLIPConfig, get_preset, resolve_model
-from clipms.model import CLIP
+from clipms.model.clip import CLIP
+from clipms.model.config import CLIPConfig, get_preset, resolve_model
 
 
 def openclip_init(name: str, cfg: CLIPConfig) -> tuple[str, float]:

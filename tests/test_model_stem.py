@@ -1,5 +1,5 @@
-"""vision.stem 'conv' (clipms.model.ConvStem): the function of nn.Conv2d + LayerNorm + ReLU written
-out in numpy, the config's rules, the parameter count, the MindIR bundle's parity, and the
+"""vision.stem 'conv' (clipms.model.clip.ConvStem): the function of nn.Conv2d + LayerNorm + ReLU
+written out in numpy, the config's rules, the parameter count, the MindIR bundle's parity, and the
 refusal to convert to open_clip (it has no such tower)."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import clipms  # noqa: F401  (sets MindSpore's environment before mindspore is i
 # isort: split
 import mindspore as ms
 
-from clipms.config import CLIPConfig, VisionConfig, get_preset, resolve_model
-from clipms.convert import ConversionError, clip_params, clipms_to_openclip, save_clipms
-from clipms.model import CLIP, ConvStem, count_parameters
+from clipms.model.clip import CLIP, ConvStem, count_parameters
+from clipms.model.config import CLIPConfig, VisionConfig, get_preset, resolve_model
+from clipms.model.convert import ConversionError, clip_params, clipms_to_openclip, save_clipms
 from tests.tiny_model import CAPTIONS, random_images, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_conv_stem_is_stride_2_convolutions_then_a_1x1(mode):
 
 
 def test_conv_stem_model_has_the_patch_models_token_grid_and_counted_parameters():
-    from clipms.preflight import parameter_count
+    from pipeline.preflight import parameter_count
 
     for preset in ("mini", "tiny"):
         cfg = resolve_model(preset, {"vision": {"stem": "conv"}, "text": {"vocab_size": 600}})
@@ -114,7 +114,8 @@ def test_to_openclip_refuses_a_conv_stem_model(tmp_path):
     with pytest.raises(ConversionError, match="open_clip has no such image tower"):
         clipms_to_openclip(clip_params(net), cfg)
     save_clipms(net, tmp_path / "m.ckpt")
-    done = subprocess.run([sys.executable, "-m", "clipms.convert", "to-openclip", "--checkpoint",
+    done = subprocess.run([sys.executable, "-m", "clipms.model.convert", "to-openclip",
+    "--checkpoint",
                            str(tmp_path / "m.ckpt"), "--out", str(tmp_path / "w.safetensors")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
@@ -123,9 +124,9 @@ def test_to_openclip_refuses_a_conv_stem_model(tmp_path):
 
 
 def test_conv_stem_bundle_exports_and_passes_parity(tmp_path):
-    from clipms.export import assert_parity, export_bundle, parity_report
-    from clipms.preprocess import PreprocessConfig, preprocess_image
-    from clipms.tokenizer import Tokenizer
+    from clipms.data.preprocess import PreprocessConfig, preprocess_image
+    from clipms.deploy.export import assert_parity, export_bundle, parity_report
+    from clipms.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.train(CAPTIONS * 4, vocab_size=600, context_length=16)
     tokenizer.save(tmp_path / "tokenizer.json")

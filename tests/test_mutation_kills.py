@@ -444,7 +444,7 @@ def test_a_version_without_the_metric_tag_is_read_from_its_logged_model(tmp_path
 
 
 def _params_models():
-    from clipms.params import Section
+    from clipms.schema import Section
 
     class Leaf(Section):
         depth: int = 1
@@ -463,9 +463,9 @@ def _params_models():
 
 
 def test_unknown_keys_list_the_keys_of_the_model_that_holds_them(tmp_path):
-    """clipms.params.x__describe__mutmut_14 (the separator), _21 (which parent: three levels
+    """pipeline.params.x__describe__mutmut_14 (the separator), _21 (which parent: three levels
     deep), x__allowed_keys__mutmut_13 (a list of models is not a model: no TypeError)."""
-    from clipms.params import ParamsError, load_section
+    from pipeline.params import ParamsError, load_section
 
     top, path = _params_models(), tmp_path / "params.yaml"
     path.write_text("top:\n  middle:\n    leaf:\n      dept: 3\n")
@@ -482,7 +482,7 @@ def test_unknown_keys_list_the_keys_of_the_model_that_holds_them(tmp_path):
 def test_a_missing_section_is_all_defaults_and_a_non_mapping_is_named(tmp_path):
     """x_load_section__mutmut_5 (a missing section), _7 (its message), _11/_15/_16 (the file is
     the source the error names)."""
-    from clipms.params import ParamsError, load_section
+    from pipeline.params import ParamsError, load_section
 
     top, path = _params_models(), tmp_path / "params.yaml"
     path.write_text("other: {}\n")
@@ -500,7 +500,8 @@ def test_a_missing_section_is_all_defaults_and_a_non_mapping_is_named(tmp_path):
 def test_each_params_file_problem_has_its_own_message(tmp_path):
     """x_read_params__mutmut_7/9 (bad YAML, not a mapping), x__describe__mutmut_26/27 (a missing
     required key), x_validate_section__mutmut_1/2/13 (the default source, one line a problem)."""
-    from clipms.params import ParamsError, Section, read_params, validate_section
+    from clipms.schema import Section
+    from pipeline.params import ParamsError, read_params, validate_section
 
     path = tmp_path / "params.yaml"
     path.write_text("top: [unclosed\n")
@@ -525,9 +526,9 @@ def test_each_params_file_problem_has_its_own_message(tmp_path):
 
 
 def test_zero_shot_chance_levels_at_one_and_five_classes():
-    """clipms.metrics.x_zeroshot_chance_levels__mutmut_1/2 (one class refused), _13/_14 (five
+    """clipms.eval.metrics.x_zeroshot_chance_levels__mutmut_1/2 (one class refused), _13/_14 (five
     classes lose top-5, which evaluate reports at five), _3 (the message)."""
-    from clipms.metrics import MetricsInputError, zeroshot_chance_levels
+    from clipms.eval.metrics import MetricsInputError, zeroshot_chance_levels
 
     assert zeroshot_chance_levels(1) == {"zeroshot_top1": 1.0,
                                          "zeroshot_mean_per_class_recall": 1.0}
@@ -543,7 +544,7 @@ def test_class_embeddings_take_one_template_and_name_the_bad_input():
     common case), _12/_17/_19/_27/_28/_30/_32/_35/_36 (which input an error names)."""
     import numpy as np
 
-    from clipms.metrics import MetricsInputError, class_embeddings
+    from clipms.eval.metrics import MetricsInputError, class_embeddings
 
     single = class_embeddings(np.array([[[3.0, 4.0]], [[0.0, 2.0]]]))
     np.testing.assert_allclose(single, [[0.6, 0.8], [0.0, 1.0]], atol=1e-7)
@@ -565,7 +566,7 @@ def test_confusion_matrix_counts_are_integers_and_errors_name_their_input():
     vector an error names, and of what)."""
     import numpy as np
 
-    from clipms.metrics import MetricsInputError, confusion_matrix
+    from clipms.eval.metrics import MetricsInputError, confusion_matrix
 
     matrix = confusion_matrix(np.array([0, 1, 1]), np.array([1, 1, 0]), 2)
     assert matrix.dtype == np.int64 and matrix.tolist() == [[0, 1], [1, 1]]
@@ -582,7 +583,7 @@ def test_zero_shot_at_five_classes_has_top5_and_errors_name_their_input():
     x_zeroshot_scores__mutmut_18..20 (a dimension mismatch: its message, not an IndexError)."""
     import numpy as np
 
-    from clipms.metrics import MetricsInputError, zeroshot_metrics
+    from clipms.eval.metrics import MetricsInputError, zeroshot_metrics
 
     classes = np.eye(5, dtype=np.float32)
     images = np.array([[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]], dtype=np.float32)  # class 0: 5th, 1st
@@ -599,7 +600,7 @@ def test_zero_shot_at_five_classes_has_top5_and_errors_name_their_input():
 def test_retrieval_chance_levels_of_one_image_and_bad_counts():
     """x_retrieval_chance_levels__mutmut_10 (one image refused), _8 (an empty list or a zero
     count let through: NaN metrics), _13.._15 (the message)."""
-    from clipms.metrics import MetricsInputError, retrieval_chance_levels
+    from clipms.eval.metrics import MetricsInputError, retrieval_chance_levels
 
     assert retrieval_chance_levels([3], ks=(1,)) == {"i2t_R@1": 1.0, "t2i_R@1": 1.0,
                                                       "mAP@10": 1.0}
@@ -615,7 +616,7 @@ def test_retrieval_refuses_non_positive_ks_and_names_each_bad_input():
     x_l2_normalize__mutmut_1/2/10 (the default name, the shape message)."""
     import numpy as np
 
-    from clipms.metrics import MetricsInputError, l2_normalize, retrieval_metrics
+    from clipms.eval.metrics import MetricsInputError, l2_normalize, retrieval_metrics
 
     images, texts = np.eye(2, dtype=np.float32), np.eye(2, dtype=np.float32)
     for ks in ((), (1, 0)):
@@ -638,7 +639,7 @@ def test_l2_normalize_returns_float32_and_takes_one_dimension():
     one-dimensional embedding refused as empty)."""
     import numpy as np
 
-    from clipms.metrics import l2_normalize
+    from clipms.eval.metrics import l2_normalize
 
     unit = l2_normalize(np.array([[3.0, 4.0]], dtype=np.float64))
     assert unit.dtype == np.float32 and unit.tolist() == [[0.6000000238418579, 0.800000011920929]]
@@ -648,14 +649,14 @@ def test_l2_normalize_returns_float32_and_takes_one_dimension():
 def test_chance_map_of_one_image_with_two_captions_is_one():
     """x_retrieval_chance_levels__mutmut_72 (max(M - 1, 2): wrong whenever M = 2): two captions,
     both relevant, so every random order has AP 1."""
-    from clipms.metrics import retrieval_chance_levels
+    from clipms.eval.metrics import retrieval_chance_levels
 
     assert retrieval_chance_levels([2], ks=(1,))["mAP@10"] == 1.0
 
 
 def test_build_prompts_names_what_is_empty():
     """x_build_prompts__mutmut_3/6/7/8 (the messages of an empty class or template list)."""
-    from clipms.metrics import MetricsInputError, build_prompts
+    from clipms.eval.metrics import MetricsInputError, build_prompts
 
     with pytest.raises(MetricsInputError) as err:
         build_prompts([], ["a {}"])
@@ -669,11 +670,12 @@ def test_build_prompts_names_what_is_empty():
 
 
 def test_parity_errors_are_the_max_raw_and_max_normalised_differences():
-    """clipms.export.x__errors__mutmut_* : which difference, which norm (per row, with the floor
-    that keeps an all-zero row finite). Row 2's norm is under 1: a floor of 1 would change it."""
+    """clipms.deploy.export.x__errors__mutmut_* : which difference, which norm (per row, with the
+    floor that keeps an all-zero row finite). Row 2's norm is under 1: a floor of 1 would change
+    it."""
     import numpy as np
 
-    from clipms.export import _errors
+    from clipms.deploy.export import _errors
 
     got = np.array([[0.6, 0.8], [0.0, 0.0], [0.03, 0.04]], np.float32)
     want = np.array([[0.0, 2.0], [0.0, 0.0], [0.04, -0.03]], np.float32)
@@ -686,7 +688,7 @@ def test_parity_errors_are_the_max_raw_and_max_normalised_differences():
 def test_parity_failures_name_each_tower_and_batch_size_over_the_tolerance():
     """x_assert_parity__mutmut_* : only the gate metric's per-batch keys count (not the other
     metric, not the max over batches), an error equal to the tolerance passes, the message."""
-    from clipms.export import ParityError, assert_parity
+    from clipms.deploy.export import ParityError, assert_parity
 
     report = {"precision": "fp16", "gate_metric": "max_abs_error_normalized", "tolerance": 2e-3,
               "batch_sizes": [1, 4], "image_max_abs_error_normalized_b1": 2e-3,
@@ -706,7 +708,7 @@ def test_parity_inputs_are_cycled_up_to_the_batch_size():
     """x__cycle_rows__mutmut_1..3."""
     import numpy as np
 
-    from clipms.export import _cycle_rows
+    from clipms.deploy.export import _cycle_rows
 
     rows = np.arange(6).reshape(3, 2)
     assert _cycle_rows(rows, 5).tolist() == [[0, 1], [2, 3], [4, 5], [0, 1], [2, 3]]
@@ -716,8 +718,8 @@ def test_parity_inputs_are_cycled_up_to_the_batch_size():
 def _micro_clip(seed: int, embed_dim: int = 16):
     import mindspore as ms
 
-    from clipms.config import CLIPConfig, TextConfig, VisionConfig
-    from clipms.model import CLIP
+    from clipms.model.clip import CLIP
+    from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
 
     ms.set_seed(seed)
     return CLIP(CLIPConfig(
@@ -732,8 +734,8 @@ def micro_bundle(tmp_path_factory):
     import numpy as np
 
     import clipms  # noqa: F401  (MindSpore's environment first)
-    from clipms.export import export_bundle
-    from clipms.preprocess import PreprocessConfig
+    from clipms.data.preprocess import PreprocessConfig
+    from clipms.deploy.export import export_bundle
 
     root = tmp_path_factory.mktemp("micro-export")
     (root / "tokenizer.json").write_text("{}")  # copied into the bundle, not read
@@ -749,7 +751,7 @@ def test_parity_report_passes_its_own_checkpoint_and_fails_another(micro_bundle)
     max over batch sizes), the bar of each precision, `passed` over both towers (all, <=), the
     empty-input (its whole message: x_parity_report__mutmut_11) and wrong-shape errors. Same
     weights and kernels: the fp32 errors are 0.0."""
-    from clipms.export import ParityError, parity_report
+    from clipms.deploy.export import ParityError, parity_report
 
     bundle, images, tokens = micro_bundle
     empty = "parity check needs at least one image and one caption"
@@ -799,7 +801,7 @@ def test_parity_report_passes_its_own_checkpoint_and_fails_another(micro_bundle)
 
 
 def test_contrastive_loss_left_at_rank_zero_is_the_single_process_loss():
-    """clipms.loss.x_contrastive_loss__mutmut_1 (a default rank of 1): called as its docstring
+    """clipms.train.loss.x_contrastive_loss__mutmut_1 (a default rank of 1): called as its docstring
     says, without `rank` and with the local features as the global ones, it is ClipLoss's loss."""
     import numpy as np
 
@@ -808,7 +810,7 @@ def test_contrastive_loss_left_at_rank_zero_is_the_single_process_loss():
     # isort: split
     import mindspore as ms
 
-    from clipms.loss import ClipLoss, contrastive_loss
+    from clipms.train.loss import ClipLoss, contrastive_loss
 
     rng = np.random.default_rng(3)
     image, text = rng.normal(size=(2, 4, 8)).astype(np.float32)
@@ -819,9 +821,9 @@ def test_contrastive_loss_left_at_rank_zero_is_the_single_process_loss():
 
 
 def test_gather_without_communication_says_what_to_do():
-    """clipms.loss.xǁClipLossǁ__init____mutmut_7/8/10/11: the whole message (test_loss matches
+    """clipms.train.loss.xǁClipLossǁ__init____mutmut_7/8/10/11: the whole message (test_loss matches
     only its middle)."""
-    from clipms.loss import ClipLoss
+    from clipms.train.loss import ClipLoss
 
     with pytest.raises(RuntimeError) as err:
         ClipLoss(gather=True)
@@ -833,8 +835,9 @@ def test_gather_without_communication_says_what_to_do():
 
 
 def test_host_copies_are_this_instants_values():
-    """clipms.checkpoint.x__host_copy__mutmut_1..6, x__as_tensor__mutmut_1: a Tensor's asnumpy()
-    shares its memory (an in-place update, as an optimizer step makes, shows through it), and
+    """clipms.train.checkpoint.x__host_copy__mutmut_1..6, x__as_tensor__mutmut_1: a Tensor's
+    asnumpy() shares its memory (an in-place update, as an optimizer step makes, shows through it),
+    and
     np.array(copy=False/None) of an array is the array: without the copies a checkpoint submitted
     before a step could hold the step's values."""
     import numpy as np
@@ -845,7 +848,7 @@ def test_host_copies_are_this_instants_values():
     import mindspore as ms
     from mindspore import ops
 
-    from clipms.checkpoint import _as_tensor, _host_copy
+    from clipms.train.checkpoint import _as_tensor, _host_copy
 
     param = ms.Parameter(ms.Tensor(np.zeros(3, np.float32)), name="w")
     host, tensor = _host_copy(param), _as_tensor(param)
@@ -866,10 +869,10 @@ def test_the_writer_keeps_the_last_k_logs_each_write_and_can_be_waited_on_twice(
     for a write in flight at exit)."""
     import numpy as np
 
-    from clipms import checkpoint
+    from clipms.train import checkpoint
 
     writer = checkpoint.CheckpointWriter(tmp_path, keep=2)
-    with caplog.at_level("INFO", logger="clipms.checkpoint"):
+    with caplog.at_level("INFO", logger="clipms.train.checkpoint"):
         for step in (1, 2, 3):
             path = writer.submit(step, {"w": np.full(2, step, np.float32)}, {"step": step})
             assert path == checkpoint.checkpoint_path(tmp_path, step)
@@ -879,7 +882,7 @@ def test_the_writer_keeps_the_last_k_logs_each_write_and_can_be_waited_on_twice(
         writer.close()
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
         "step-00000002.ckpt", "step-00000003.ckpt"]
-    assert [r.getMessage() for r in caplog.records if r.name == "clipms.checkpoint"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "clipms.train.checkpoint"] == [
         f"saved {checkpoint.checkpoint_path(tmp_path, s)}" for s in (1, 2, 3)]
 
 
@@ -889,7 +892,7 @@ def test_a_failed_background_write_is_raised_once_by_the_next_call(tmp_path):
     write fails (FileExistsError) on the writer's thread; `close` raises it, then it is gone."""
     import numpy as np
 
-    from clipms import checkpoint
+    from clipms.train import checkpoint
 
     folder = tmp_path / "not-a-folder"
     folder.write_text("a file")
@@ -907,19 +910,19 @@ def test_the_writer_as_a_context_reports_its_error_unless_the_loop_failed(tmp_pa
     loop itself failed, the loop's error goes on and the write's is logged."""
     import numpy as np
 
-    from clipms import checkpoint
+    from clipms.train import checkpoint
 
     folder = tmp_path / "not-a-folder"
     folder.write_text("a file")
     tensors, meta = {"w": np.zeros(2, np.float32)}, {"step": 1}
     with pytest.raises(checkpoint.CheckpointWriteError), checkpoint.CheckpointWriter(folder) as w:
         w.submit(1, tensors, meta)
-    with (caplog.at_level("ERROR", logger="clipms.checkpoint"),
+    with (caplog.at_level("ERROR", logger="clipms.train.checkpoint"),
           pytest.raises(KeyError, match="the loop"),
           checkpoint.CheckpointWriter(folder) as writer):
         writer.submit(1, tensors, meta)
         raise KeyError("the loop")
-    (record,) = [r for r in caplog.records if r.name == "clipms.checkpoint"]
+    (record,) = [r for r in caplog.records if r.name == "clipms.train.checkpoint"]
     assert record.getMessage().startswith(f"writing {folder / 'step-00000001.ckpt'} failed: ")
     with checkpoint.CheckpointWriter(tmp_path / "ok") as writer:  # a clean exit waits
         writer.submit(1, tensors, meta)
@@ -937,7 +940,7 @@ def test_prune_keeps_at_least_one_and_load_names_a_foreign_checkpoint(tmp_path, 
     # isort: split
     import mindspore as ms
 
-    from clipms import checkpoint
+    from clipms.train import checkpoint
 
     for step in (1, 2):
         checkpoint.save(tmp_path, step, {"w": np.full(2, step, np.float32)}, {"step": step})
@@ -954,9 +957,9 @@ def test_prune_keeps_at_least_one_and_load_names_a_foreign_checkpoint(tmp_path, 
     with pytest.raises(ValueError) as err:
         checkpoint.load(foreign)
     assert str(err.value) == f"{foreign}: not a clipms training checkpoint (no 'clipms_meta' entry)"
-    with caplog.at_level("WARNING", logger="clipms.checkpoint"):
+    with caplog.at_level("WARNING", logger="clipms.train.checkpoint"):
         assert checkpoint.load_latest(tmp_path).path == kept
-    assert [r.getMessage() for r in caplog.records if r.name == "clipms.checkpoint"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "clipms.train.checkpoint"] == [
         f"skipping unreadable checkpoint {foreign}: {err.value}"]
 
 
@@ -965,17 +968,17 @@ def test_stale_sets_are_folders_with_the_prefix_and_removing_one_is_logged(tmp_p
     x_set_aside__mutmut_30..37 (the line that names a removed set)."""
     import numpy as np
 
-    from clipms import checkpoint
+    from clipms.train import checkpoint
 
     (tmp_path / "other").mkdir()
     (tmp_path / "stale-notes.txt").write_text("not a set")
-    with caplog.at_level("INFO", logger="clipms.checkpoint"):
+    with caplog.at_level("INFO", logger="clipms.train.checkpoint"):
         for label in ("aaa", "bbb"):
             checkpoint.save(tmp_path, 1, {"w": np.zeros(2, np.float32)}, {"step": 1})
             checkpoint.set_aside(tmp_path, label, keep_sets=1)
     assert [p.name for p in checkpoint.stale_sets(tmp_path)] == ["stale-bbb"]
     assert (tmp_path / "other").is_dir() and (tmp_path / "stale-notes.txt").is_file()
-    assert [r.getMessage() for r in caplog.records if r.name == "clipms.checkpoint"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "clipms.train.checkpoint"] == [
         f"removed {tmp_path / 'stale-aaa'} (only the newest 1 stale checkpoint sets are kept)"]
 
 

@@ -1,5 +1,5 @@
 """AdamW (fused kernel + folded bias correction) against a numpy AdamW, the host schedule
-(clipms.schedule), decay groups, and global-norm clipping, all on real MindSpore graphs."""
+(clipms.train.schedule), decay groups, and global-norm clipping, all on real MindSpore graphs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mindspore import nn
 
-from clipms import optim, schedule
+from clipms.train import optim, schedule
 
 
 def numpy_adamw(params, grads_per_step, lrs, decayed, betas=(0.9, 0.98), eps=1e-6, wd=0.2):
@@ -120,7 +120,7 @@ def test_decay_groups_follow_open_clip_and_can_spare_the_embeddings():
 
 
 def test_the_real_model_decays_its_embedding_tables_by_default():
-    from clipms.model import CLIP
+    from clipms.model.clip import CLIP
     from tests.tiny_model import tiny_config
 
     named = list(CLIP(tiny_config(vocab_size=50)).parameters_and_names())

@@ -4,7 +4,8 @@ from typing import Literal
 
 import pytest
 
-from stages.params import ParamsError, Section, load_section
+from clipms.schema import Section
+from pipeline.params import ParamsError, load_section
 
 
 class Inner(Section):

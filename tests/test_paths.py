@@ -9,9 +9,10 @@ from pathlib import Path
 import yaml
 
 from stages import paths
+from tests.packages import PROJECT_PACKAGES
 
 ROOT = Path(__file__).resolve().parent.parent
-CODE_ROOTS = ("clipms/", "stages/", "registry/", "flows/", "serving/")  # code deps: test_dvc_deps
+CODE_ROOTS = tuple(f"{package}/" for package in PROJECT_PACKAGES)  # code deps: test_dvc_deps
 OUT_KINDS = ("outs", "metrics", "plots")
 
 

@@ -1,4 +1,4 @@
-"""`python -m clipms.preflight` on this machine (no Ascend device: it must say so and fail), its
+"""`python -m pipeline.preflight` on this machine (no Ascend device: it must say so and fail), its
 plan checks against a real manifest, and the Ascend parameter sets in profiles/ validated by the
 stages' own schemas."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clipms import preflight
-from clipms.params import read_params, validate_section
+from pipeline import preflight
+from pipeline.params import read_params, validate_section
 from tests.workspace import PROJECT_ROOT, run, tool_env
 
 PROFILES = sorted((PROJECT_ROOT / "profiles").glob("*.yaml"))
@@ -22,7 +22,7 @@ PROFILES = sorted((PROJECT_ROOT / "profiles").glob("*.yaml"))
 
 def _cli(*args: str, cwd: Path = PROJECT_ROOT):
     env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT)}
-    return run(["python", "-m", "clipms.preflight", "--json", *args], cwd=cwd, check=False,
+    return run(["python", "-m", "pipeline.preflight", "--json", *args], cwd=cwd, check=False,
                env=env, timeout=300)
 
 
@@ -52,7 +52,7 @@ def test_the_plan_defaults_are_the_train_stages_own():
 
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_parameter_count_is_the_models(preset):
-    from clipms.model import CLIP
+    from clipms.model.clip import CLIP
 
     cfg = preflight.model_config({"train": {"preset": preset},
                                   "tokenizer": {"kind": "bpe", "vocab_size": 600}})
@@ -166,7 +166,7 @@ def test_image_size_check_without_params_falls_back_to_the_download_default():
 
 def test_importing_preflight_leaves_the_download_stack_out():
     """The preflight CLI starts without pandas, pyarrow and fsspec (the download module's)."""
-    probe = ("import sys, clipms.preflight; print(sorted(m for m in ('clipms.prep.download', "
+    probe = ("import sys, pipeline.preflight; print(sorted(m for m in ('clipms.prep.download', "
              "'pandas', 'pyarrow', 'fsspec') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True, cwd=PROJECT_ROOT)

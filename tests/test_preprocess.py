@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clipms.preprocess import (
+from clipms.data.preprocess import (
     DEFAULT_MAX_PIXELS,
     OPENAI_MEAN,
     OPENAI_STD,

@@ -133,7 +133,7 @@ def hostile_requests(root: Path) -> dict[str, tuple[list[str], list[list], str]]
 
 def test_hostile_inputs_are_400s_and_the_server_keeps_answering(served) -> None:
     url, root, bundle = served
-    from clipms.infer import Encoder
+    from clipms.deploy.infer import Encoder
 
     valid_image = encoded("PNG", size=(40, 32))
     want = Encoder(bundle, kernel_fusion=False).encode_images([valid_image])[0]
@@ -163,10 +163,10 @@ def test_hostile_inputs_are_400s_and_the_server_keeps_answering(served) -> None:
 def test_concurrent_requests_are_all_answered(served) -> None:
     """MLflow's scoring server runs each request's predict in a thread of its own; MindSpore
     graphs run from two threads at once killed the server (SIGSEGV), so every client but the
-    first lost its connection. clipms.infer.Encoder serialises its graph calls."""
+    first lost its connection. clipms.deploy.infer.Encoder serialises its graph calls."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from clipms.infer import Encoder
+    from clipms.deploy.infer import Encoder
 
     url, _, bundle = served
     image = encoded("PNG", size=(40, 32))

@@ -1,10 +1,10 @@
-"""clipms.redact: URLs without credentials, query strings or fragments, in text too."""
+"""clipms.utils.redact: URLs without credentials, query strings or fragments, in text too."""
 
 from __future__ import annotations
 
 import pytest
 
-from clipms.redact import host_only, redact_text, redact_url
+from clipms.utils.redact import host_only, redact_text, redact_url
 
 PRESIGNED = ("https://bucket.s3.eu-west-1.amazonaws.com/data/meta.parquet?X-Amz-Algorithm="
              "AWS4-HMAC-SHA256&X-Amz-Credential=AKIAFAKE%2F20261201%2Fs3%2Faws4_request&"

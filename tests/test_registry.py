@@ -76,7 +76,7 @@ def test_two_missing_val_digests_are_not_the_same_evaluation_set() -> None:
 
 
 def test_metric_directions_cover_what_evaluate_writes() -> None:
-    from clipms.metrics import metric_direction
+    from clipms.eval.metrics import metric_direction
 
     written = json.loads((Path(__file__).resolve().parents[1] / "metrics/eval.json").read_text())
     directions = {k: metric_direction(k) for k in written}

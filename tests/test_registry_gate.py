@@ -155,6 +155,6 @@ def start_register(workspace: Path, tracking_uri: str, lock_dir: Path) -> subpro
 
 
 def read_run_id(workspace: Path) -> str:
-    from clipms.jsonio import read_json
+    from clipms.utils.jsonio import read_json
 
     return str(read_json(workspace / "models" / "mlflow_run.json")["run_id"])

@@ -193,7 +193,7 @@ def race(server: MlflowOnPostgres, bundle: Path, tmp_path: Path, model: str,
         assert proc.returncode == 0, f"{out}\n{err}"
     records = []
     for workspace in (worse, better):
-        from clipms.jsonio import read_json
+        from clipms.utils.jsonio import read_json
 
         records.append(read_json(workspace / "metrics" / "register.json"))
         assert records[-1]["run_id"] == read_run_id(workspace)
@@ -234,7 +234,7 @@ def test_journal_replays_after_the_server_was_down(server: MlflowOnPostgres, bun
                                                    tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from clipms.jsonio import write_json
+    from clipms.utils.jsonio import write_json
 
     model = "pg-journal"
     root = tmp_path / "ws"

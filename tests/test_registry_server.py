@@ -174,7 +174,7 @@ def prepare_workspace(root: Path, bundle: Path, eval_metrics: dict, model: str =
     bundle, metrics/eval.json, and the pipeline's MLflow run (train opened it, evaluate logged)."""
     import shutil
 
-    from clipms.jsonio import write_json
+    from clipms.utils.jsonio import write_json
 
     root.mkdir(parents=True)
     write_pipeline_state(root, val_sha=val_sha)
@@ -191,7 +191,7 @@ def prepare_workspace(root: Path, bundle: Path, eval_metrics: dict, model: str =
 
 def register_in(root: Path) -> tuple[int, dict | None]:
     """The real register stage, in-process, in `root`: (exit code, metrics/register.json)."""
-    from clipms.jsonio import read_json
+    from clipms.utils.jsonio import read_json
     from stages import register
 
     with chdir(root):
@@ -251,7 +251,7 @@ def test_versions_registered_from_one_run_keep_their_own_index(workspace: Path,
     come back with version 1's index, so the service can serve it when it is the champion."""
     import shutil
 
-    from clipms.index import ImageIndex, bundle_digest
+    from clipms.deploy.index import ImageIndex, bundle_digest
     from serving.source import RegistrySource
     from tests.test_serving_swap import make_index
     from tests.tiny_model import export_tiny_bundle
@@ -295,7 +295,7 @@ def champion_input(tmp_path: Path) -> tuple[object, list[str], list[str]]:
 
 
 def expected(bundle: Path, texts: list[str], images: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    from clipms.infer import Encoder
+    from clipms.deploy.infer import Encoder
 
     encoder = Encoder(bundle)
     raw = [base64.b64decode(image) for image in images]
@@ -379,7 +379,7 @@ def wait_for(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> Non
 
 def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: MlflowServer,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from clipms.jsonio import read_json
+    from clipms.utils.jsonio import read_json
     from tests.workspace import make_workspace, run, tool_env
 
     # every stage with the users' default CPU kernel fusion (the tiny workspace turns it off)
@@ -433,7 +433,7 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     assert train_summary  # train.json exists; its values are logged as train_* metrics
     # The index stage ran after export; register logged it into the version's model, so the
     # champion's model and its index come back from MLflow alone and belong together.
-    from clipms.index import ImageIndex, bundle_digest
+    from clipms.deploy.index import ImageIndex, bundle_digest
     from serving.source import RegistrySource
 
     indexed = read_json(ws / "metrics" / "index.json")

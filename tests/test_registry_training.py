@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from clipms.jsonio import read_json
+from clipms.utils.jsonio import read_json
 from registry import run as tracking_run
 from registry import settings
 from registry.callback import TrainCallback

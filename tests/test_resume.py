@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clipms import checkpoint
+from clipms.train import checkpoint
 from tests.workspace import checkpoint_arrays
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -24,8 +24,8 @@ PROJECT = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = textwrap.dedent("""
     import logging, sys, time
     import clipms
-    from clipms.config import CLIPConfig, TextConfig, VisionConfig
-    from clipms.trainer import RandomBatches, TrainConfig, save_model, train
+    from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
+    from clipms.train.loop import RandomBatches, TrainConfig, save_model, train
 
     class SlowBatches(RandomBatches):
         def global_batch(self, epoch, index):
@@ -133,7 +133,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
 FAILING_WRITE = textwrap.dedent("""
     import resource, signal, sys
     import numpy as np
-    from clipms import checkpoint
+    from clipms.train import checkpoint
 
     folder, use_writer = sys.argv[1], sys.argv[2] == "writer"
     checkpoint.save(folder, 2, {"w": np.zeros(4096, np.float32)}, {"step": 2})
@@ -176,7 +176,7 @@ def test_a_write_that_fails_part_way_leaves_the_previous_checkpoint_intact(tmp_p
 
 
 def _micro():
-    from clipms.config import CLIPConfig, TextConfig, VisionConfig
+    from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
 
     return CLIPConfig(
         embed_dim=16,
@@ -204,7 +204,7 @@ def restore_mode():
 def test_checkpoints_of_other_data_are_moved_aside_after_the_new_config_is_validated(
         tmp_path, caplog, restore_mode):
     from clipms.runtime import RuntimeConfig
-    from clipms.trainer import RandomBatches, TrainConfig, train
+    from clipms.train.loop import RandomBatches, TrainConfig, train
 
     micro, folder = _micro(), tmp_path / "ckpt"
     # PyNative: four short runs, no graph to compile for each
@@ -222,7 +222,7 @@ def test_checkpoints_of_other_data_are_moved_aside_after_the_new_config_is_valid
     assert _digests(folder) == before and checkpoint.stale_sets(folder) == []
 
     # It starts: the old set is moved, byte for byte, and the run does not resume from it.
-    with caplog.at_level("WARNING", logger="clipms.trainer"):
+    with caplog.at_level("WARNING", logger="clipms.train.loop"):
         result = train(other_data, RandomBatches(micro, 4, 2), folder)
     assert f"moved to {folder / ('stale-' + first.fingerprint())}" in caplog.text
     assert [row["step"] for row in result.history] == [1, 2]
@@ -258,8 +258,8 @@ def test_only_the_newest_stale_sets_are_kept_and_names_never_collide(tmp_path):
 def test_fingerprint_changes_with_the_data_and_data_fingerprint_covers_the_manifest(tmp_path):
     import json
 
-    from clipms.train_job import data_fingerprint
-    from clipms.trainer import TrainConfig
+    from clipms.train.job import data_fingerprint
+    from clipms.train.loop import TrainConfig
 
     shards, tokenizer = tmp_path / "shards", tmp_path / "tokenizer.json"
     shards.mkdir()

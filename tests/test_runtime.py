@@ -25,7 +25,7 @@ from clipms.runtime import (
     kernel_cache_dir,
     settings_for,
 )
-from stages.params import ParamsError, validate_section
+from pipeline.params import ParamsError, validate_section
 from tests.workspace import PROJECT_ROOT
 
 MS_DIR = Path("/opt/ms")  # settings_for takes the installed package as an argument
@@ -135,7 +135,7 @@ print(json.dumps({"env": {k: os.environ.get(k) for k in json.loads(sys.argv[2])}
 ENCODE = """
 import sys
 import numpy as np
-from clipms.infer import Encoder
+from clipms.deploy.infer import Encoder
 from tests.tiny_model import CAPTIONS, random_images
 encoder = Encoder(sys.argv[1], batch_size=4, kernel_fusion=sys.argv[3] == "on")
 np.savez(sys.argv[2], images=encoder.encode_images(random_images(6, seed=5)),
@@ -145,9 +145,9 @@ np.savez(sys.argv[2], images=encoder.encode_images(random_images(6, seed=5)),
 TRAIN = """
 import sys
 import numpy as np
-from clipms.batches import RandomBatches
+from clipms.train.feed import RandomBatches
 from clipms.runtime import RuntimeConfig
-from clipms.trainer import TrainConfig, train
+from clipms.train.loop import TrainConfig, train
 from tests.tiny_model import tiny_config
 cfg = TrainConfig(model=tiny_config(vocab_size=100), batch_size=8, lr=1e-3, warmup_steps=1,
                   max_steps=3, runtime=RuntimeConfig(kernel_fusion=sys.argv[2] == "on"))

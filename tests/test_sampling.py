@@ -1,4 +1,4 @@
-"""Hard-negative batches (clipms.sampling, train.group_by): the grouped global batches really
+"""Hard-negative batches (clipms.data.sampling, train.group_by): the grouped global batches really
 share the label, as many as asked, the order is a function of (seed, epoch) only (so a resumed
 run sees the same batches), the ranks' shares are disjoint, and a missing label is a clear error.
 The order is computed without decoding; one test reads real shards through the loader."""
@@ -11,15 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clipms.data import DataError, TrainSamples, index_shards
-from clipms.sampling import (
+from clipms.data.dataset import DataError, TrainSamples, index_shards
+from clipms.data.sampling import (
     BatchOrder,
     SamplingError,
     epoch_order,
     group_ids,
     grouped_batches,
 )
-from clipms.tokenizer import Tokenizer
+from clipms.text.tokenizer import Tokenizer
 from tests.test_data import PRE, ids_of, run_loader, write_shards
 
 COLOURS = ["red", "green", "blue", "cyan"]
@@ -160,7 +160,7 @@ def test_the_loader_names_a_field_the_shards_lack(shards: Path, tok: Tokenizer) 
 def test_the_train_param_takes_one_field_or_a_list_and_checks_the_fraction():
     from pydantic import ValidationError
 
-    from clipms.train_config import TrainSettings
+    from clipms.train.config import TrainSettings
 
     assert TrainSettings(group_by="colour").group_by == ("colour",)
     assert TrainSettings(group_by=["colour", "background"]).group_by == ("colour", "background")
@@ -172,7 +172,7 @@ def test_the_train_param_takes_one_field_or_a_list_and_checks_the_fraction():
 def test_the_stage_refuses_a_field_the_shards_lack_before_anything_compiles(
         shards: Path, tok: Tokenizer, tmp_path: Path, monkeypatch) -> None:
     from clipms.runtime import RuntimeConfig
-    from stages.params import validate_section
+    from pipeline.params import validate_section
     from stages.train import TrainParams, build_job
 
     (tmp_path / "data").mkdir()

@@ -34,9 +34,9 @@ def b64(data: bytes) -> str:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory):
     """A bundle, its index, an Encoder for expected values, and the running service."""
-    from clipms.index import Item, build_index, bundle_digest
-    from clipms.infer import Encoder
-    from clipms.search import SearchOptions
+    from clipms.deploy.index import Item, build_index, bundle_digest
+    from clipms.deploy.infer import Encoder
+    from clipms.deploy.search import SearchOptions
     from tests.tiny_model import export_tiny_bundle
 
     root = tmp_path_factory.mktemp("serving")
@@ -259,7 +259,7 @@ def test_hostile_inputs_are_client_errors_and_the_service_goes_on(world) -> None
 def test_concurrent_requests_batch_and_each_gets_its_own_result(world) -> None:
     url, encoder = world["url"], world["encoder"]
     # 6 <= MAX_QUEUE: none refused. Texts on both paths of the tokenizer's cleaning (plain
-    # ASCII skips ftfy, clipms.tokenizer.fix_text), tokenized together in one batch.
+    # ASCII skips ftfy, clipms.text.tokenizer.fix_text), tokenized together in one batch.
     texts = ["query number 0", "tom &amp; jerry 1", "naïve café 2", "QUERY   number 3",
              "\x1b[1mbold\x1b[0m 4", "query number 5"]
     want = encoder.encode_texts(texts)

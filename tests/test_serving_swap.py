@@ -29,9 +29,9 @@ LOOP_LIMIT_S = 240.0  # the client loop stops by itself after this, whatever hap
 
 
 def make_index(bundle: Path, out: Path) -> Path:
-    from clipms.index import Item, build_index, bundle_digest
-    from clipms.infer import Encoder
-    from clipms.search import SearchOptions
+    from clipms.deploy.index import Item, build_index, bundle_digest
+    from clipms.deploy.infer import Encoder
+    from clipms.deploy.search import SearchOptions
 
     images = random_images(12, seed=4)
     items = [Item(f"s{i:02d}", jpeg_bytes(im), f"picture {i}", "val")

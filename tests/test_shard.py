@@ -13,9 +13,9 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from clipms import webds
+from clipms.data import webds
 from clipms.prep.shards import ShardError, ShardSettings, build_shards
-from stages.params import ParamsError, load_section
+from pipeline.params import ParamsError, load_section
 from stages.shard import ShardParams
 
 
@@ -211,9 +211,9 @@ def test_shard_params_validation(tmp_path):
 
 
 def test_decompression_bombs_and_other_formats_are_bad_samples_by_reason(tmp_path):
-    # The shard stage decodes through clipms.preprocess.open_image: a 64 MP PNG bomb (~8 KB) and a
-    # header claiming 10^10 pixels are too_large (never allocated); a GIF (which PIL would decode)
-    # is undecodable_image.
+    # The shard stage decodes through clipms.data.preprocess.open_image: a 64 MP PNG bomb (~8 KB)
+    # and a header claiming 10^10 pixels are too_large (never allocated); a GIF (which PIL would
+    # decode) is undecodable_image.
     from tests.hostile_images import png_bomb, png_header_bomb
 
     src = tmp_path / "download"

@@ -50,7 +50,7 @@ def test_the_rule_sees_figures_and_leaves_plain_numbers_alone():
 
 def test_no_measured_figure_in_a_module_a_stage_depends_on():
     modules = tracked_modules()
-    assert "clipms/trainer.py" in modules and "stages/train.py" in modules  # the list is real
+    assert "clipms/train/loop.py" in modules and "stages/train.py" in modules  # the list is real
     found = {m: figures_in((ROOT / m).read_text()) for m in modules}
     assert {m: lines for m, lines in found.items() if lines} == {}, (
         "move measured figures to docs/ or benchmarks/RESULTS.md and point there")

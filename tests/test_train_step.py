@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from mindspore import nn, ops
 
-from clipms import optim, schedule
-from clipms.batches import RandomBatches
-from clipms.config import CLIPConfig, TextConfig, VisionConfig
-from clipms.data import normalize_pixels
-from clipms.model import CLIP
-from clipms.preprocess import PreprocessConfig
-from clipms.train_step import ClipWithLoss, PixelNormalize, TrainStep
+from clipms.data.dataset import normalize_pixels
+from clipms.data.preprocess import PreprocessConfig
+from clipms.model.clip import CLIP
+from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
+from clipms.train import optim, schedule
+from clipms.train.feed import RandomBatches
+from clipms.train.step import ClipWithLoss, PixelNormalize, TrainStep
 
 MICRO = CLIPConfig(
     embed_dim=16,
@@ -137,7 +137,7 @@ def test_uint8_pixels_normalised_on_the_device_equal_the_host_preprocessing():
     pixels = np.random.default_rng(7).integers(0, 256, (3, 3, 16, 16), dtype=np.uint8)
     ms.set_context(mode=ms.GRAPH_MODE)
     on_device = PixelNormalize(cfg.mean, cfg.std)(ms.Tensor(pixels)).asnumpy()
-    # bit for bit what clipms.preprocess computes (the same fp32 operations in the same order)
+    # bit for bit what clipms.data.preprocess computes (the same fp32 operations in the same order)
     np.testing.assert_array_equal(on_device, normalize_pixels(pixels, cfg))
     already = ms.Tensor(normalize_pixels(pixels, cfg))  # normalised floats pass through
     np.testing.assert_array_equal(PixelNormalize(cfg.mean, cfg.std)(already).asnumpy(),

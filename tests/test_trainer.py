@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from mindspore import Parameter, Tensor, nn
 
-from clipms import checkpoint, schedule
-from clipms.batches import HostFeed, sink_dataset
-from clipms.config import CLIPConfig, TextConfig, VisionConfig
-from clipms.model import CLIP
+from clipms.model.clip import CLIP
+from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
 from clipms.runtime import RuntimeConfig
-from clipms.train_config import TrainConfig, TrainSettings
-from clipms.trainer import NonFiniteLossError, RandomBatches, Training, train
+from clipms.train import checkpoint, schedule
+from clipms.train.config import TrainConfig, TrainSettings
+from clipms.train.feed import HostFeed, sink_dataset
+from clipms.train.loop import NonFiniteLossError, RandomBatches, Training, train
 
 MICRO = CLIPConfig(
     embed_dim=16,
@@ -165,7 +165,7 @@ def test_checkpoints_of_another_config_are_set_aside_not_resumed(tmp_path, caplo
     assert [p.name for p in checkpoint.list_checkpoints(folder)] == [
         "step-00000001.ckpt", "step-00000002.ckpt"]
     other = TrainConfig(**{**cfg.__dict__, "lr": 2e-3, "max_steps": 1})
-    with caplog.at_level("WARNING", logger="clipms.trainer"):
+    with caplog.at_level("WARNING", logger="clipms.train.loop"):
         result = train(other, RandomBatches(MICRO, 4, 2), folder)
     assert "belong to another configuration" in caplog.text
     assert [row["step"] for row in result.history] == [1]  # trained from scratch

@@ -1,4 +1,4 @@
-"""clipms.webds, the one owner of the shard format: the key rule, the key format, reading and
+"""clipms.data.webds, the one owner of the shard format: the key rule, the key format, reading and
 writing samples, the manifest."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import tarfile
 import pytest
 import webdataset as wds
 
-from clipms import webds
+from clipms.data import webds
 
 
 @pytest.mark.parametrize(("name", "parts"), [

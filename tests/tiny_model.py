@@ -15,11 +15,11 @@ import numpy as np
 from PIL import Image
 
 import clipms  # noqa: F401  (sets MindSpore's runtime switches before it is imported)
-from clipms import webds
-from clipms.config import CLIPConfig, get_preset
-from clipms.jsonio import write_json
-from clipms.preprocess import PreprocessConfig
-from clipms.tokenizer import Tokenizer
+from clipms.data import webds
+from clipms.data.preprocess import PreprocessConfig
+from clipms.model.config import CLIPConfig, get_preset
+from clipms.text.tokenizer import Tokenizer
+from clipms.utils.jsonio import write_json
 
 CAPTIONS = [f"a {s} {c} {shape} on the {p}" for s in ("small", "large") for c in ("red", "blue")
             for shape in ("circle", "square", "triangle") for p in ("left", "right")]
@@ -39,7 +39,7 @@ def write_trained(folder: Path, seed: int = 0) -> dict[str, Path]:
     """clip.ckpt / clip.json / tokenizer.json of a random-init tiny model (weights from seed)."""
     import mindspore as ms
 
-    from clipms.model import CLIP
+    from clipms.model.clip import CLIP
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.train(CAPTIONS * 4, vocab_size=600, context_length=16)
@@ -59,8 +59,8 @@ def write_trained(folder: Path, seed: int = 0) -> dict[str, Path]:
 
 def export_tiny_bundle(root: Path, seed: int = 0) -> Path:
     """A real export bundle (two MindIR graphs) of a random-init tiny model, in root/bundle."""
-    from clipms.export import export_bundle
-    from clipms.trained import RunConfig, load_clip
+    from clipms.deploy.export import export_bundle
+    from clipms.train.trained import RunConfig, load_clip
 
     paths = write_trained(root / "trained", seed=seed)
     run = RunConfig.read(paths["config"])

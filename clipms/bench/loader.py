@@ -1,6 +1,6 @@
-"""`clipms-bench loader`: the training input pipeline (clipms.data) in samples/s and CPU cost per
-sample, what `--ranks` devices need from it; and `write_synthetic_shards`, the synthetic train
-shards it (and tests) read when no shards are given."""
+"""`clipms-bench loader`: the training input pipeline (clipms.data.dataset) in samples/s and CPU
+cost per sample, what `--ranks` devices need from it; and `write_synthetic_shards`, the synthetic
+train shards it (and tests) read when no shards are given."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from clipms.bench.common import Subcommand, register
 
 
 def write_synthetic_shards(out: Any, samples: int, image_size: int, per_shard: int = 256) -> Any:
-    """Train shards of the synthetic dataset in the shard format (clipms.webds)."""
+    """Train shards of the synthetic dataset in the shard format (clipms.data.webds)."""
     import io
     from pathlib import Path
 
-    from clipms import webds
+    from clipms.data import webds
     from clipms.prep.synthetic import make_image
 
     def sample_files(index: int) -> webds.SampleFiles:
@@ -110,9 +110,9 @@ def run_loader(args: argparse.Namespace) -> dict[str, Any]:
 
     import psutil  # a MindSpore dependency
 
-    from clipms.data import build_train_dataset, steps_per_epoch
-    from clipms.preprocess import PreprocessConfig
-    from clipms.tokenizer import Tokenizer
+    from clipms.data.dataset import build_train_dataset, steps_per_epoch
+    from clipms.data.preprocess import PreprocessConfig
+    from clipms.text.tokenizer import Tokenizer
 
     tokenizer = (Tokenizer.load(args.tokenizer) if args.tokenizer
                  else Tokenizer.openai(args.context_length))

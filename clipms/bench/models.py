@@ -31,8 +31,8 @@ def _build_model(args: argparse.Namespace):
     setup_mindspore(args)
     import mindspore as ms
 
-    from clipms.config import get_preset
-    from clipms.model import CLIP
+    from clipms.model.clip import CLIP
+    from clipms.model.config import get_preset
 
     cfg = get_preset(args.preset)
     net = CLIP(cfg)
@@ -102,7 +102,7 @@ def run_bundle_encode(args: argparse.Namespace) -> dict[str, Any]:
     setup_mindspore(args)
     import mindspore as ms
 
-    from clipms.infer import read_bundle
+    from clipms.deploy.infer import read_bundle
 
     bundle = read_bundle(args.bundle)
     result: dict[str, Any] = {}
@@ -135,8 +135,8 @@ def _add_retrieval_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_retrieval(args: argparse.Namespace) -> dict[str, Any]:
-    """clipms.metrics.retrieval_metrics on random embeddings (captions near their image)."""
-    from clipms.metrics import retrieval_metrics
+    """clipms.eval.metrics.retrieval_metrics on random embeddings (captions near their image)."""
+    from clipms.eval.metrics import retrieval_metrics
 
     rng = np.random.default_rng(0)
     images = rng.normal(size=(args.images, args.dim)).astype(np.float32)

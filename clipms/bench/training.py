@@ -1,4 +1,4 @@
-"""`clipms-bench train`: the training loop of `stages.train` (clipms.trainer.train) on one random
+"""`clipms-bench train`: the training loop of `stages.train` (clipms.train.loop.train) on one random
 batch: everything but the data loader."""
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ class _CpuClock:
 
 
 def run_train(args: argparse.Namespace) -> dict[str, Any]:
-    """The training loop of `stages.train` (clipms.trainer.train: the compiled step, read back
+    """The training loop of `stages.train` (clipms.train.loop.train: the compiled step, read back
     every --log-every steps) on one random batch, i.e. everything but the data loader.
     samples/s counts every step after the first (graph compilation), as metrics/train.json."""
     setup_mindspore(args)
-    from clipms.config import get_preset
-    from clipms.trainer import TrainConfig, train
+    from clipms.model.config import get_preset
+    from clipms.train.loop import TrainConfig, train
 
     steps = args.warmup + args.steps
     cfg = TrainConfig(model=get_preset(args.preset), batch_size=args.batch_size,

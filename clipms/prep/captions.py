@@ -23,7 +23,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from clipms.atomic import atomic_write
 from clipms.prep.identity import (
     Identity,
     IdentityError,
@@ -32,6 +31,7 @@ from clipms.prep.identity import (
     stable_keys,
 )
 from clipms.prep.urlguard import SCHEME_PATTERN
+from clipms.utils.atomic import atomic_write
 
 URL_COL = "URL"
 TEXT_COL = "TEXT"

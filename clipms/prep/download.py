@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from clipms.prep import remote
 from clipms.prep.engines import EngineSettings, engine_session
 from clipms.prep.urlguard import FetchPolicy, precheck, refusal_counts
-from clipms.redact import redact_url
+from clipms.utils.redact import redact_url
 
 # Not *.json: img2dataset counts every *.json in the folder as a finished shard.
 FINGERPRINT_FILE = "clipms_input.sha256"

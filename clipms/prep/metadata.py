@@ -26,10 +26,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from clipms.atomic import atomic_write
 from clipms.prep import karpathy, synthetic
 from clipms.prep.urlguard import FetchPolicy, RefusedURL, build_opener, check_url
-from clipms.redact import redact_text, redact_url
+from clipms.utils.atomic import atomic_write
+from clipms.utils.redact import redact_text, redact_url
 
 MSCOCO_URL = ("https://huggingface.co/datasets/ChristophSchuhmann/MS_COCO_2017_URL_TEXT/resolve/"
               "main/mscoco.parquet")

@@ -3,9 +3,9 @@
 The download stage may write to any fsspec URL (`s3://bucket/prefix`, `gs://...`,
 `file:///mnt/shared/...`): img2dataset writes through fsspec itself. The project then keeps a small
 pointer instead of the tars (`POINTER_FILE` in the stage's DVC out): the URL with any credentials,
-query or fragment removed (`clipms.redact`), the input fingerprint, and what arrived, shard by shard
-(tar name and size, img2dataset's counts). DVC versions the pointer; the shard stage reads the tars
-from the URL and refuses them when they are no longer what the pointer records.
+query or fragment removed (`clipms.utils.redact`), the input fingerprint, and what arrived, shard by
+shard (tar name and size, img2dataset's counts). DVC versions the pointer; the shard stage reads the
+tars from the URL and refuses them when they are no longer what the pointer records.
 
 `check_output_url` is the one check of such a URL (the params of both stages use it): a scheme
 fsspec knows, with its implementation installed, that every worker of every distributor can write
@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import fsspec
 
-from clipms.redact import redact_url
+from clipms.utils.redact import redact_url
 
 POINTER_FILE = "remote.json"  # not a shard's name: img2dataset's are NNNNN.{tar,parquet,json}
 # Schemes fsspec knows that cannot hold img2dataset's output: process-local (each worker would see

@@ -4,8 +4,8 @@ Input: img2dataset's `NNNNN.tar` files, in a local folder or at an fsspec URL (`
 `<k>.txt`, `<k>.json` carrying our `captions`, `split`, `image_key`, `labels`). Every sample is
 decoded with PIL and checked; a bad sample is dropped and counted by reason, a truncated or
 corrupt input tar is reported and skipped whole. The output key is the sample's `image_key`
-(dedupe's stable key), checked against the shard key format of `clipms.webds` here, where keys
-enter the shards; the format itself is `clipms.webds`'.
+(dedupe's stable key), checked against the shard key format of `clipms.data.webds` here, where keys
+enter the shards; the format itself is `clipms.data.webds`'.
 
 Output is a pure function of the input samples and the settings: samples are sorted by key,
 shuffled once with a seeded RNG per split, and written to tars whose headers carry fixed
@@ -31,10 +31,10 @@ from typing import Any
 import fsspec
 from PIL import Image
 
-from clipms import webds
+from clipms.data import webds
+from clipms.data.preprocess import PixelLimitError, open_image
 from clipms.prep import remote
-from clipms.preprocess import PixelLimitError, open_image
-from clipms.redact import redact_text, redact_url
+from clipms.utils.redact import redact_text, redact_url
 
 SPLITS = ("train", "val")
 DROP_REASONS = (

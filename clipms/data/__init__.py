@@ -1,0 +1,3 @@
+"""Data: the webdataset shard format, image preprocessing, which samples each step holds, where
+images decode, and the MindSpore training dataset.
+"""

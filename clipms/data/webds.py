@@ -1,0 +1,299 @@
+"""The webdataset shard format: the one module that knows how samples sit in a tar.
+
+A shard is a tar whose members are `<key>.<ext>`; the members of one sample share a key. This
+project's shards (written by the `shard` stage, read by the loader, the evaluation and search) hold
+per sample `<key>.jpg` (the image), `<key>.json` ({"captions": [...], "url", "key", "split",
+"labels"}) and `<key>.txt` (the first caption), in split folders (`train/000000.tar`, ...) beside a
+`manifest.json`:
+
+    {"samples_per_shard": N,
+     "splits": {split: {"samples": n, "bytes": b,
+                        "shards": [{"name": "train/000000.tar", "samples": n, "bytes": b,
+                                    "sha256": hex}, ...]}}}
+
+Two rules, both here and nowhere else:
+- the key rule (webdataset's): a member's key is its name up to the first dot of the file name,
+  folders included (`a/b.c.jpg` -> key `a/b`, extension `c.jpg`); extensions are lower-cased;
+- the key format (`KEY_PATTERN`): what this project writes and its loader accepts: letters, digits,
+  `_` and `-`. A key therefore never holds a path separator or `..`, so no member name can point
+  outside its tar's folder when a tool extracts it. Other webdatasets (zero-shot sets, a folder
+  given to `search`) are read with the key rule alone.
+
+Shards are written deterministically (fixed member headers, the given order) and atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import tarfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import islice
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from clipms.utils.atomic import atomic_write
+from clipms.utils.jsonio import read_json, write_json
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # in the order a sample's image is looked for
+KEY_PATTERN = r"[A-Za-z0-9_-]{1,128}"
+MANIFEST = "manifest.json"
+SHARD_NAME = "{split}/{index:06d}.tar"
+_KEY = re.compile(KEY_PATTERN)
+_EXT = re.compile(r"[a-z0-9]{1,16}")  # what the writer accepts (one dot-free extension)
+_MEMBER = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's base_plus_ext
+END_OF_ARCHIVE = b"\0" * 1024  # a complete tar ends with (at least) two zero blocks
+
+
+class DataError(ValueError):
+    """A shard, a manifest or a sample that breaks the format; the message names which."""
+
+
+# ---------------------------------------------------------------- keys and names
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """(key, lower-cased extension) of a member name by the key rule; None without an extension."""
+    match = _MEMBER.match(name)
+    return (match.group(1), match.group(2).lower()) if match else None
+
+
+def is_valid_key(key: object) -> bool:
+    """Whether `key` is in the key format that this project writes and its loader reads."""
+    return isinstance(key, str) and _KEY.fullmatch(key) is not None
+
+
+def check_key(key: object, where: str) -> str:
+    if not is_valid_key(key):
+        raise DataError(f"{where}: sample key {key!r} is not in the shard key format "
+                        f"{KEY_PATTERN} (letters, digits, '_' and '-')")
+    return key  # type: ignore[return-value]
+
+
+def image_ext(exts: Iterable[str]) -> str | None:
+    """The extension of a sample's image among its members' extensions (None: no image)."""
+    present = set(exts)
+    return next((ext for ext in IMAGE_EXTS if ext in present), None)
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where a member's data lies in its tar file."""
+
+    offset: int
+    size: int
+
+
+@dataclass
+class Sample:
+    """One sample of a tar: its members' bytes by extension, and where each lies in the tar."""
+
+    key: str
+    files: dict[str, bytes] = field(default_factory=dict)
+    spans: dict[str, Span] = field(default_factory=dict)
+
+    @property
+    def image_ext(self) -> str | None:
+        return image_ext(self.files)
+
+    @property
+    def image(self) -> bytes | None:
+        ext = self.image_ext
+        return None if ext is None else self.files[ext]
+
+    @cached_property
+    def meta(self) -> dict[str, Any]:
+        """The parsed `.json` member ({} when there is none); DataError when it is not an object."""
+        if "json" not in self.files:
+            return {}
+        try:
+            meta = json.loads(self.files["json"])
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise DataError(f"sample {self.key!r}: .json is not valid JSON ({err})") from err
+        if not isinstance(meta, dict):
+            raise DataError(f"sample {self.key!r}: .json is not an object")
+        return meta
+
+    @property
+    def caption(self) -> str:
+        """The `.txt` member, stripped ('' when there is none)."""
+        return self.files["txt"].decode("utf-8", "replace").strip() if "txt" in self.files else ""
+
+
+def tar_paths(shards: Path | str) -> list[Path]:
+    """A .tar file itself, or every .tar below a folder (sorted, so the order is stable)."""
+    shards = Path(shards)
+    if shards.is_file():
+        return [shards]
+    found = sorted(shards.rglob("*.tar"))
+    if not found:
+        raise DataError(f"{shards}: no .tar shards found")
+    return found
+
+
+def check_complete(path: Path | str) -> None:
+    """A tar cut between members still parses: only its end-of-archive blocks prove it whole."""
+    with open(path, "rb") as handle:
+        size = handle.seek(0, io.SEEK_END)
+        if size < len(END_OF_ARCHIVE) or size % 512:
+            raise DataError(f"{path}: truncated tar ({size} bytes, not whole 512-byte blocks)")
+        handle.seek(size - len(END_OF_ARCHIVE))
+        if handle.read() != END_OF_ARCHIVE:
+            raise DataError(f"{path}: truncated tar (no end-of-archive marker)")
+
+
+def read_tar(path: Path | str) -> list[Sample]:
+    """Every sample of one tar, all members read (so a cut inside a member surfaces), in the order
+    their keys first appear. Members without an extension or that are not files are ignored."""
+    samples: dict[str, Sample] = {}
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                parts = split_name(member.name) if member.isfile() else None
+                if parts is None:
+                    continue
+                handle = tar.extractfile(member)
+                data = handle.read() if handle else b""
+                if len(data) != member.size:
+                    raise DataError(f"{path}: member {member.name} is cut short")
+                sample = samples.setdefault(parts[0], Sample(parts[0]))
+                sample.files[parts[1]] = data
+                sample.spans[parts[1]] = Span(member.offset_data, member.size)
+    except (tarfile.TarError, EOFError, OSError) as err:
+        raise DataError(f"{path}: unreadable or truncated tar ({err})") from err
+    return list(samples.values())
+
+
+def iter_samples(shards: Path | str) -> Iterator[Sample]:
+    """Every sample of a .tar or of every .tar below a folder, tar by tar."""
+    for path in tar_paths(shards):
+        yield from read_tar(path)
+
+
+def index_tar(path: Path | str) -> dict[str, dict[str, Span]]:
+    """{key: {ext: Span}} from the member headers alone (no data is read), in key order of first
+    appearance: what random access needs."""
+    index: dict[str, dict[str, Span]] = {}
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                parts = split_name(member.name) if member.isfile() else None
+                if parts is not None:
+                    index.setdefault(parts[0], {})[parts[1]] = Span(member.offset_data,
+                                                                    member.size)
+    except FileNotFoundError as err:
+        raise DataError(f"{path}: shard listed in the manifest is missing") from err
+    except (tarfile.TarError, EOFError, OSError) as err:
+        raise DataError(f"{path}: unreadable or truncated tar ({err})") from err
+    return index
+
+
+def read_span(handle: BinaryIO, span: Span) -> bytes:
+    handle.seek(span.offset)
+    data = handle.read(span.size)
+    if len(data) != span.size:
+        raise OSError(f"short read at byte {span.offset} ({len(data)} of {span.size} bytes): "
+                      "truncated?")
+    return data
+
+
+# ---------------------------------------------------------------- writing
+
+SampleFiles = tuple[str, dict[str, bytes]]  # (key, {extension: bytes}), written in dict order
+
+
+def write_tar(path: Path | str, samples: Iterable[SampleFiles]) -> dict[str, Any]:
+    """Write samples to one tar, atomically and deterministically (fixed mtimes and owners);
+    return {"samples", "bytes", "sha256"}. Keys and extensions are checked before anything is
+    written, so a member name is always `<key>.<ext>` in the key format."""
+    count = 0
+    with atomic_write(path) as tmp:
+        with tarfile.open(tmp, "w", format=tarfile.GNU_FORMAT) as tar:
+            for key, files in samples:
+                check_key(key, str(path))
+                for ext, data in files.items():
+                    if not _EXT.fullmatch(ext):
+                        raise DataError(f"{path}: sample {key!r}: extension {ext!r} is not "
+                                        f"{_EXT.pattern}")
+                    _add_member(tar, f"{key}.{ext}", data)
+                count += 1
+        size, digest = _size_and_sha256(tmp)
+    return {"samples": count, "bytes": size, "sha256": digest}
+
+
+def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = 0
+    info.mode = 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _size_and_sha256(path: Path) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+            size += len(block)
+    return size, digest.hexdigest()
+
+
+def write_split(root: Path | str, split: str, samples: Iterable[SampleFiles],
+                samples_per_shard: int) -> dict[str, Any]:
+    """`root/<split>/000000.tar, ...` of `samples_per_shard` samples each (the last may hold
+    fewer); return the split's manifest entry. `samples` is consumed lazily, shard by shard."""
+    if samples_per_shard < 1:
+        raise DataError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+    root, shards, stream = Path(root), [], iter(samples)
+    while chunk := list(islice(stream, samples_per_shard)):
+        name = SHARD_NAME.format(split=split, index=len(shards))
+        shards.append({"name": name, **write_tar(root / name, chunk)})
+    return split_summary(shards)
+
+
+def split_summary(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """A split's manifest entry from its shards' entries ({"name", "samples", "bytes", ...})."""
+    return {"samples": sum(s["samples"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards), "shards": shards}
+
+
+def write_manifest(root: Path | str, samples_per_shard: int,
+                   splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`root/manifest.json` from the entries `write_split` returned."""
+    manifest = {"samples_per_shard": samples_per_shard, "splits": splits}
+    write_json(Path(root) / MANIFEST, manifest)
+    return manifest
+
+
+# ---------------------------------------------------------------- the manifest
+
+
+def read_manifest(root: Path | str) -> dict[str, Any]:
+    path = Path(root) / MANIFEST
+    if not path.is_file():
+        raise DataError(f"{path}: manifest not found (run the `shard` stage first)")
+    try:
+        manifest = read_json(path)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: not valid JSON: {err}") from err
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("splits"), dict):
+        raise DataError(f"{path}: expected {{'splits': {{split: {{'shards': [...]}}}}}}")
+    return manifest
+
+
+def split_entry(manifest: dict[str, Any], split: str, source: str) -> dict[str, Any]:
+    """A split's entry of a manifest read by `read_manifest` (`source` names it in errors)."""
+    entry = manifest["splits"].get(split)
+    if not isinstance(entry, dict) or not isinstance(entry.get("shards"), list):
+        raise DataError(f"{source}: no split {split!r} with a 'shards' list "
+                        f"(splits: {sorted(manifest['splits'])})")
+    return entry

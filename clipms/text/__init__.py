@@ -1,0 +1,2 @@
+"""Text: the CLIP-style byte-level BPE tokenizer and the deterministic BPE trainer.
+"""

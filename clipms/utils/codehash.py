@@ -1,0 +1,105 @@
+"""Which project code a module runs, found by reading it, and a digest of what that code computes.
+
+`module_closure("clipms.train.job", root)` follows every `import` statement (top-level or inside a
+function: lazy imports run too) from a module to the modules of the given packages it reaches
+(the library's own by default), transitively, parent packages' `__init__.py` included when they
+hold code (they run on import). Nothing is imported, so it works on code that cannot run here.
+The training checkpoint fingerprint hashes the closure of the training code; the pipeline's tests
+pass the project's packages (pyproject.toml names them) to check dvc.yaml's code dependencies and
+the import graph, so none of them can go stale by hand.
+
+`code_digest(files, root)` hashes each file's syntax tree without docstrings: a comment or a
+docstring edit leaves it unchanged (it cannot change a result), any change to code changes it.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+
+LIBRARY = ("clipms",)
+
+
+def module_closure(entry: str, root: Path | str,
+                   packages: Iterable[str] = LIBRARY) -> list[Path]:
+    """Files (relative to `root`, sorted) of module `entry` and every module of `packages` it
+    imports."""
+    root = Path(root)
+    packages = tuple(packages)
+    seen: set[Path] = set()
+    pending = [entry]
+    while pending:
+        for path in _module_files(pending.pop(), root, packages):
+            if path not in seen:
+                seen.add(path)
+                pending.extend(_imported_modules(path, root))
+    return sorted(seen)
+
+
+def code_digest(files: Iterable[Path | str], root: Path | str) -> str:
+    """sha256 (hex) over the docstring-free syntax trees of `files`, keyed by their paths."""
+    digest = hashlib.sha256()
+    for name in sorted(str(Path(f)) for f in files):
+        tree = _strip_docstrings(ast.parse((Path(root) / name).read_text(), name))
+        digest.update(name.encode() + b"\0" + ast.dump(tree).encode() + b"\0")
+    return digest.hexdigest()
+
+
+def _module_files(module: str, root: Path, packages: tuple[str, ...]) -> list[Path]:
+    """The file of `module` and the `__init__.py` of each package above it (empty if external)."""
+    parts = module.split(".")
+    if parts[0] not in packages:
+        return []
+    found = []
+    for depth in range(1, len(parts) + 1):
+        base = Path(*parts[:depth])
+        for candidate in (base / "__init__.py", base.with_suffix(".py")):
+            if (root / candidate).is_file():
+                if not _runs_nothing(root / candidate):
+                    found.append(candidate)
+                break
+        else:
+            break  # an attribute of the package (`from clipms import __version__`), not a module
+    return found
+
+
+def _runs_nothing(path: Path) -> bool:
+    """A file with at most a docstring (a package's `__init__.py`, typically)."""
+    tree = _strip_docstrings(ast.parse(path.read_text(), str(path)))
+    return all(isinstance(node, ast.Pass) for node in tree.body)
+
+
+def _imported_modules(path: Path, root: Path) -> list[str]:
+    """Every module name an import statement in `path` may load (`from a import b` -> a, a.b)."""
+    tree = ast.parse((root / path).read_text(), str(path))
+    package = ".".join(path.with_suffix("").parts[:-1] if path.name != "__init__.py"
+                       else path.parent.parts)
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node.module, node.level, package)
+            names.append(base)
+            names.extend(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
+    return names
+
+
+def _absolute(module: str | None, level: int, package: str) -> str:
+    if level == 0:
+        return module or ""
+    anchor = package.split(".")[: len(package.split(".")) - (level - 1)]
+    return ".".join([*anchor, *([module] if module else [])])
+
+
+def _strip_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        first = node.body[0] if node.body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                and isinstance(first.value.value, str):
+            node.body = node.body[1:] or [ast.Pass()]
+    return tree
