@@ -34,7 +34,7 @@ def module_closure(entry: str, root: Path | str,
         for path in _module_files(pending.pop(), root, packages):
             if path not in seen:
                 seen.add(path)
-                pending.extend(_imported_modules(path, root))
+                pending.extend(imported_modules(path, root))
     return sorted(seen)
 
 
@@ -71,7 +71,7 @@ def _runs_nothing(path: Path) -> bool:
     return all(isinstance(node, ast.Pass) for node in tree.body)
 
 
-def _imported_modules(path: Path, root: Path) -> list[str]:
+def imported_modules(path: Path, root: Path) -> list[str]:
     """Every module name an import statement in `path` may load (`from a import b` -> a, a.b)."""
     tree = ast.parse((root / path).read_text(), str(path))
     package = ".".join(path.with_suffix("").parts[:-1] if path.name != "__init__.py"
