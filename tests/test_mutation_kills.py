@@ -769,7 +769,8 @@ def test_parity_report_passes_its_own_checkpoint_and_fails_another(micro_bundle)
     for tower in ("image", "text"):
         for m in metrics:
             b1, b3 = other[f"{tower}_{m}_b1"], other[f"{tower}_{m}_b3"]
-            assert 0.1 < b1 <= b3 and other[f"{tower}_{m}"] == b3  # batch 3 adds the second row
+            # batch 3 adds the second row; its first row may round differently (fp32) than batch 1
+            assert 0.1 < b1 <= b3 + 1e-5 and other[f"{tower}_{m}"] == max(b1, b3)
     # the max over batch sizes: batch 3's second row is the worse one in at least one tower
     assert max(other[f"{t}_max_abs_error_b3"] - other[f"{t}_max_abs_error_b1"]
                for t in ("image", "text")) > 0.1
