@@ -59,7 +59,7 @@ SERVE_PORT ?= 8000
 serve: env
 	clipms-serve --follow champion --host 127.0.0.1 --port $(SERVE_PORT)
 
-# Mutation testing of the critical modules (issue 14.10; benchmarks/RESULTS.md has the scores):
+# Mutation testing of the critical modules (benchmarks/RESULTS.md has the scores):
 # mutmut under `nice`, one module at a time, one child (the machine is shared); prints
 # killed/survived/timeout per module. `make mutation MODULES="urlguard gate"` for some of them.
 MODULES ?=

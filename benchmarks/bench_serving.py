@@ -1,4 +1,4 @@
-"""Load benchmark of the search service (issue 16 item 6): bounded loopback load, closed loop.
+"""Load benchmark of the search service: bounded loopback load, closed loop.
 
     python benchmarks/bench_serving.py --bundle models/export --index models/index \
         --concurrency 1 8 32 64 --seconds 10 --out benchmarks/serving.json
@@ -56,7 +56,7 @@ BIN = Path(sys.executable).parent
 WORKLOADS = ("text_embed", "image_embed", "text_search")
 TARGETS = ("service", "service_b1", "mlflow")
 MODES = ("shared", "pinned")
-GOAL_CONCURRENCY = 32  # issue 16's goals are stated at this concurrency
+GOAL_CONCURRENCY = 32  # the service's goals (QPS and the model-alone ratio) are stated here
 LIMIT_RATE = ("texts/s of the model alone: the mean over its timed steps (texts / time, every "
               "interruption counted, as in the service's QPS), warm-up left out; "
               "model_texts_per_s_median_step: at its median step")

@@ -1,4 +1,4 @@
-"""Mutation score of the critical modules (issue 14.10): `make mutation` runs this.
+"""Mutation score of the critical modules: `make mutation` runs this.
 
 For each module of MODULES (or those named on the command line) it runs `mutmut run` on that
 module's mutants only (mutmut's configuration is `[tool.mutmut]` in pyproject.toml: which files

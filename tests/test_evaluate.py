@@ -232,7 +232,7 @@ def test_stage_writes_its_declared_outputs(workspace):
 
 
 def test_an_undecodable_val_image_is_a_bad_sample_not_a_crash(workspace, tmp_path):
-    """Issue 14.1: a decompression bomb among the val images is left out and named; retrieval
+    """A decompression bomb among the val images is left out and named; retrieval
     and zero-shot on labels run on the other images."""
     from clipms.eval.evaluate import ZeroShotSpec, evaluate
 

@@ -414,7 +414,7 @@ def iter_eval_batches(shards_dir: Path | str, preprocess: PreprocessConfig, batc
 
 def _eval_item(index: ShardIndex, i: int, preprocess: PreprocessConfig
                ) -> tuple[np.ndarray, list[str], dict | None] | None:
-    """(image, captions, labels), or None for an image the decoder refuses (issue 14.1)."""
+    """(image, captions, labels), or None for an image the decoder refuses."""
     image_bytes, meta = index.read(i)
     key = index.keys[i]
     try:
