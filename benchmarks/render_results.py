@@ -176,7 +176,7 @@ def export_fp16_parity(record: Record) -> str:
                          _first(errors, "normalized"), _first(errors, "_error", "normalized"),
                          r["mb"].get(f"{tower}_encoder.mindir"), r["passed"]])
     return table(["preset", "precision", "tower", "max abs error, normalised", "raw",
-                  "MindIR MB", "parity passed"], rows, right=3)
+                  "MindIR MB", "parity passed"], rows, right=4)
 
 
 def _first(values: dict[str, Any], has: str, lacks: str = "\0") -> Any:
