@@ -14,7 +14,7 @@ When MindSpore reads each setting decides where it is applied:
 - when a graph compiles: the graph-kernel flags, the AKG paths and the compile cache;
 - `mindspore.set_device` / `set_context` calls: the device (once per process), mode, jit level.
 
-CPU (measured here; benchmarks/RESULTS.md, "Summary: CPU kernel fusion"): MindSpore's stock CPU
+CPU (benchmarks/RESULTS.md, "Speed against open_clip on CPU"): MindSpore's stock CPU
 kernels for Erf (exact GELU) and LayerNorm are slow; graph-kernel fusion (AKG) expands them and
 fuses each element-wise chain into one vectorised kernel, MatMul stays MindSpore's own. Fused
 kernels are compiled once per shape into `kernel_cache_dir()`. Idle OpenMP threads of the fused

@@ -49,7 +49,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
          "--server-cpu", "1", "--client-cpu", "0", "--out", str(out)],
         cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(out.read_text())
+    return json.loads(out.read_text())["results"]
 
 
 def test_pinned_service_starts_on_the_server_cpu(result: dict) -> None:

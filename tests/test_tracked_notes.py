@@ -39,8 +39,6 @@ TEAM_HISTORY = re.compile(
     r"|(?<![\w.])/work/",
     re.IGNORECASE,
 )
-# Rewritten as one current section per benchmark (its history of attempts goes with it).
-HISTORY_ALLOWED_FOR_NOW = {"benchmarks/RESULTS.md"}
 
 
 def tracked_modules(dvc_yaml: Path = ROOT / "dvc.yaml") -> list[str]:
@@ -94,7 +92,7 @@ def test_the_history_rule_sees_team_notes_and_leaves_technical_words_alone():
 def test_no_team_history_or_development_machine_path_in_the_repository():
     here = Path(__file__).resolve().relative_to(ROOT).as_posix()
     hits = [f"{name}:{n}: {line.strip()}" for name in _tracked_text_files()
-            if name != here and name not in HISTORY_ALLOWED_FOR_NOW
+            if name != here
             for n, line in enumerate(_lines(ROOT / name), 1) if TEAM_HISTORY.search(line)]
     assert hits == [], "state the reason itself, not who did what when (see the module docstring)"
 

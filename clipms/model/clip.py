@@ -183,8 +183,7 @@ class ConvStem(nn.Cell):
     Each convolution is im2col (ops.unfold) + a Dense whose weight is nn.Conv2d's (C_out, C_in, 3,
     3) flattened, initialised as nn.Conv2d's (U(+-1/sqrt(9 C_in))); the 1x1 is a Dense (weight
     and bias U(+-1/sqrt(C_in))). MindSpore's CPU Conv2d with its gradients costs several times
-    this model's whole training step, im2col + MatMul a fraction of it (benchmarks/RESULTS.md,
-    Learnability). The
+    this model's whole training step, im2col + MatMul a fraction of it (docs/model.md). The
     tokens come out in the patch embedding's order (row-major over the grid)."""
 
     def __init__(self, cfg: VisionConfig):
