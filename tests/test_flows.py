@@ -262,3 +262,18 @@ def test_serve_builds_the_prefect_yaml_deployments() -> None:
     assert (nightly.cron, nightly.timezone) == ("0 2 * * *", "UTC")
     assert kwargs["nightly"]["parameters"] == {"refresh": ["metadata"]}
     assert kwargs["manual"]["schedules"] == []
+
+
+def test_a_diamond_runs_each_stage_after_all_it_needs_ties_by_key() -> None:
+    rank = {"right": 0, "left": 1, "prep": 2, "join": 3, "lone": 4}
+    edges = [("prep", "left"), ("prep", "right"), ("left", "join"), ("right", "join")]
+    order = dvc_cli.topological(["prep", "left", "right", "join", "lone"], edges, key=rank.get)
+    assert order == ["prep", "right", "left", "join", "lone"]
+
+
+def test_a_dependency_cycle_is_named_stage_by_stage() -> None:
+    """The error shows the loop itself (upstream -> downstream), not just the stages left over."""
+    edges = [("a", "b"), ("b", "c"), ("c", "a"), ("d", "a")]
+    with pytest.raises(ValueError, match=r"dependency cycle: (a -> b -> c -> a|b -> c -> a -> b|"
+                                         r"c -> a -> b -> c)$"):
+        dvc_cli.topological(["a", "b", "c", "d"], edges, key=str)
