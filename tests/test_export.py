@@ -40,6 +40,7 @@ def sample_inputs(run, tokenizer_path, n=5):
     return images, tokens
 
 
+@pytest.mark.slow  # exports MindIR
 def test_bundle_has_every_file_and_describes_dynamic_batch_inputs(exported, trained):
     out, bundle, run = exported
     names = sorted(p.name for p in out.iterdir())
@@ -58,6 +59,7 @@ def test_bundle_has_every_file_and_describes_dynamic_batch_inputs(exported, trai
     assert json.loads((out / "bundle.json").read_text()) == bundle
 
 
+@pytest.mark.slow  # exports MindIR
 def test_lite_config_for_ascend_has_the_dynamic_batch_profiles_and_precision(exported):
     from clipms.deploy.export import lite_ascend_config
 
@@ -72,6 +74,7 @@ def test_lite_config_for_ascend_has_the_dynamic_batch_profiles_and_precision(exp
         lite_ascend_config(bundle, "text_encoder", [1, 4]))
 
 
+@pytest.mark.slow  # exports MindIR
 def test_parity_passes_at_every_batch_size(exported, trained):
     from clipms.deploy.export import assert_parity, parity_report
 
@@ -85,6 +88,7 @@ def test_parity_passes_at_every_batch_size(exported, trained):
     assert_parity(report)  # does not raise
 
 
+@pytest.mark.slow  # exports MindIR
 def test_a_different_checkpoint_fails_the_parity_check(exported, trained):
     from clipms.deploy.export import ParityError, assert_parity, parity_report
 
@@ -98,6 +102,7 @@ def test_a_different_checkpoint_fails_the_parity_check(exported, trained):
         assert_parity(report)
 
 
+@pytest.mark.slow  # exports MindIR
 def test_fp16_bundle_is_half_the_size_and_meets_its_own_bar_not_the_fp32_one(exported, trained,
                                                                              tmp_path):
     from clipms.deploy.export import PARITY, assert_parity, export_bundle, parity_report
@@ -139,6 +144,7 @@ def test_a_checkpoint_of_another_architecture_is_a_clear_error(trained):
         load_clip(trained["a"]["checkpoint"].with_name("missing.ckpt"), run.model)
 
 
+@pytest.mark.slow  # exports MindIR
 def test_stage_exports_checks_and_records_the_errors(tmp_path):
     import json
 
@@ -193,6 +199,7 @@ def test_stage_exports_checks_and_records_the_errors(tmp_path):
     assert report["image_max_abs_error_normalized"] > 1e-5  # really computed in fp16
 
 
+@pytest.mark.slow  # exports MindIR
 def test_bench_encode_bundle_and_retrieval_report_rates(exported):
     import contextlib
     import io
@@ -330,6 +337,7 @@ def micro_bundle(tmp_path_factory):
             rng.integers(1, 40, size=(2, 8)).astype(np.int32))
 
 
+@pytest.mark.slow  # exports MindIR
 def test_parity_report_passes_its_own_checkpoint_and_fails_another(micro_bundle):
     """x_parity_report__mutmut_* : the report's keys and values (per tower, per batch size, the
     max over batch sizes), the bar of each precision, `passed` over both towers (all, <=), the

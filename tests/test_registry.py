@@ -318,6 +318,7 @@ def test_registry_imports_nothing_from_stages_or_flows() -> None:
         assert not imported_roots(module.read_text()) & {"stages", "flows"}, module.name
 
 
+@pytest.mark.slow  # a process, or a SQLite MLflow store
 def test_the_pyfunc_model_code_runs_without_mlflow_warnings() -> None:
     """MLflow runs the model file at every register, load and serve; a warning there is noise the
     user cannot act on (issue 12 item 10)."""
@@ -331,6 +332,7 @@ def test_the_pyfunc_model_code_runs_without_mlflow_warnings() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+@pytest.mark.slow  # a process, or a SQLite MLflow store
 def test_system_metrics_are_logged_without_mlflow_info_lines(tmp_path: Path) -> None:
     """Train's system-metrics monitor printed MLflow INFO lines in the middle of every run
     ("Skip logging GPU metrics", started, stopping, terminated): noise the user cannot act on
@@ -471,6 +473,7 @@ def test_candidate_from_version_reads_the_metric_and_digest_tags():
     assert candidate_from_version(version({}), "i2t_R@5") == Candidate("7", None, None)
 
 
+@pytest.mark.slow  # a process, or a SQLite MLflow store
 def test_a_version_without_the_metric_tag_is_read_from_its_logged_model(tmp_path, monkeypatch):
     """x_candidate_from_version__mutmut_12..21 (the fallback for a version registered while another
     metric was primary: no client, the wrong model, the wrong key, or the tag overwritten). A real

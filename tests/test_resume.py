@@ -155,6 +155,7 @@ FAILING_WRITE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("how", ["save", "writer"])
+@pytest.mark.slow  # trains, or starts a writer process
 def test_a_write_that_fails_part_way_leaves_the_previous_checkpoint_intact(tmp_path, how):
     script = tmp_path / "fail.py"
     script.write_text(FAILING_WRITE)
@@ -201,6 +202,7 @@ def restore_mode():
     ms.set_context(mode=previous)
 
 
+@pytest.mark.slow  # trains, or starts a writer process
 def test_checkpoints_of_other_data_are_moved_aside_after_the_new_config_is_validated(
         tmp_path, caplog, restore_mode):
     from clipms.runtime import RuntimeConfig
@@ -255,6 +257,7 @@ def test_only_the_newest_stale_sets_are_kept_and_names_never_collide(tmp_path):
     assert checkpoint.list_checkpoints(folder) == []
 
 
+@pytest.mark.slow  # trains, or starts a writer process
 def test_fingerprint_changes_with_the_data_and_data_fingerprint_covers_the_manifest(tmp_path):
     import json
 
