@@ -4,9 +4,11 @@ Two tiers. `make test` runs every test (CI does). `make test-fast` runs the test
 and must stay under two minutes on a 2-core machine, so mark a test `@pytest.mark.slow` (a whole
 module: `pytestmark = pytest.mark.slow`) when it takes more than FAST_BUDGET_CPU_S of CPU, setup
 included (a module fixture's cost goes to the first test that uses it), and whenever it starts a
-server or runs `dvc` or `msrun`. A test that compiles a MindSpore training step, exports or loads
-MindIR, compiles fused kernels or runs a stage on data is always over the budget; one that starts
-a stage only to see it refuse bad params, before anything heavy loads, usually is not.
+server process (MLflow, Prefect, PostgreSQL, the search service) or runs `dvc` or `msrun`. A test
+that compiles a MindSpore training step, exports or loads MindIR, compiles fused kernels or runs a
+stage on data is always over the budget; one that starts a stage only to see it refuse bad
+params, before anything heavy loads, usually is not, nor is a loopback server in a thread of the
+test process (tests/image_site.py).
 Every run ends by listing the unmarked tests over the budget, in CPU seconds (this process and the
 children it waited for), which a loaded machine changes far less than wall time.
 """

@@ -129,7 +129,6 @@ def test_a_scheme_whose_package_is_missing_says_which():
     pytest.skip("every candidate store's package is installed")
 
 
-@pytest.mark.slow  # runs the stage against a local S3 server
 def test_the_stage_prints_no_credentials_of_the_output_url(tmp_path):
     images_parquet(tmp_path, ["http://127.0.0.1:9/never.jpg"])
     for url in ("ftp://user:hunter2@127.0.0.1:9/shards?token=abc",  # refused by the params check
@@ -165,7 +164,7 @@ def test_a_url_folder_is_cleared_only_when_this_stage_wrote_it(tmp_path):
     assert sorted(p.name for p in foreign.iterdir()) == [FINGERPRINT_FILE]
 
 
-@pytest.mark.slow  # runs the stage against a local S3 server
+@pytest.mark.slow  # downloads and shards to a URL through the stages
 def test_a_remote_download_leaves_only_its_pointer_in_data_download(tmp_path):
     """What data/download held (a local run's tars, an old pointer) goes before img2dataset
     runs; the pointer of the shards that finished replaces it, even when too few images arrived
