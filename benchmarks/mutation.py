@@ -12,6 +12,13 @@ benchmarks/results/mutation.json (`--results`); modules not run keep their last 
     python benchmarks/mutation.py urlguard gate   # some of them
     python benchmarks/mutation.py --score-only    # the table of the last run, no mutmut run
     python benchmarks/mutation.py --survivors urlguard   # the names of its surviving mutants
+    python benchmarks/mutation.py --tiers checkpoint loss  # the fast tier against all the tests
+
+`--tiers` scores each module twice from a fresh mutants/ (deleted first: it is mutmut's scratch
+folder), once with the tests above (the fast tier's: `-m "not slow"`) and once with the same test
+files' slow tests too (mutmut's configuration with `-m "not slow"` taken out; the tests that start
+a process of the project stay deselected, see pyproject.toml), and records both, with the mutants
+only the slow tests kill, in benchmarks/results/mutation_tiers.json.
 
 `mutmut show <name>` prints a mutant's diff; `mutmut apply <name>` writes it into the work tree
 (undo with git). Runs use MUTATION_CHILDREN parallel children (default 1: the machine is shared).
@@ -23,8 +30,10 @@ import argparse
 import fnmatch
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -121,13 +130,66 @@ def score_table(labels: list[str]) -> str:
         "that made a test hang, which the tests notice)"
 
 
-def run_module(label: str, children: int) -> int:
+def run_module(label: str, children: int, with_slow: bool = False) -> int:
     _, globs = MODULES[label]
-    print(f"== mutmut run {label}", flush=True)
+    print(f"== mutmut run {label}{' (slow tests too)' if with_slow else ''}", flush=True)
     # tokenizers' thread pool and mutmut's fork per mutant do not mix (it warns, may deadlock)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(children),
+    mutmut = [__file__, WITH_SLOW] if with_slow else ["-m", "mutmut"]
+    return subprocess.run([sys.executable, *mutmut, "run", "--max-children", str(children),
                            *globs], cwd=ROOT, env=env).returncode
+
+
+# ---- the fast tier against all the tests of the same files (--tiers)
+
+WITH_SLOW = "--mutmut-with-slow-tests"  # how run_module asks this script to be mutmut itself
+TIERS = {"fast": False, "all": True}  # tier -> with slow tests
+
+
+def mutmut_with_slow_tests(mutmut_args: list[str]) -> None:
+    """mutmut's command line, its configuration read as usual and `-m "not slow"` dropped. The
+    configuration is read once, in this process; mutmut's fork server and the children it forks
+    for the mutants inherit it."""
+    from mutmut import configuration
+    from mutmut.__main__ import cli
+
+    config = configuration.config()
+    args = config.pytest_add_cli_args
+    at = next((i for i in range(len(args) - 1) if args[i:i + 2] == ["-m", "not slow"]), None)
+    if at is None:
+        raise SystemExit('[tool.mutmut] pytest_add_cli_args has no "-m", "not slow" to take out')
+    del args[at:at + 2]
+    print(f"mutmut's pytest arguments: {' '.join(args)}", flush=True)
+    cli(mutmut_args)
+
+
+def run_tiers(label: str, children: int) -> dict[str, object]:
+    """Both tiers of one module, each from a fresh mutants/: counts, time, load, survivors."""
+    file, globs = MODULES[label]
+    entry: dict[str, object] = {"file": file}
+    survivors: dict[str, set[str]] = {}
+    for tier, with_slow in TIERS.items():
+        shutil.rmtree(ROOT / "mutants", ignore_errors=True)
+        load, started = record.load_avg(), time.monotonic()
+        if run_module(label, children, with_slow) != 0:
+            raise RuntimeError(f"mutmut did not finish for {label} ({tier} tier)")
+        codes = mutant_results(file, globs)
+        survivors[tier] = {n for n, c in codes.items() if status(c) in ("survived", "no tests")}
+        entry[tier] = {**module_counts(label), "wall_min": round((time.monotonic() - started) / 60,
+                                                                 1),
+                       "load_avg": {"start": load, "end": record.load_avg()}}
+    entry["killed_only_with_slow_tests"] = sorted(survivors["fast"] - survivors["all"])
+    entry["killed_only_without"] = sorted(survivors["all"] - survivors["fast"])  # expected: none
+    return entry
+
+
+def record_tiers(labels: list[str], children: int, recording: record.Recording) -> None:
+    """benchmarks/results/mutation_tiers.json, the modules not run keeping their last entry."""
+    path = record.default_path("mutation_tiers")
+    modules = json.loads(path.read_text())["results"] if path.exists() else {}
+    for label in labels:
+        modules[label] = run_tiers(label, children)
+        recording.write(dict(sorted(modules.items())), path)  # after each: a long run may stop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,9 +201,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="list the surviving (and untested) mutants of the modules")
     parser.add_argument("--results", type=Path,
                         help="result file (default: benchmarks/results/mutation.json)")
+    parser.add_argument("--tiers", action="store_true",
+                        help="score the fast tier against the same files' slow tests too")
     args = parser.parse_args(argv)
-    recording = record.start("mutation", sys.argv if argv is None else
-                             ["benchmarks/mutation.py", *argv])
+    recording = record.start("mutation_tiers" if args.tiers else "mutation",
+                             sys.argv if argv is None else ["benchmarks/mutation.py", *argv])
     unknown = [m for m in args.modules if m not in MODULES]
     if unknown:
         parser.error(f"unknown module(s) {', '.join(unknown)}; allowed: {', '.join(MODULES)}")
@@ -152,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, code in sorted(mutant_results(file, globs).items()):
                 if status(code) in ("survived", "no tests"):
                     print(f"{status(code):<9} {name}")
+        return 0
+    if args.tiers:
+        record_tiers(labels, int(os.environ.get("MUTATION_CHILDREN", "1")), recording)
         return 0
     failed = []
     if not args.score_only:
@@ -165,4 +232,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == [WITH_SLOW]:
+        mutmut_with_slow_tests(sys.argv[2:])
     sys.exit(main())

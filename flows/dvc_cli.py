@@ -6,6 +6,7 @@ is not safe to run twice at once, so callers run these one after another, never 
 
 from __future__ import annotations
 
+import graphlib
 import json
 import os
 import re
@@ -130,17 +131,23 @@ def parse_dot(text: str) -> tuple[list[str], list[tuple[str, str]]]:
 
 def topological(nodes: list[str], edges: list[tuple[str, str]],
                 key: Callable[[str], Any]) -> list[str]:
-    """Kahn's algorithm; among the stages ready to run, the smallest `key` goes first."""
-    waiting = {n: {a for a, b in edges if b == n} for n in nodes}
+    """`nodes` in dependency order (`edges` are (upstream, downstream)); among the stages ready to
+    run, the smallest `key` goes first, so the order is stable. graphlib finds what is ready and
+    names a cycle; the choice among ready stages is ours (graphlib hands them out unordered)."""
+    sorter: graphlib.TopologicalSorter[str] = graphlib.TopologicalSorter({n: () for n in nodes})
+    for upstream, downstream in edges:
+        sorter.add(downstream, upstream)
+    try:
+        sorter.prepare()
+    except graphlib.CycleError as err:
+        cycle = " -> ".join(err.args[1])
+        raise ValueError(f"dvc.yaml has a dependency cycle: {cycle}") from None
     order: list[str] = []
-    while waiting:
-        ready = sorted((n for n, deps in waiting.items() if not deps), key=key)
-        if not ready:
-            raise ValueError(f"dvc.yaml has a dependency cycle among {sorted(waiting)}")
-        order.append(ready[0])
-        del waiting[ready[0]]
-        for deps in waiting.values():
-            deps.discard(ready[0])
+    ready: list[str] = []
+    while sorter.is_active():
+        ready = sorted([*ready, *sorter.get_ready()], key=key)
+        order.append(ready.pop(0))
+        sorter.done(order[-1])
     return order
 
 

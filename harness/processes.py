@@ -5,6 +5,10 @@ the search service, `mlflow models serve`, chromedriver, a Ray head).
 everything it forks, with its output in a log file; `wait_until()` polls a check until it passes,
 failing at once (with the log's tail) when the process exits first and with a `TimeoutError` (with
 the log's tail) at the deadline; `stop()` signals the whole group, waits, then SIGKILLs the group.
+
+`ServerProcess` is the one shape of a server the tests hold (tests/mlflow_server.py,
+postgres_server.py, prefect_server.py, serving_server.py): a subclass says what to run and when it
+is ready; `start()`, `stop()`, `restart()`, `tail()` and `with` are the same for all of them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 
 def free_port() -> int:
@@ -103,3 +107,79 @@ def stop(proc: subprocess.Popen[Any] | None, signum: int = signal.SIGTERM,
 def _signal_group(pgid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # the whole group has exited already
         os.killpg(pgid, signum)
+
+
+class ServerProcess:
+    """One server process with its log file. A subclass gives `command()` and `ready()` and, where
+    it needs them, `popen_options()` (env, cwd, user), `prepare()` (before each spawn) and
+    `on_ready()` (once it answers), and the class settings below.
+
+    `start()` spawns it in its own process group, waits (bounded) until `ready()` and `on_ready()`
+    pass, and stops it again if they fail, so a failed start leaves nothing running; `stop()` ends
+    it and its group and is safe to call twice; `proc` is None while it is stopped.
+    """
+
+    what = "server"  # its name in error messages
+    startup_timeout_s = 120.0
+    poll_interval_s = 0.5
+    log_mode = "ab"  # "ab": a restart appends to the same log
+    tail_chars = 3000
+    stop_signal: int = signal.SIGTERM
+    stop_timeout_s = 15.0
+    kill_timeout_s = 15.0
+    sweep = False  # also SIGKILL what its group left behind (see `stop()`)
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        """True once it serves (an OSError counts as "not yet")."""
+        raise NotImplementedError
+
+    def popen_options(self) -> dict[str, Any]:
+        return {}
+
+    def prepare(self) -> None:
+        """Runs before each spawn (an initdb, say)."""
+
+    def on_ready(self) -> None:
+        """Runs once it is ready, before `start()` returns (create a database, say)."""
+
+    def start(self, timeout: float | None = None) -> Self:
+        self.prepare()
+        self.proc = spawn(self.command(), self.log, self.log_mode, **self.popen_options())
+        try:
+            wait_until(self.ready, self.proc, self.what, self.log,
+                       self.startup_timeout_s if timeout is None else timeout,
+                       self.poll_interval_s, self.tail_chars)
+            self.on_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        stop(self.proc, self.stop_signal, self.stop_timeout_s, self.kill_timeout_s, self.sweep)
+        self.proc = None
+
+    def running(self) -> bool:
+        """Started and not exited."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def restart(self) -> None:
+        """Stop, then start the same command again (same port, same data)."""
+        self.stop()
+        self.start()
+
+    def tail(self, chars: int | None = None) -> str:
+        return tail(self.log, self.tail_chars if chars is None else chars)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

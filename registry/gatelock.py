@@ -5,8 +5,9 @@ Two registrations racing against one registry must not both compare against the 
 champion and moves the alias under one lock per registered model, held where the registry is
 shared:
 
-- a local SQLite store: an exclusive `flock` on a file beside the database, so every process on the
-  machine that writes to that database (any checkout, any worker) waits its turn;
+- a local SQLite store: an exclusive `flock` (the `filelock` package) on a file beside the
+  database, so every process on the machine that writes to that database (any checkout, any
+  worker) waits its turn;
 - a remote tracking server with a Prefect API configured (`PREFECT_API_URL`, as on every Prefect
   worker): a Prefect global concurrency limit of one slot named after the model
   (`mlflow-gate-<model>`), which serialises registrations from every machine of the deployment; its
@@ -17,21 +18,20 @@ shared:
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 from registry.prefect_limits import ensure_one_slot_limit
 from registry.settings import sqlite_path
 
 LIMIT_PREFIX = "mlflow-gate-"
-POLL_S = 0.2
 
 
 class GateLockTimeout(TimeoutError):
@@ -86,22 +86,20 @@ def gate_lock(tracking_uri: str, model_name: str, timeout_s: float) -> Iterator[
 @contextmanager
 def _file_lock(path: Path, timeout_s: float) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + timeout_s
-    with open(path, "a+") as handle:
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise GateLockTimeout(
-                        f"another registration held the gate's lock {path} for more than "
-                        f"{timeout_s:g} s (register.lock_timeout); no alias was moved") from None
-                time.sleep(POLL_S)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    # filelock's UnixFileLock is an flock, released by the kernel when its holder dies. No soft
+    # fallback: on a filesystem without flock a soft lock (a marker file) would outlive a crashed
+    # registration and block every later one; failing there is the safe answer.
+    lock = FileLock(path, timeout=timeout_s, fallback_to_soft=False)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise GateLockTimeout(
+            f"another registration held the gate's lock {path} for more than {timeout_s:g} s "
+            "(register.lock_timeout); no alias was moved") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @contextmanager

@@ -1,9 +1,23 @@
-"""Shared fixtures. Servers that tests start listen on 127.0.0.1 and are stopped by the fixture."""
+"""Shared fixtures. Servers that tests start listen on 127.0.0.1 and are stopped by the fixture.
+
+Two tiers. `make test` runs every test (CI does). `make test-fast` runs the tests not marked slow
+and must stay under two minutes on a 2-core machine, so mark a test `@pytest.mark.slow` (a whole
+module: `pytestmark = pytest.mark.slow`) when it takes more than FAST_BUDGET_CPU_S of CPU, setup
+included (a module fixture's cost goes to the first test that uses it), and whenever it starts a
+server process (MLflow, Prefect, PostgreSQL, the search service) or runs `dvc` or `msrun`. A test
+that compiles a MindSpore training step, exports or loads MindIR, compiles fused kernels or runs a
+stage on data is always over the budget; one that starts a stage only to see it refuse bad
+params, before anything heavy loads, usually is not, nor is a loopback server in a thread of the
+test process (tests/image_site.py).
+Every run ends by listing the unmarked tests over the budget, in CPU seconds (this process and the
+children it waited for), which a loaded machine changes far less than wall time.
+"""
 
 from __future__ import annotations
 
 import atexit
 import os
+import resource
 import shutil
 import tempfile
 
@@ -55,3 +69,54 @@ def mode(request):
     ms.set_context(mode=modes[request.param])
     yield request.param
     ms.set_context(mode=previous)
+
+
+# ---------------------------------------------------------------- the fast tier's budget
+
+FAST_BUDGET_CPU_S = 2.0
+_CPU_KEY = pytest.StashKey[float]()
+_over_budget: list[tuple[float, str]] = []
+
+
+def _cpu_s() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    start = _cpu_s()
+    yield
+    item.stash[_CPU_KEY] = _cpu_s() - start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    start = _cpu_s()
+    yield
+    item.stash[_CPU_KEY] = item.stash.get(_CPU_KEY, 0.0) + _cpu_s() - start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    start = _cpu_s()
+    yield
+    # user_properties reach the teardown report, which pytest-xdist sends to the controller
+    item.user_properties.append(("cpu_s", item.stash.get(_CPU_KEY, 0.0) + _cpu_s() - start))
+    item.user_properties.append(("slow", item.get_closest_marker("slow") is not None))
+
+
+def pytest_runtest_logreport(report):
+    props = dict(report.user_properties)
+    if report.when == "teardown" and not props.get("slow", True) and \
+            props.get("cpu_s", 0.0) > FAST_BUDGET_CPU_S:
+        _over_budget.append((props["cpu_s"], report.nodeid))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _over_budget:
+        terminalreporter.write_sep("-", f"not marked slow, over {FAST_BUDGET_CPU_S:g} CPU-s "
+                                        "(tests/conftest.py says when to mark a test slow)")
+        for cpu_s, nodeid in sorted(_over_budget, reverse=True):
+            terminalreporter.write_line(f"{cpu_s:6.1f} CPU-s  {nodeid}")

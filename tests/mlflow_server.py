@@ -2,19 +2,20 @@
 
 `MlflowServer(root).start()` launches `mlflow server` on a free 127.0.0.1 port, waits (bounded) for
 `/health`, and `.stop()` always ends it (SIGTERM, then SIGKILL of its process group). `restart()`
-lets a test take the server away and back. `mlflow_server` is a session fixture (assign it to a
-name in a test module) so that every module that needs a server shares one.
+lets a test take the server away and back (the shape of every test server:
+harness.processes.ServerProcess). `mlflow_server` is a session fixture (assign it to a name in a
+test module) so that every module that needs a server shares one.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,17 +34,22 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return err.code, err.read()
 
 
-class MlflowServer:
+class MlflowServer(processes.ServerProcess):
     """One `mlflow server` process with its database and artifact store under `root`."""
+
+    what = "mlflow server"
+    startup_timeout_s = STARTUP_TIMEOUT_S
+    # Graceful shutdown often takes >10 s here (open keep-alive connections); the test data is
+    # disposable, so do not wait long for it.
+    stop_timeout_s = 5.0
 
     def __init__(self, root: Path, port: int | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        super().__init__(self.root / "server.log")
         self.db = self.root / "mlflow.db"
         self.artifacts = self.root / "mlartifacts"
         self.port = port or free_port()
-        self.log = self.root / "server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def uri(self) -> str:
@@ -62,41 +68,15 @@ class MlflowServer:
         """Variables the server needs besides this process' own (a subclass's database login)."""
         return {}
 
-    def start(self, timeout: float = STARTUP_TIMEOUT_S) -> MlflowServer:
+    def popen_options(self) -> dict[str, Any]:
         bin_dir = str(Path(sys.executable).parent)
         env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"])
         env.pop("MLFLOW_TRACKING_URI", None)
         env.update(self.environment())
-        # A new session so that stop() can end uvicorn and any worker it forks.
-        self.proc = processes.spawn(self.command(), self.log, env=env)
-        try:
-            processes.wait_until(processes.http_ok(f"{self.uri}/health"), self.proc,
-                                 "mlflow server", self.log, timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        return {"env": env}
 
-    def stop(self) -> None:
-        """End the server and everything it started; safe to call twice."""
-        # Graceful shutdown often takes >10 s here (open keep-alive connections); the test
-        # data is disposable, so do not wait long for it.
-        processes.stop(self.proc, timeout=5)
-        self.proc = None
-
-    def restart(self) -> None:
-        """Start again on the same port, database and artifact store (after a stop)."""
-        self.stop()
-        self.start()
-
-    def tail(self, chars: int = 3000) -> str:
-        return processes.tail(self.log, chars)
-
-    def __enter__(self) -> MlflowServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def ready(self) -> bool:
+        return processes.http_ok(f"{self.uri}/health")()
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,8 @@ until it accepts connections and creates the database. TCP clients must give the
 (scram-sha-256), as on a production server; the password is never in a URL or a command line:
 clients read it from a libpq password file (`PGPASSFILE`, `client_env()`), which psycopg (libpq)
 and psql read by themselves; `.stop()` always ends it (SIGINT = "fast shutdown", then SIGKILL) and
-`.remove()` deletes the folder. `restart()` lets a test take the database away and back. Only
+`.remove()` deletes the folder. `restart()` lets a test take the database away and back (the shape
+of every test server: harness.processes.ServerProcess). Only
 pgserver's binaries are used, not its `get_server()`, which listens on a
 Unix socket only and, as root, adds a system user and widens permissions up the path.
 
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from harness import processes
 from harness.processes import free_port
@@ -45,16 +47,21 @@ def bin_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "pginstall" / "bin"
 
 
-class PostgresServer:
+class PostgresServer(processes.ServerProcess):
     """One `postgres` process with its data folder, on 127.0.0.1:`port`, password auth over TCP."""
+
+    what = "postgres"
+    startup_timeout_s = STARTUP_TIMEOUT_S
+    poll_interval_s = 0.3
+    stop_signal = signal.SIGINT  # "fast shutdown": roll back open transactions, end sessions
+    stop_timeout_s = 30.0
 
     def __init__(self, database: str = "mlflow", port: int | None = None) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="clipms-postgres-"))
+        super().__init__(self.root / "postgres.log")
         self.data = self.root / "data"
-        self.log = self.root / "postgres.log"
         self.database = database
         self.port = port or free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
         self.password = secrets.token_urlsafe(18)
         self.passfile = self.root / "client.pgpass"  # the clients' (root's) copy, mode 0600
         self.passfile.write_text(f"127.0.0.1:{self.port}:*:postgres:{self.password}\n")
@@ -87,43 +94,42 @@ class PostgresServer:
                                f"{proc.stdout}\n{proc.stderr}")
         return proc.stdout
 
-    def start(self, timeout: float = STARTUP_TIMEOUT_S) -> PostgresServer:
-        if not (self.data / "PG_VERSION").exists():
-            # The superuser's password, for initdb only (a file postgres' user can read, removed).
-            pwfile = self.root / "initdb.pw"
-            pwfile.write_text(self.password + "\n")
-            shutil.chown(pwfile, *self._owner())
-            try:
-                # TCP (every client here) needs the password; the Unix socket in our private
-                # folder stays trust, as initdb's default.
-                self._tool("initdb", "-D", str(self.data), "-U", "postgres", "--encoding=UTF8",
-                           "--no-sync", "--auth-local=trust", "--auth-host=scram-sha-256",
-                           f"--pwfile={pwfile}")
-            finally:
-                pwfile.unlink(missing_ok=True)
+    def prepare(self) -> None:
+        """initdb, the first time only (a restart keeps the data)."""
+        if (self.data / "PG_VERSION").exists():
+            return
+        # The superuser's password, for initdb only (a file postgres' user can read, removed).
+        pwfile = self.root / "initdb.pw"
+        pwfile.write_text(self.password + "\n")
+        shutil.chown(pwfile, *self._owner())
+        try:
+            # TCP (every client here) needs the password; the Unix socket in our private folder
+            # stays trust, as initdb's default.
+            self._tool("initdb", "-D", str(self.data), "-U", "postgres", "--encoding=UTF8",
+                       "--no-sync", "--auth-local=trust", "--auth-host=scram-sha-256",
+                       f"--pwfile={pwfile}")
+        finally:
+            pwfile.unlink(missing_ok=True)
+
+    def command(self) -> list[str]:
         # -h: TCP on loopback only; -k: the Unix socket in our own folder. fsync off: the data is
         # thrown away, and the machine is shared (a stop is still a clean shutdown).
-        cmd = [str(bin_dir() / "postgres"), "-D", str(self.data), "-h", "127.0.0.1",
-               "-p", str(self.port), "-k", str(self.root), "-c", "fsync=off",
-               "-c", "max_connections=50"]
-        self.proc = processes.spawn(cmd, self.log, cwd=self.root, **self._run_as)
-        try:
-            processes.wait_until(self._accepts, self.proc, "postgres", self.log, timeout,
-                                 interval=0.3)
-            self._create_database()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        return [str(bin_dir() / "postgres"), "-D", str(self.data), "-h", "127.0.0.1",
+                "-p", str(self.port), "-k", str(self.root), "-c", "fsync=off",
+                "-c", "max_connections=50"]
 
-    def _accepts(self) -> bool:
+    def popen_options(self) -> dict[str, Any]:
+        return {"cwd": self.root, **self._run_as}
+
+    def ready(self) -> bool:
         ready = subprocess.run([str(bin_dir() / "pg_isready"), "-h", "127.0.0.1", "-p",
                                 str(self.port), "-U", "postgres", "-t", "2"],
                                capture_output=True, timeout=30,
                                env={**os.environ, **self.client_env()})
         return ready.returncode == 0
 
-    def _create_database(self) -> None:
+    def on_ready(self) -> None:
+        """Create the database (a restart finds it there)."""
         exists = self.sql(f"SELECT 1 FROM pg_database WHERE datname = '{self.database}'",
                           database="postgres")
         if not exists.strip():
@@ -139,23 +145,10 @@ class PostgresServer:
             raise RuntimeError(f"psql {query!r} exited {proc.returncode}: {proc.stderr}")
         return proc.stdout
 
-    def stop(self) -> None:
-        """Fast shutdown (SIGINT: roll back open transactions, end sessions); safe to call twice."""
-        processes.stop(self.proc, signal.SIGINT, timeout=30)
-        self.proc = None
-
-    def restart(self) -> None:
-        """Start again on the same port and data (after a stop)."""
-        self.stop()
-        self.start()
-
     def remove(self) -> None:
         """Stop, then delete the data folder."""
         self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
-
-    def tail(self, chars: int = 3000) -> str:
-        return processes.tail(self.log, chars)
 
 
 class MlflowOnPostgres(MlflowServer):

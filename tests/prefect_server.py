@@ -15,6 +15,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,6 +62,35 @@ class WebhookReceiver:
         self.server.server_close()
 
 
+class PrefectProcess(processes.ServerProcess):
+    """One `prefect` process of a stack (`name`: server, worker, ...): run in the workspace with
+    the stack's environment, logging to <home>/<name>.log; ready when `ready_url` answers (a
+    worker has nothing to ask: it is ready once started)."""
+
+    log_mode = "wb"
+    # SIGINT: a worker ignores its first SIGTERM. The sweep: children left behind (uvicorn, a flow
+    # run subprocess).
+    stop_signal = signal.SIGINT
+    stop_timeout_s = 20.0
+    kill_timeout_s = 10.0
+    sweep = True
+
+    def __init__(self, name: str, cmd: list[str], workspace: Path, home: Path,
+                 env: dict[str, str], ready_url: str | None = None) -> None:
+        super().__init__(home / f"{name}.log")
+        self.what = f"prefect {name}"
+        self.cmd, self.workspace, self.env, self.ready_url = cmd, workspace, env, ready_url
+
+    def command(self) -> list[str]:
+        return self.cmd
+
+    def popen_options(self) -> dict[str, Any]:
+        return {"cwd": self.workspace, "env": self.env}
+
+    def ready(self) -> bool:
+        return self.ready_url is None or processes.http_ok(self.ready_url)()
+
+
 @dataclass
 class PrefectStack:
     """Handles to the running stack and helpers to drive it through the CLI and the API."""
@@ -70,7 +100,7 @@ class PrefectStack:
     api_url: str
     env: dict[str, str]
     webhook: WebhookReceiver
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    procs: dict[str, PrefectProcess] = field(default_factory=dict)
 
     @classmethod
     def start(cls, workspace: Path, home: Path) -> Self:
@@ -89,25 +119,26 @@ class PrefectStack:
         )
         stack = cls(workspace=workspace, home=home, api_url=api_url, env=env, webhook=webhook)
         try:
-            stack._spawn("server", ["prefect", "server", "start", "--host", "127.0.0.1",
-                                    "--port", str(port)])
-            stack._wait_healthy(timeout=90)
+            stack.start_server(timeout=90)
             stack.cli(["bash", "scripts/deploy.sh"], timeout=180)
-            stack._spawn("worker", ["prefect", "worker", "start", "--pool", POOL,
+            stack._start("worker", ["prefect", "worker", "start", "--pool", POOL,
                                     "--type", "process"])
         except BaseException:
             stack.stop()
             raise
         return stack
 
-    def _spawn(self, name: str, cmd: list[str]) -> None:
-        # Own process group: stop() can end the process and its children (uvicorn, flow runs).
-        self.procs[name] = processes.spawn(cmd, self.home / f"{name}.log", mode="wb",
-                                           cwd=self.workspace, env=self.env)
+    def start_server(self, timeout: float) -> None:
+        """`prefect server start` on the port of `api_url`; returns once /api/health answers."""
+        port = str(urllib.parse.urlsplit(self.api_url).port)
+        self._start("server", ["prefect", "server", "start", "--host", "127.0.0.1", "--port", port],
+                    ready_url=f"{self.api_url}/health", timeout=timeout)
 
-    def _wait_healthy(self, timeout: float) -> None:
-        processes.wait_until(processes.http_ok(f"{self.api_url}/health"), self.procs["server"],
-                             "prefect server", self.home / "server.log", timeout)
+    def _start(self, name: str, cmd: list[str], ready_url: str | None = None,
+               timeout: float = 60) -> None:
+        # Own process group: stop() can end the process and its children (uvicorn, flow runs).
+        self.procs[name] = PrefectProcess(name, cmd, self.workspace, self.home, self.env,
+                                          ready_url).start(timeout)
 
     def log(self, name: str) -> str:
         path = self.home / f"{name}.log"
@@ -152,7 +183,7 @@ class PrefectStack:
             run = self.flow_run(run_id)
             if run["state_type"] in TERMINAL:
                 return run
-            if self.procs["worker"].poll() is not None:
+            if not self.procs["worker"].running():
                 raise RuntimeError(f"worker exited:\n{self.log('worker')[-3000:]}")
             time.sleep(1)
         raise TimeoutError(f"flow run {run_id} not finished in {timeout} s:\n"
@@ -196,12 +227,9 @@ class PrefectStack:
         return rows[0]
 
     def stop(self) -> None:
-        """Stop the worker, then the server; kill their process groups if they linger."""
-        for name in ("worker", "server"):
-            # SIGINT: a worker ignores its first SIGTERM. The sweep: children left behind
-            # (uvicorn, a flow run subprocess).
-            processes.stop(self.procs.get(name), signal.SIGINT, timeout=20, kill_timeout=10,
-                           sweep=True)
+        """Stop the workers, then the server; kill their process groups if they linger."""
+        for name in sorted(self.procs, key=lambda n: n == "server"):
+            self.procs[name].stop()
         self.webhook.stop()
 
 

@@ -4,18 +4,15 @@ a bare server (for code that only needs a Prefect API, such as the gate's concur
 `MultiWorkerStack.start(workspace, home, names)` is a `PrefectStack` whose one default worker is
 replaced by one `prefect worker start --pool clipms --type process --name NAME --limit 1` per name:
 with one flow run at a time per worker, runs submitted together spread over the workers, as they
-would over several machines. `stop()` ends the extra workers too. `start_server(home)` starts only
+would over several machines; `stop()` ends every worker. `start_server(home)` starts only
 `prefect server start` (SQLite under `home`, loopback, free port); stop it with `.stop()`.
 """
 
 from __future__ import annotations
 
-import signal
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness import processes
 from harness.processes import free_port
 from tests.prefect_server import POOL, PrefectStack, WebhookReceiver
 from tests.workspace import tool_env
@@ -35,26 +32,16 @@ class MultiWorkerStack(PrefectStack):
         stack = super().start(workspace, home)
         assert isinstance(stack, MultiWorkerStack)
         try:
-            stack._end(stack.procs.pop("worker"))  # the default worker: no name, no limit
+            stack.procs.pop("worker").stop()  # the default worker: no name, no limit
             stack.worker_names = tuple(names)
             for i, name in enumerate(names):
-                stack._spawn("worker" if i == 0 else f"worker-{name}",
+                stack._start("worker" if i == 0 else f"worker-{name}",
                              ["prefect", "worker", "start", "--pool", POOL, "--type", "process",
                               "--name", name, "--limit", str(WORKER_LIMIT)])
         except BaseException:
             stack.stop()
             raise
         return stack
-
-    @staticmethod
-    def _end(proc: subprocess.Popen[bytes]) -> None:
-        """SIGINT (a worker ignores its first SIGTERM), then SIGKILL of its process group."""
-        processes.stop(proc, signal.SIGINT, timeout=20, kill_timeout=10)
-
-    def stop(self) -> None:
-        for name in [n for n in self.procs if n.startswith("worker-")]:
-            self._end(self.procs.pop(name))
-        super().stop()
 
 
 def start_server(home: Path) -> PrefectStack:
@@ -67,9 +54,7 @@ def start_server(home: Path) -> PrefectStack:
     stack = PrefectStack(workspace=home, home=home, api_url=api_url, env=env,
                          webhook=WebhookReceiver())
     try:
-        stack._spawn("server", ["prefect", "server", "start", "--host", "127.0.0.1",
-                                "--port", str(port)])
-        stack._wait_healthy(timeout=120)
+        stack.start_server(timeout=120)
     except BaseException:
         stack.stop()
         raise

@@ -1,7 +1,8 @@
 """The project's search service for tests: `python -m serving` on a free 127.0.0.1 port.
 
 `ServingServer(root, args).start()` launches it, waits (bounded) for `/readyz`, and `.stop()` always
-ends it and everything it started. The service runs with CPU kernel fusion off: a fused graph
+ends it and everything it started (the shape of every test server:
+harness.processes.ServerProcess). The service runs with CPU kernel fusion off: a fused graph
 compiles for ~10 s per batch shape on a loaded 2-core machine, and the warm-up compiles every
 shape; fusion changes the speed of the same graphs, not what the service does.
 """
@@ -9,7 +10,6 @@ shape; fusion changes the speed of the same graphs, not what the service does.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -23,44 +23,32 @@ from tests.workspace import tool_env
 STARTUP_TIMEOUT_S = 300.0
 
 
-class ServingServer:
+class ServingServer(processes.ServerProcess):
+    what = "service"
+    startup_timeout_s = STARTUP_TIMEOUT_S
+    tail_chars = 4000
+
     def __init__(self, root: Path, args: list[str], env: dict[str, str] | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
+        super().__init__(self.root / f"serve-{self.port}.log")
         self.args = args
         self.env = {**tool_env(), "CLIPMS_KERNEL_FUSION": "0", **(env or {})}
-        self.log = self.root / f"serve-{self.port}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = STARTUP_TIMEOUT_S) -> ServingServer:
-        cmd = [sys.executable, "-m", "serving", "--host", "127.0.0.1", "--port", str(self.port),
-               *self.args]
-        self.proc = processes.spawn(cmd, self.log, env=self.env, cwd=self.root)
-        try:
-            processes.wait_until(processes.http_ok(f"{self.url}/readyz"), self.proc, "service",
-                                 self.log, timeout, chars=4000)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "serving", "--host", "127.0.0.1", "--port", str(self.port),
+                *self.args]
 
-    def stop(self) -> None:
-        processes.stop(self.proc)
-        self.proc = None
+    def popen_options(self) -> dict[str, Any]:
+        return {"env": self.env, "cwd": self.root}
 
-    def tail(self, chars: int = 4000) -> str:
-        return processes.tail(self.log, chars)
-
-    def __enter__(self) -> ServingServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def ready(self) -> bool:
+        return processes.http_ok(f"{self.url}/readyz")()
 
 
 def request(url: str, body: Any = None, timeout: float = 30.0, raw: bytes | None = None,

@@ -133,6 +133,7 @@ def train_amp(folder, fusion: str) -> tuple[list[float], str]:
     return json.loads((folder / "losses.json").read_text()), out
 
 
+@pytest.mark.slow  # trains in processes of its own, fused
 def test_amp_with_fusion_on_trains_unfused_and_saves_a_loadable_convertible_checkpoint(tmp_path):
     from clipms.train.trained import load_clip
 

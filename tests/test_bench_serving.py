@@ -18,6 +18,8 @@ import pytest
 from tests.tiny_model import jpeg_bytes, random_images
 from tests.workspace import tool_env
 
+pytestmark = pytest.mark.slow  # its module fixture runs the benchmark: real services
+
 ROOT = Path(__file__).resolve().parents[1]
 ROUNDS = 2
 

@@ -39,6 +39,8 @@ def _paths(variant: str) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("mode", [pytest.param("graph", marks=pytest.mark.slow), "pynative"],
+                         indirect=True)  # graph mode compiles each model: slow
 def test_converted_model_reproduces_openclip_features(variant, mode):
     net = load_openclip(*_paths(variant))
     golden = np.load(GOLDEN / f"{variant}.npz")
@@ -145,6 +147,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # runs the console script twice
 def test_cli_converts_both_ways_and_reports_bad_weights(tmp_path):
     config, weights = _paths("micro_quickgelu")
     done = _cli("from-openclip", "--config", str(config), "--weights", str(weights),

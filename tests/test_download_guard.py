@@ -20,7 +20,17 @@ import zlib
 
 import pytest
 
-from clipms.prep.urlguard import FetchPolicy, RefusedURL, address_problem, build_opener, precheck
+from clipms.prep.urlguard import (
+    PRECHECK_REASONS,
+    FetchPolicy,
+    RefusedURL,
+    _read_up_to,
+    address_problem,
+    build_opener,
+    check_url,
+    precheck,
+    refusal_counts,
+)
 from tests.image_site import Site, images_parquet, jpeg, stage_env, write_params
 
 PUBLIC = "93.184.216.34"  # a public address (never connected to: see the module docstring)
@@ -233,3 +243,289 @@ def test_redirects_to_ftp_or_a_private_address_are_refused_in_img2dataset(tmp_pa
     assert metrics["successes"] == 1 and metrics["failed_to_download"] == 2
     reasons = " | ".join(metrics["failure_reasons"])
     assert "refused (redirect_scheme)" in reasons and "refused (private_address)" in reasons
+
+
+# ---------------------------------------------------------------- urlguard: check_url, precheck
+# Edges `make mutation` (benchmarks/mutation.py) found untested; each docstring names the
+# mutants (mutmut's names) the test kills.
+
+
+class Resolver:
+    """getaddrinfo for made-up names: records (host, port) asked, answers `address`."""
+
+    def __init__(self, address: str = PUBLIC) -> None:
+        self.address, self.asked = address, []
+
+    def __call__(self, host, port, *_args, **_kwargs):
+        self.asked.append((host, port))
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (self.address, port))]
+
+
+def refused(url: str, policy: FetchPolicy, resolver=None) -> RefusedURL:
+    with pytest.raises(RefusedURL) as caught:
+        check_url(url, policy, resolver)
+    return caught.value
+
+
+def test_check_url_resolves_with_the_given_resolver_and_the_default_port_of_the_scheme():
+    """x_check_url__mutmut_17/20 (resolver dropped), x__host_port__mutmut_3..10 (port)."""
+    dns = Resolver()
+    for url in ("http://public.test/a.jpg", "https://public.test/b.jpg",
+                "HTTPS://public.test/c.jpg", "http://public.test:8080/d.jpg"):
+        check_url(url, FetchPolicy(), dns)
+    assert dns.asked == [("public.test", 80), ("public.test", 443), ("public.test", 443),
+                         ("public.test", 8080)]
+    assert refused("http://inside.test/x.jpg", FetchPolicy(), Resolver("10.9.8.7")).reason == \
+        "private_address"
+
+
+def test_check_url_names_the_reason_and_what_is_allowed():
+    """x_check_url__mutmut_4..10 (reason/message), x__host_port__mutmut_11..14."""
+    err = refused("ftp://public.test/a.jpg", FetchPolicy())
+    assert err.reason == "disallowed_scheme"
+    assert str(err) == ("refused (disallowed_scheme): 'ftp://public.test/a.jpg': scheme 'ftp' is "
+                        "not in ['http', 'https']")
+    err = refused("http://public.test:99999/a.jpg", FetchPolicy(), Resolver())
+    assert err.reason == "bad_url" and "'http://public.test:99999/a.jpg': Port out of range" \
+        in str(err)
+    assert str(refused("http://:80/a.jpg", FetchPolicy())) == \
+        "refused (bad_url): 'http://:80/a.jpg': no host"  # x__host_port__mutmut_19
+    # x_resolve_checked__mutmut_22/25/26/27: the address (not the port) and the setting named
+    assert str(refused("http://inside.test/a.jpg", FetchPolicy(), Resolver("10.9.8.7"))) == (
+        "refused (private_address): inside.test resolves to 10.9.8.7 "
+        "(download.allow_private_addresses is false)")
+
+    def no_such_host(host, *_args, **_kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    gone = refused("http://gone.test/a.jpg", FetchPolicy(), no_such_host)  # _13
+    assert (gone.reason, str(gone)) == ("unresolvable_host", "refused (unresolvable_host): "
+                                        "gone.test: [Errno -2] Name or service not known")
+
+
+def test_check_url_resolves_nothing_for_file_urls_or_when_private_addresses_are_allowed():
+    """x_check_url__mutmut_11..15: which URLs are resolved at all."""
+    never = Resolver()
+    check_url("file:///tmp/a.jpg", FetchPolicy(allowed_schemes=frozenset({"file"})), never)
+    check_url("http://anything.test/a.jpg", FetchPolicy(allow_private_addresses=True), never)
+    assert never.asked == []
+    assert refused("http://127.0.0.1/a.jpg", FetchPolicy()).reason == "loopback_address"
+
+
+def test_precheck_passes_file_urls_of_the_synthetic_source_without_a_host():
+    """x_precheck__mutmut_9/11/12 (a file URL sent to the host check: 'bad_url, no host')."""
+    dns = Resolver()
+    files = FetchPolicy(allowed_schemes=frozenset({"file", "http"}))
+    assert precheck(["file:///data/a.jpg", "http://public.test:81/b.jpg"], files, dns) == \
+        [None, None]
+    assert dns.asked == [("public.test", 81)]  # x_precheck__mutmut_41: the port is passed on
+
+
+def test_refusal_counts_has_every_reason_and_counts_each_refusal():
+    """x_refusal_counts__mutmut_1..10 (no fast test called it)."""
+    counts = refusal_counts([None, "loopback_address", "bad_url", "loopback_address", None])
+    assert counts == {**dict.fromkeys(PRECHECK_REASONS, 0), "loopback_address": 2, "bad_url": 1}
+    assert list(counts) == list(PRECHECK_REASONS)
+
+
+# ---------------------------------------------------------------- urlguard: inside urllib
+
+
+LIMIT = 4096
+
+
+@pytest.fixture(scope="module")
+def limit_site():
+    """Bodies of exactly LIMIT bytes and one byte more, sized and unsized; redirects."""
+    body = bytes(range(256)) * (LIMIT // 256)  # exactly LIMIT bytes
+    with Site(files={"/limit.bin": body, "/over.bin": body + b"!"},
+              unsized={"/unsized/limit.bin": body, "/unsized/over.bin": body + b"!"}) as served:
+        port = served.base.rsplit(":", 1)[1]
+        served.redirects.update({"/to-https.jpg": f"https://0.0.0.0:{port}/limit.bin",
+                                 "/to-same.jpg": "/limit.bin"})
+        yield served
+
+
+def opened(policy: FetchPolicy, url: str):
+    return build_opener(policy).open(url, timeout=10)
+
+
+def refusal_of(policy: FetchPolicy, url: str, read_size: int | None = None) -> RefusedURL:
+    import urllib.error
+
+    with pytest.raises((RefusedURL, urllib.error.URLError)) as caught, opened(policy, url) as r:
+        while r.read(read_size) if read_size else r.read():
+            pass
+    err = caught.value
+    return err if isinstance(err, RefusedURL) else err.reason
+
+
+def test_a_body_of_exactly_the_limit_is_read_whole_in_any_chunk_size(limit_site):
+    """x__bounded__mutmut_11/44 (> became >=), _54 (start count), _51/52 (the running count),
+    _21/_23/_28.._33 (how much one read asks for), _26/_27 (read(0))."""
+    policy = FetchPolicy(allow_private_addresses=True, max_bytes=LIMIT)
+    want = bytes(range(256)) * (LIMIT // 256)
+    for path in ("/limit.bin", "/unsized/limit.bin"):
+        with opened(policy, limit_site.base + path) as response:
+            assert response.read(0) == b""
+            assert response.read(10) == want[:10]
+            assert response.read() == want[10:]
+        with opened(policy, limit_site.base + path) as response:  # _32: one read may ask for it all
+            assert response.read(2 * LIMIT) == want
+        with opened(policy, limit_site.base + path) as response:
+            chunks = iter(lambda: response.read(1000), b"")
+            assert [len(c) for c in chunks] == [1000] * 4 + [96]
+
+
+def test_one_byte_over_the_limit_is_refused_and_says_why(limit_site):
+    """x__bounded__mutmut_2/4 (Content-Length not read), _13/_46/_49 (reason, message), and
+    chunked reads of an unsized body (_51/_52: the count must add up across reads)."""
+    policy = FetchPolicy(allow_private_addresses=True, max_bytes=LIMIT)
+    sized = refusal_of(policy, limit_site.base + "/over.bin")
+    assert sized.reason == "too_large"
+    assert f"Content-Length {LIMIT + 1} is over the limit of {LIMIT} bytes" in str(sized)
+    for size in (None, 1000):
+        unsized = refusal_of(policy, limit_site.base + "/unsized/over.bin", size)
+        assert unsized.reason == "too_large"
+        assert f"/unsized/over.bin: body over the limit of {LIMIT} bytes" in str(unsized)
+
+
+def test_read_up_to_stops_at_the_size_even_when_the_source_answers_in_small_pieces():
+    """x__read_up_to__mutmut_5/13/15/16: a short-reading source is read to `size`, no further."""
+    source, served = bytes(100), []
+
+    def read(n: int) -> bytes:  # a socket-like reader: at most 7 bytes per call
+        piece = source[sum(served):][:min(n, 7)]
+        served.append(len(piece))
+        return piece
+
+    assert _read_up_to(read, 30) == bytes(30)
+    assert sum(served) == 30
+
+
+def test_https_connections_check_the_address_where_they_connect():
+    """xǁ_CheckedHTTPSHandlerǁhttps_open__mutmut_*, xǁ_CheckedHTTPSConnectionǁ__init____mutmut_*
+    (no fast test opened an https URL): refused at connect, before any TLS (port 9 is discard;
+    nothing is sent)."""
+    assert refusal_of(FetchPolicy(), "https://127.0.0.1:9/a.jpg").reason == "loopback_address"
+    assert refusal_of(FetchPolicy(), "https://localhost:9/a.jpg").reason == "loopback_address"
+
+
+def test_the_opener_reads_local_files_only_when_the_file_scheme_is_allowed(tmp_path):
+    """x_build_opener__mutmut_6..9: the FileHandler is there for the synthetic source only."""
+    import urllib.error
+
+    local = tmp_path / "a.jpg"
+    local.write_bytes(b"local bytes")
+    with pytest.raises(urllib.error.URLError, match="unknown url type: file"):
+        build_opener(FetchPolicy()).open(local.as_uri())
+    with build_opener(FetchPolicy(allowed_schemes=frozenset({"file"}))).open(local.as_uri()) as f:
+        assert f.read() == b"local bytes"
+
+
+def test_the_timeout_reaches_the_checked_socket(limit_site):
+    """x__checked_connection__mutmut_16/17 and xǁ_CheckedHTTPConnectionǁ__init____mutmut_2 (the
+    timeout dropped: a stalled server would hold the download for as long as it likes). The
+    stalled path answers after 60 s at most; the fetch must give up after 0.5 s."""
+    import time
+
+    policy = FetchPolicy(allow_private_addresses=True)
+    started = time.monotonic()
+    with pytest.raises(OSError, match="timed out"):
+        build_opener(policy).open(limit_site.base + "/stall/1.jpg", timeout=0.5).read()
+    assert time.monotonic() - started < 30
+
+
+def test_the_timeout_reaches_the_checked_https_socket():
+    """xǁ_CheckedHTTPSConnectionǁ__init____mutmut_2 (the timeout dropped for https): a loopback
+    listener that never answers stalls the TLS handshake; the fetch gives up after 0.5 s."""
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog), never speaks
+        url = f"https://127.0.0.1:{silent.getsockname()[1]}/a.jpg"
+        policy = FetchPolicy(allowed_networks=("127.0.0.1/32",))
+        started = time.monotonic()
+        with pytest.raises(OSError, match="timed out"):
+            build_opener(policy).open(url, timeout=0.5)
+        assert time.monotonic() - started < 30
+
+
+def _self_signed_certificate(folder) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 (and its key) as PEM files: the TLS test servers'
+    own CA, made by the test with `cryptography` (pinned in the dev extra)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "clipms test limit_site")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName([
+                x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = folder / "limit_site.pem", folder / "limit_site.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)
+
+
+@pytest.fixture(scope="module")
+def tls_site(tmp_path_factory):
+    """The `limit_site` files over HTTPS on 127.0.0.1 (its certificate: `tls_site.ca`)."""
+    import ssl
+
+    cert, key = _self_signed_certificate(tmp_path_factory.mktemp("tls"))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    body = bytes(range(256)) * (LIMIT // 256)
+    served = Site(files={"/limit.bin": body, "/over.bin": body + b"!"},
+                  unsized={"/unsized/over.bin": body + b"!"})
+    served.server.socket = context.wrap_socket(served.server.socket, server_side=True)
+    served.base, served.ca = served.base.replace("http://", "https://"), cert
+    with served:
+        yield served
+
+
+def test_an_https_body_is_bounded_like_an_http_one(tls_site, monkeypatch):
+    """xǁ_CheckedHTTPSHandlerǁhttps_open__mutmut_2/4 (the HTTPS response not bounded by
+    `max_bytes`: an https URL could send an unbounded body). A real TLS server on 127.0.0.1
+    with a certificate the test made, trusted through SSL_CERT_FILE as a user's own CA is."""
+    monkeypatch.setenv("SSL_CERT_FILE", tls_site.ca)
+    policy = FetchPolicy(allow_private_addresses=True, max_bytes=LIMIT)
+    with opened(policy, tls_site.base + "/limit.bin") as response:
+        assert response.read() == bytes(range(256)) * (LIMIT // 256)
+    sized = refusal_of(policy, tls_site.base + "/over.bin")
+    assert sized.reason == "too_large"
+    assert f"/over.bin: Content-Length {LIMIT + 1} is over the limit of {LIMIT} bytes" in str(sized)
+    unsized = refusal_of(policy, tls_site.base + "/unsized/over.bin", 1000)
+    assert unsized.reason == "too_large"
+    assert f"/unsized/over.bin: body over the limit of {LIMIT} bytes" in str(unsized)
+    monkeypatch.delenv("SSL_CERT_FILE")  # and the certificate is really checked
+    with pytest.raises(OSError, match="CERTIFICATE_VERIFY_FAILED"):
+        opened(policy, tls_site.base + "/limit.bin")
+
+
+def test_redirect_http_to_https_is_an_upgrade_not_a_scheme_change(limit_site):
+    """xǁ_CheckedRedirectHandlerǁredirect_request__mutmut_9..13: http -> https is followed to the
+    address check (0.0.0.0 is refused: private; it would only reach this machine anyway), _6: a
+    same-scheme redirect to a scheme the policy does not allow, _16/_26: the messages."""
+    first_hop_exempt = FetchPolicy(allowed_networks=("127.0.0.1/32",))
+    upgrade = refusal_of(first_hop_exempt, limit_site.base + "/to-https.jpg")
+    assert upgrade.reason == "private_address"
+    port = limit_site.base.rsplit(":", 1)[1]
+    assert f"redirect to 'https://0.0.0.0:{port}/limit.bin'" in str(upgrade)
+    only_https = FetchPolicy(allowed_schemes=frozenset({"https"}), allow_private_addresses=True)
+    same = refusal_of(only_https, limit_site.base + "/to-same.jpg")
+    assert same.reason == "redirect_scheme"
+    assert f"redirect from http: to '{limit_site.base}/limit.bin'" in str(same)

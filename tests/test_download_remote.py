@@ -164,6 +164,7 @@ def test_a_url_folder_is_cleared_only_when_this_stage_wrote_it(tmp_path):
     assert sorted(p.name for p in foreign.iterdir()) == [FINGERPRINT_FILE]
 
 
+@pytest.mark.slow  # downloads and shards to a URL through the stages
 def test_a_remote_download_leaves_only_its_pointer_in_data_download(tmp_path):
     """What data/download held (a local run's tars, an old pointer) goes before img2dataset
     runs; the pointer of the shards that finished replaces it, even when too few images arrived

@@ -161,6 +161,7 @@ def frame_components(png, rgb, min_pixels=200):
     return [size for size in sizes if size >= min_pixels]
 
 
+@pytest.mark.slow  # renders or runs the stage on a trained model
 def test_gallery_renders_every_tile_with_its_hits(workspace, tmp_path):
     from clipms.eval.evaluate import ZeroShotSpec, evaluate
     from clipms.eval.gallery import HIT_RGB, MISS_RGB, QUERY_RGB
@@ -197,6 +198,7 @@ def test_gallery_renders_every_tile_with_its_hits(workspace, tmp_path):
     assert len(frame_components(png, QUERY_RGB)) == 2
 
 
+@pytest.mark.slow  # renders or runs the stage on a trained model
 def test_stage_writes_its_declared_outputs(workspace):
     root = workspace["root"]
     (root / "params.yaml").write_text(

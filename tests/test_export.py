@@ -40,6 +40,7 @@ def sample_inputs(run, tokenizer_path, n=5):
     return images, tokens
 
 
+@pytest.mark.slow  # exports MindIR
 def test_bundle_has_every_file_and_describes_dynamic_batch_inputs(exported, trained):
     out, bundle, run = exported
     names = sorted(p.name for p in out.iterdir())
@@ -58,6 +59,7 @@ def test_bundle_has_every_file_and_describes_dynamic_batch_inputs(exported, trai
     assert json.loads((out / "bundle.json").read_text()) == bundle
 
 
+@pytest.mark.slow  # exports MindIR
 def test_lite_config_for_ascend_has_the_dynamic_batch_profiles_and_precision(exported):
     from clipms.deploy.export import lite_ascend_config
 
@@ -72,6 +74,7 @@ def test_lite_config_for_ascend_has_the_dynamic_batch_profiles_and_precision(exp
         lite_ascend_config(bundle, "text_encoder", [1, 4]))
 
 
+@pytest.mark.slow  # exports MindIR
 def test_parity_passes_at_every_batch_size(exported, trained):
     from clipms.deploy.export import assert_parity, parity_report
 
@@ -85,6 +88,7 @@ def test_parity_passes_at_every_batch_size(exported, trained):
     assert_parity(report)  # does not raise
 
 
+@pytest.mark.slow  # exports MindIR, loads it in a second process
 def test_the_host_parity_runs_on_cpu_in_a_process_of_its_own_and_gives_this_ones(
         exported, trained):
     # What the export stage gates on when it runs on an NPU: the bar's own machine, the host CPU.
@@ -102,6 +106,7 @@ def test_the_host_parity_runs_on_cpu_in_a_process_of_its_own_and_gives_this_ones
     assert not wrong["passed"]  # it checks the checkpoint it is given
 
 
+@pytest.mark.slow  # exports MindIR
 def test_a_different_checkpoint_fails_the_parity_check(exported, trained):
     from clipms.deploy.export import ParityError, assert_parity, parity_report
 
@@ -115,6 +120,7 @@ def test_a_different_checkpoint_fails_the_parity_check(exported, trained):
         assert_parity(report)
 
 
+@pytest.mark.slow  # exports MindIR
 def test_fp16_bundle_is_half_the_size_and_meets_its_own_bar_not_the_fp32_one(exported, trained,
                                                                              tmp_path):
     from clipms.deploy.export import PARITY, assert_parity, export_bundle, parity_report
@@ -156,6 +162,7 @@ def test_a_checkpoint_of_another_architecture_is_a_clear_error(trained):
         load_clip(trained["a"]["checkpoint"].with_name("missing.ckpt"), run.model)
 
 
+@pytest.mark.slow  # exports MindIR
 def test_stage_exports_checks_and_records_the_errors(tmp_path):
     import json
 
@@ -210,6 +217,7 @@ def test_stage_exports_checks_and_records_the_errors(tmp_path):
     assert report["image_max_abs_error_normalized"] > 1e-5  # really computed in fp16
 
 
+@pytest.mark.slow  # exports MindIR
 def test_bench_encode_bundle_and_retrieval_report_rates(exported):
     import contextlib
     import io
@@ -263,3 +271,138 @@ def test_dvc_repro_to_export_on_the_tiny_synthetic_config(tmp_path):
     hits = run(["python", "-m", "clipms.deploy.infer", "search", "--bundle", "models/export",
                 "--shards", "data/shards/val", "--top", "3", "a red circle"], cwd=ws)
     assert len(hits.stdout.strip().splitlines()) == 4
+
+
+# ---------------------------------------------------------------- export: the parity decision
+# Edges `make mutation` (benchmarks/mutation.py) found untested; each docstring names the
+# mutants (mutmut's names) the test kills.
+
+
+def test_parity_errors_are_the_max_raw_and_max_normalised_differences():
+    """clipms.deploy.export.x__errors__mutmut_* : which difference, which norm (per row, with the
+    floor that keeps an all-zero row finite). Row 2's norm is under 1: a floor of 1 would change
+    it."""
+    import numpy as np
+
+    from clipms.deploy.export import _errors
+
+    got = np.array([[0.6, 0.8], [0.0, 0.0], [0.03, 0.04]], np.float32)
+    want = np.array([[0.0, 2.0], [0.0, 0.0], [0.04, -0.03]], np.float32)
+    errors = _errors(got, want)
+    assert list(errors) == ["max_abs_error", "max_abs_error_normalized"]
+    assert errors["max_abs_error"] == pytest.approx(1.2, rel=1e-6)  # row 0: |0.8 - 2.0|
+    assert errors["max_abs_error_normalized"] == pytest.approx(1.4, rel=1e-6)  # row 2: |0.8+0.6|
+
+
+def test_parity_failures_name_each_tower_and_batch_size_over_the_tolerance():
+    """x_assert_parity__mutmut_* : only the gate metric's per-batch keys count (not the other
+    metric, not the max over batches), an error equal to the tolerance passes, the message."""
+    from clipms.deploy.export import ParityError, assert_parity
+
+    report = {"precision": "fp16", "gate_metric": "max_abs_error_normalized", "tolerance": 2e-3,
+              "batch_sizes": [1, 4], "image_max_abs_error_normalized_b1": 2e-3,
+              "image_max_abs_error_normalized_b4": 0.0125, "image_max_abs_error_b1": 0.5,
+              "image_max_abs_error_normalized": 0.0125, "text_max_abs_error_normalized_b1": 1e-3,
+              "text_max_abs_error_normalized_b4": 0.25, "passed": False}
+    with pytest.raises(ParityError) as err:
+        assert_parity(report)
+    assert str(err.value) == (
+        "exported fp16 MindIR differs from the checkpoint beyond tolerance 0.002: "
+        "image_max_abs_error_normalized_b4 = 0.0125, text_max_abs_error_normalized_b4 = 0.25")
+    assert_parity({**report, "image_max_abs_error_normalized_b4": 2e-3,
+                   "text_max_abs_error_normalized_b4": 0.0})  # at the tolerance: passes
+
+
+def test_parity_inputs_are_cycled_up_to_the_batch_size():
+    """x__cycle_rows__mutmut_1..3."""
+    import numpy as np
+
+    from clipms.deploy.export import _cycle_rows
+
+    rows = np.arange(6).reshape(3, 2)
+    assert _cycle_rows(rows, 5).tolist() == [[0, 1], [2, 3], [4, 5], [0, 1], [2, 3]]
+    assert _cycle_rows(rows, 2).tolist() == [[0, 1], [2, 3]]
+
+
+def _micro_clip(seed: int, embed_dim: int = 16):
+    import mindspore as ms
+
+    from clipms.model.clip import CLIP
+    from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
+
+    ms.set_seed(seed)
+    return CLIP(CLIPConfig(
+        embed_dim=embed_dim,
+        vision=VisionConfig(image_size=16, patch_size=8, width=32, layers=1, head_width=16),
+        text=TextConfig(context_length=8, vocab_size=40, width=32, heads=2, layers=1)))
+
+
+@pytest.fixture(scope="module")
+def micro_bundle(tmp_path_factory):
+    """A real MindIR bundle of a micro CLIP (seed 0), and inputs for its parity check."""
+    import numpy as np
+
+    import clipms  # noqa: F401  (MindSpore's environment first)
+    from clipms.data.preprocess import PreprocessConfig
+    from clipms.deploy.export import export_bundle
+
+    root = tmp_path_factory.mktemp("micro-export")
+    (root / "tokenizer.json").write_text("{}")  # copied into the bundle, not read
+    export_bundle(_micro_clip(0), PreprocessConfig(image_size=16), root / "tokenizer.json",
+                  root / "bundle")
+    rng = np.random.default_rng(0)
+    return (root / "bundle", rng.normal(size=(2, 3, 16, 16)).astype(np.float32),
+            rng.integers(1, 40, size=(2, 8)).astype(np.int32))
+
+
+@pytest.mark.slow  # exports MindIR
+def test_parity_report_passes_its_own_checkpoint_and_fails_another(micro_bundle):
+    """x_parity_report__mutmut_* : the report's keys and values (per tower, per batch size, the
+    max over batch sizes), the bar of each precision, `passed` over both towers (all, <=), the
+    empty-input (its whole message: x_parity_report__mutmut_11) and wrong-shape errors. Same
+    weights and kernels: the fp32 errors are 0.0."""
+    from clipms.deploy.export import ParityError, parity_report
+
+    bundle, images, tokens = micro_bundle
+    empty = "parity check needs at least one image and one caption"
+    same = parity_report(_micro_clip(0), bundle, images, tokens, (1, 3), tolerance=0.0)
+    metrics = ("max_abs_error", "max_abs_error_normalized")
+    assert list(same) == ["precision", "gate_metric", "tolerance", "batch_sizes", *(
+        f"{tower}_{m}{b}" for tower in ("image", "text")
+        for b in ("_b1", "_b3", "") for m in metrics), "passed"]
+    assert (same["precision"], same["gate_metric"], same["tolerance"], same["batch_sizes"],
+            same["passed"]) == ("fp32", "max_abs_error", 0.0, [1, 3], True)
+    assert {v for k, v in same.items() if k.endswith(metrics + ("_b1", "_b3"))} == {0.0}
+
+    other = parity_report(_micro_clip(1), bundle, images, tokens, (1, 3))
+    assert (other["tolerance"], other["passed"]) == (1e-5, False)
+    for tower in ("image", "text"):
+        for m in metrics:
+            b1, b3 = other[f"{tower}_{m}_b1"], other[f"{tower}_{m}_b3"]
+            # batch 3 adds the second row; its first row may round differently (fp32) than batch 1
+            assert 0.1 < b1 <= b3 + 1e-5 and other[f"{tower}_{m}"] == max(b1, b3)
+    # the max over batch sizes: batch 3's second row is the worse one in at least one tower
+    assert max(other[f"{t}_max_abs_error_b3"] - other[f"{t}_max_abs_error_b1"]
+               for t in ("image", "text")) > 0.1
+    raw = sorted((other["image_max_abs_error"], other["text_max_abs_error"]))
+    between = parity_report(_micro_clip(1), bundle, images, tokens, (1, 3),
+                            tolerance=sum(raw) / 2)
+    assert between["passed"] is False  # one tower within, the other not: fails
+    assert parity_report(_micro_clip(1), bundle, images, tokens, (3,),
+                         tolerance=raw[1] * 1.01)["passed"] is True
+    fp16 = parity_report(_micro_clip(1), bundle, images, tokens, (1, 3), precision="fp16")
+    assert (fp16["gate_metric"], fp16["tolerance"]) == ("max_abs_error_normalized", 2e-3)
+    # the fp16 bar is on the normalised errors (under 1 here; the raw ones are over 2)
+    normalised = max(other["image_max_abs_error_normalized"],
+                     other["text_max_abs_error_normalized"])
+    assert parity_report(_micro_clip(1), bundle, images, tokens, (1, 3), precision="fp16",
+                         tolerance=normalised * 1.01)["passed"] is True
+
+    with pytest.raises(ValueError, match=f"^{empty}$"):
+        parity_report(_micro_clip(0), bundle, images[:0], tokens, (1,))
+    with pytest.raises(ValueError, match=f"^{empty}$"):
+        parity_report(_micro_clip(0), bundle, images, tokens[:0], (1,))
+    with pytest.raises(ParityError) as err:
+        parity_report(_micro_clip(0, embed_dim=8), bundle, images, tokens, (1,))
+    assert str(err.value) == ("image encoder: MindIR output float32(1, 16) != checkpoint output "
+                              "float32(1, 8) at batch size 1")

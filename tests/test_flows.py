@@ -72,12 +72,14 @@ def _commit(repo: Path, message: str) -> None:
     run(["git", "-c", "user.email=t@clipms", "-c", "user.name=t", "commit", "-qm", message], repo)
 
 
+@pytest.mark.slow  # runs dvc in a temporary repository
 def test_plan_follows_dependencies_and_keeps_declared_order_for_ties(toy: Path) -> None:
     # ready first: `first` and `lone`; `first` is declared before `lone`, and so on
     assert plan_stages.fn(toy, None) == ["first", "second", "third", "lone"]
     assert plan_stages.fn(toy, ["third", "first"]) == ["first", "third"]
 
 
+@pytest.mark.slow  # runs dvc in a temporary repository
 def test_plan_rejects_unknown_stage_naming_the_pipeline(toy: Path) -> None:
     with pytest.raises(ValueError, match=r"unknown stage\(s\) \['trian'\].*'first'"):
         plan_stages.fn(toy, ["trian"])
@@ -91,6 +93,7 @@ def test_topological_order_is_deterministic() -> None:
         dvc_cli.topological(["a", "b"], [("a", "b"), ("b", "a")], key=rank.get)
 
 
+@pytest.mark.slow  # runs dvc in a temporary repository
 def test_run_stage_runs_then_skips_then_forces(toy: Path) -> None:
     first = run_stage.fn(toy, "first")
     assert (first["outcome"], first["changed"]) == ("ran", True)
@@ -105,6 +108,7 @@ def test_run_stage_runs_then_skips_then_forces(toy: Path) -> None:
     assert not (toy / "b.txt").exists()
 
 
+@pytest.mark.slow  # runs dvc in a temporary repository
 def test_failing_stage_raises_with_the_stage_own_message(toy: Path) -> None:
     (toy / "params.yaml").write_text(yaml.safe_dump({**TOY_PARAMS, "lone": {"z": -4}}))
     with pytest.raises(dvc_cli.DvcError, match="lone: invalid z = -4: must be positive") as err:
@@ -139,6 +143,7 @@ def test_overrides_use_dvc_set_param_syntax(toy: Path) -> None:
     assert yaml.safe_load((toy / "params.yaml").read_text())["second"] == {"y": 5}
 
 
+@pytest.mark.slow  # runs dvc in a temporary repository
 def test_experiment_is_saved_and_listed(toy: Path) -> None:
     for stage in ("first", "second", "third", "lone"):
         run_stage.fn(toy, stage)
@@ -154,6 +159,7 @@ def test_experiment_is_saved_and_listed(toy: Path) -> None:
     assert metrics == {"x": 9}  # the untracked metrics file is part of the experiment
 
 
+@pytest.mark.slow  # runs dvc in a temporary repository
 def test_an_override_run_never_writes_the_checkout(toy: Path) -> None:
     """The overrides, the stages and the experiment happen in a private worktree; the
     user's uncommitted edit is part of it, and an edit made during the run is left alone."""
@@ -200,6 +206,7 @@ def test_a_worktree_left_by_a_crashed_run_is_removed(toy: Path, tmp_path: Path) 
     assert run(["git", "worktree", "list"], toy).stdout.count("\n") == 1
 
 
+@pytest.mark.slow  # runs dvc in a temporary repository
 def test_dry_run_reports_stale_stages_without_running(toy: Path) -> None:
     report = preview.fn(toy, ["first", "second", "third", "lone"], force=False)
     assert {s["stage"]: s["outcome"] for s in report.stages}["first"] == "would run"
@@ -262,3 +269,18 @@ def test_serve_builds_the_prefect_yaml_deployments() -> None:
     assert (nightly.cron, nightly.timezone) == ("0 2 * * *", "UTC")
     assert kwargs["nightly"]["parameters"] == {"refresh": ["metadata"]}
     assert kwargs["manual"]["schedules"] == []
+
+
+def test_a_diamond_runs_each_stage_after_all_it_needs_ties_by_key() -> None:
+    rank = {"right": 0, "left": 1, "prep": 2, "join": 3, "lone": 4}
+    edges = [("prep", "left"), ("prep", "right"), ("left", "join"), ("right", "join")]
+    order = dvc_cli.topological(["prep", "left", "right", "join", "lone"], edges, key=rank.get)
+    assert order == ["prep", "right", "left", "join", "lone"]
+
+
+def test_a_dependency_cycle_is_named_stage_by_stage() -> None:
+    """The error shows the loop itself (upstream -> downstream), not just the stages left over."""
+    edges = [("a", "b"), ("b", "c"), ("c", "a"), ("d", "a")]
+    with pytest.raises(ValueError, match=r"dependency cycle: (a -> b -> c -> a|b -> c -> a -> b|"
+                                         r"c -> a -> b -> c)$"):
+        dvc_cli.topological(["a", "b", "c", "d"], edges, key=str)

@@ -52,6 +52,7 @@ def unit_rows(n: int, dim: int, seed: int) -> np.ndarray:
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
+@pytest.mark.slow  # exports a bundle (the module fixture)
 def test_build_and_load_round_trip(encoder, bundle, tmp_path) -> None:
     items = collection()
     hostile = [Item("bomb", png_bomb(), "a bomb", "val"), Item("gif", encoded("GIF"), "", "val"),
@@ -74,6 +75,7 @@ def test_build_and_load_round_trip(encoder, bundle, tmp_path) -> None:
     assert index.keys[row] == "k006" and score == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.slow  # exports a bundle (the module fixture)
 def test_an_index_of_another_bundle_or_with_a_changed_file_is_refused(encoder, bundle,
                                                                        tmp_path) -> None:
     folder = tmp_path / "index"

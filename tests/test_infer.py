@@ -18,6 +18,8 @@ from tests.hostile_images import EPS, png_bomb
 from tests.tiny_model import CAPTIONS, jpeg_bytes, random_images, write_trained
 from tests.workspace import PROJECT_ROOT, tool_env
 
+pytestmark = pytest.mark.slow  # every test here runs an exported bundle (the module fixture)
+
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):

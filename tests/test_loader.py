@@ -54,6 +54,7 @@ def test_needs_refuse_a_cpu_cost_the_clock_did_not_resolve():
         loader_needs({"cpu_ms_per_sample": 0.0}, ranks=8, device_rate=414)
 
 
+@pytest.mark.slow  # benchmarks the loader
 def test_loader_benchmark_reports_per_worker_rates_and_what_the_devices_need(capsys):
     from clipms.bench import main
 

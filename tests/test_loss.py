@@ -94,3 +94,28 @@ def test_the_loss_does_not_depend_on_how_often_its_graph_has_run():
         ms.set_context(mode=previous)
     assert [i for i, (a, b) in enumerate(zip(ahead, behind, strict=True))
             if not np.array_equal(a, b)] == []
+
+
+# ---------------------------------------------------------------- loss
+# Edges `make mutation` (benchmarks/mutation.py) found untested; each docstring names the
+# mutants (mutmut's names) the test kills.
+
+
+def test_contrastive_loss_left_at_rank_zero_is_the_single_process_loss():
+    """clipms.train.loss.x_contrastive_loss__mutmut_1 (a default rank of 1): called as its docstring
+    says, without `rank` and with the local features as the global ones, it is ClipLoss's loss."""
+    rng = np.random.default_rng(3)
+    image, text = rng.normal(size=(2, 4, 8)).astype(np.float32)
+    image, text = (ms.Tensor(x / np.linalg.norm(x, axis=1, keepdims=True)) for x in (image, text))
+    scale = ms.Tensor(np.float32(10.0))
+    assert float(contrastive_loss(image, text, image, text, scale).asnumpy()) == \
+        pytest.approx(float(ClipLoss()(image, text, scale).asnumpy()), rel=1e-6)
+
+
+def test_gather_without_communication_says_what_to_do():
+    """clipms.train.loss.xǁClipLossǁ__init____mutmut_7/8/10/11: the whole message (test_loss matches
+    only its middle)."""
+    with pytest.raises(RuntimeError) as err:
+        ClipLoss(gather=True)
+    assert str(err.value) == ("ClipLoss(gather=True) needs mindspore.communication.init() first "
+                              "(launch the script with msrun)")

@@ -313,3 +313,149 @@ def test_zeroshot_chance_levels():
     assert zeroshot_chance_levels(4) == {"zeroshot_top1": 0.25,
                                          "zeroshot_mean_per_class_recall": 0.25}
     assert zeroshot_chance_levels(10)["zeroshot_top5"] == 0.5
+
+
+# ---------------------------------------------------------------- metrics: zero-shot edges
+# Edges `make mutation` (benchmarks/mutation.py) found untested; each docstring names the
+# mutants (mutmut's names) the test kills.
+
+
+def test_zero_shot_chance_levels_at_one_and_five_classes():
+    """clipms.eval.metrics.x_zeroshot_chance_levels__mutmut_1/2 (one class refused), _13/_14 (five
+    classes lose top-5, which evaluate reports at five), _3 (the message)."""
+    from clipms.eval.metrics import MetricsInputError, zeroshot_chance_levels
+
+    assert zeroshot_chance_levels(1) == {"zeroshot_top1": 1.0,
+                                         "zeroshot_mean_per_class_recall": 1.0}
+    assert zeroshot_chance_levels(5) == {"zeroshot_top1": 0.2, "zeroshot_top5": 1.0,
+                                         "zeroshot_mean_per_class_recall": 0.2}
+    assert "zeroshot_top5" not in zeroshot_chance_levels(4)
+    with pytest.raises(MetricsInputError, match=r"^num_classes: expected >= 1, got 0$"):
+        zeroshot_chance_levels(0)
+
+
+def test_class_embeddings_take_one_template_and_name_the_bad_input():
+    """x_class_embeddings__mutmut_9 (a single template or class refused: one template is the
+    common case), _12/_17/_19/_27/_28/_30/_32/_35/_36 (which input an error names)."""
+    import numpy as np
+
+    from clipms.eval.metrics import MetricsInputError, class_embeddings
+
+    single = class_embeddings(np.array([[[3.0, 4.0]], [[0.0, 2.0]]]))
+    np.testing.assert_allclose(single, [[0.6, 0.8], [0.0, 1.0]], atol=1e-7)
+    np.testing.assert_allclose(class_embeddings(np.array([[[1.0, 0.0], [0.0, 1.0]]])),
+                               [[np.sqrt(0.5), np.sqrt(0.5)]], atol=1e-7)
+    with pytest.raises(MetricsInputError) as err:
+        class_embeddings(np.ones((2, 0, 3)))
+    assert str(err.value) == ("template_features: expected a non-empty (classes, templates, dim) "
+                              "array, got (2, 0, 3)")
+    with pytest.raises(MetricsInputError, match=r"^template_features: rows \[1\] have zero"):
+        class_embeddings(np.array([[[1.0, 0.0], [0.0, 0.0]]]))
+    with pytest.raises(MetricsInputError, match=r"^class embeddings \(mean of templates\): rows "
+                                                r"\[0\] have zero norm"):
+        class_embeddings(np.array([[[1.0, 0.0], [-1.0, 0.0]]]))  # opposite templates cancel
+
+
+def test_confusion_matrix_counts_are_integers_and_errors_name_their_input():
+    """x_confusion_matrix__mutmut_33/35 (float counts), _5/_6/_12.._15/_20/_21/_27.._30 (which
+    vector an error names, and of what)."""
+    import numpy as np
+
+    from clipms.eval.metrics import MetricsInputError, confusion_matrix
+
+    matrix = confusion_matrix(np.array([0, 1, 1]), np.array([1, 1, 0]), 2)
+    assert matrix.dtype == np.int64 and matrix.tolist() == [[0, 1], [1, 1]]
+    with pytest.raises(MetricsInputError) as err:
+        confusion_matrix(np.array([0, 2]), np.array([0, 0]), 2)
+    assert str(err.value) == "labels: entries [1] are outside [0, 2) (the number of classes)"
+    with pytest.raises(MetricsInputError) as err:
+        confusion_matrix(np.array([0, 1]), np.array([3, 0]), 2)
+    assert str(err.value) == "predictions: entries [0] are outside [0, 2) (the number of classes)"
+
+
+def test_zero_shot_at_five_classes_has_top5_and_errors_name_their_input():
+    """x_zeroshot_metrics__mutmut_34/35 (five classes: no top-5), _11.._21 (the labels' error),
+    x_zeroshot_scores__mutmut_18..20 (a dimension mismatch: its message, not an IndexError)."""
+    import numpy as np
+
+    from clipms.eval.metrics import MetricsInputError, zeroshot_metrics
+
+    classes = np.eye(5, dtype=np.float32)
+    images = np.array([[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]], dtype=np.float32)  # class 0: 5th, 1st
+    assert zeroshot_metrics(images, classes, np.array([0, 0])) == {
+        "zeroshot_top1": 0.5, "zeroshot_top5": 1.0, "zeroshot_mean_per_class_recall": 0.5}
+    with pytest.raises(MetricsInputError) as err:
+        zeroshot_metrics(images, classes, np.array([0, 5]))
+    assert str(err.value) == "labels: entries [1] are outside [0, 5) (the number of classes)"
+    with pytest.raises(MetricsInputError) as err:
+        zeroshot_metrics(images, np.eye(3, 4, dtype=np.float32), np.array([0, 0]))
+    assert str(err.value) == "image_features dim 5 != class_features dim 4"
+
+
+def test_retrieval_chance_levels_of_one_image_and_bad_counts():
+    """x_retrieval_chance_levels__mutmut_10 (one image refused), _8 (an empty list or a zero
+    count let through: NaN metrics), _13.._15 (the message)."""
+    from clipms.eval.metrics import MetricsInputError, retrieval_chance_levels
+
+    assert retrieval_chance_levels([3], ks=(1,)) == {"i2t_R@1": 1.0, "t2i_R@1": 1.0,
+                                                      "mAP@10": 1.0}
+    for bad in ([], [2, 0]):
+        with pytest.raises(MetricsInputError) as err:
+            retrieval_chance_levels(bad, ks=(1,))
+        assert str(err.value) == "captions_per_image: expected a non-empty list of counts >= 1"
+
+
+def test_retrieval_refuses_non_positive_ks_and_names_each_bad_input():
+    """x__check_ks__mutmut_4/9 (ks of 0 let through: an R@0 of 0), x_retrieval_metrics__mutmut_
+    28/38/39 (the caption index error names images), _53 (a bad chunk's message),
+    x_l2_normalize__mutmut_1/2/10 (the default name, the shape message)."""
+    import numpy as np
+
+    from clipms.eval.metrics import MetricsInputError, l2_normalize, retrieval_metrics
+
+    images, texts = np.eye(2, dtype=np.float32), np.eye(2, dtype=np.float32)
+    for ks in ((), (1, 0)):
+        with pytest.raises(MetricsInputError) as err:
+            retrieval_metrics(images, texts, np.array([0, 1]), ks=ks)
+        assert str(err.value) == f"ks: expected positive integers, got {ks}"
+    with pytest.raises(MetricsInputError) as err:
+        retrieval_metrics(images, texts, np.array([0, 2]))
+    assert str(err.value) == "text_to_image: entries [1] are outside [0, 2) (the number of images)"
+    with pytest.raises(MetricsInputError) as err:
+        retrieval_metrics(images, texts, np.array([0, 1]), chunk=0)
+    assert str(err.value) == "chunk: expected a positive integer, got 0"
+    with pytest.raises(MetricsInputError) as err:
+        l2_normalize(np.ones(3))
+    assert str(err.value) == "features: expected a 2-D array (rows, dim), got shape (3,)"
+
+
+def test_l2_normalize_returns_float32_and_takes_one_dimension():
+    """x_l2_normalize__mutmut_5/7 (float64 in, float64 out: the documented float32 lost), _17 (a
+    one-dimensional embedding refused as empty)."""
+    import numpy as np
+
+    from clipms.eval.metrics import l2_normalize
+
+    unit = l2_normalize(np.array([[3.0, 4.0]], dtype=np.float64))
+    assert unit.dtype == np.float32 and unit.tolist() == [[0.6000000238418579, 0.800000011920929]]
+    assert l2_normalize(np.array([[2.0], [-3.0]])).tolist() == [[1.0], [-1.0]]
+
+
+def test_chance_map_of_one_image_with_two_captions_is_one():
+    """x_retrieval_chance_levels__mutmut_72 (max(M - 1, 2): wrong whenever M = 2): two captions,
+    both relevant, so every random order has AP 1."""
+    from clipms.eval.metrics import retrieval_chance_levels
+
+    assert retrieval_chance_levels([2], ks=(1,))["mAP@10"] == 1.0
+
+
+def test_build_prompts_names_what_is_empty():
+    """x_build_prompts__mutmut_3/6/7/8 (the messages of an empty class or template list)."""
+    from clipms.eval.metrics import MetricsInputError, build_prompts
+
+    with pytest.raises(MetricsInputError) as err:
+        build_prompts([], ["a {}"])
+    assert str(err.value) == "class_names: empty; zero-shot needs at least one class"
+    with pytest.raises(MetricsInputError) as err:
+        build_prompts(["cat"], [])
+    assert str(err.value) == "templates: empty; zero-shot needs at least one prompt template"

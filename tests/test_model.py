@@ -104,6 +104,7 @@ def test_text_is_causal_and_pooled_at_eot(mode):
     assert np.abs(features[0] - features[2]).max() > 1e-4
 
 
+@pytest.mark.slow  # compiles and runs the model in both modes
 def test_graph_and_pynative_agree():
     cfg = _micro()
     ms.set_seed(2)

@@ -73,6 +73,7 @@ def test_conv_stem_is_stride_2_convolutions_then_a_1x1(mode):
     np.testing.assert_allclose(got, stem_reference(stem, image), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # builds, converts or exports the conv-stem model in graph mode
 def test_conv_stem_model_has_the_patch_models_token_grid_and_counted_parameters():
     from pipeline.preflight import parameter_count
 
@@ -108,6 +109,7 @@ def _conv_tiny(vocab_size: int) -> CLIPConfig:
     return dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, stem="conv"))
 
 
+@pytest.mark.slow  # builds, converts or exports the conv-stem model in graph mode
 def test_to_openclip_refuses_a_conv_stem_model(tmp_path):
     cfg = _conv_tiny(600)
     net = CLIP(cfg)
@@ -123,6 +125,7 @@ def test_to_openclip_refuses_a_conv_stem_model(tmp_path):
     assert not (tmp_path / "w.safetensors").exists() and not (tmp_path / "w.json").exists()
 
 
+@pytest.mark.slow  # builds, converts or exports the conv-stem model in graph mode
 def test_conv_stem_bundle_exports_and_passes_parity(tmp_path):
     from clipms.data.preprocess import PreprocessConfig, preprocess_image
     from clipms.deploy.export import assert_parity, export_bundle, parity_report

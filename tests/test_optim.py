@@ -42,6 +42,7 @@ class _Step(nn.Cell):
         return self.opt(grads, lr, eps, wd)
 
 
+@pytest.mark.slow  # compiles AdamW steps
 def test_adamw_matches_numpy_reference_with_bias_correction():
     ms.set_context(mode=ms.GRAPH_MODE)
     rng = np.random.default_rng(0)

@@ -80,6 +80,7 @@ def test_each_ascend_profile_is_valid_params_and_a_sensible_schedule(profile):
 
 
 @pytest.mark.skipif(bool(preflight.ascend_devices()), reason="this host has Ascend devices")
+@pytest.mark.slow  # starts the preflight's process / compiles the model
 def test_on_this_machine_an_ascend_profile_fails_and_says_no_device_is_present():
     proc = _cli("--profile", str(PROJECT_ROOT / "profiles" / "vit-b-32-8npu.yaml"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -98,6 +99,7 @@ def test_on_this_machine_an_ascend_profile_fails_and_says_no_device_is_present()
     assert report["command"].startswith("dvc exp run -S 'metadata.source=mscoco'")
 
 
+@pytest.mark.slow  # starts the preflight's process / compiles the model
 def test_the_default_cpu_run_passes_and_the_plan_is_checked_against_the_manifest(tmp_path):
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps({"splits": {"train": {"samples": 1500, "shards": []}}}))

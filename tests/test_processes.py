@@ -109,3 +109,47 @@ def test_sweep_ends_a_child_its_exited_leader_left_behind(tmp_path: Path) -> Non
         assert group_gone(proc.pid), "the sweep left the orphan"
     finally:
         kill_group(proc.pid)
+
+
+class HttpServer(processes.ServerProcess):
+    """`python -m http.server` in the shape of the test servers; `fail_on_ready` plants a failure
+    after the process answers (as a database that cannot be created)."""
+
+    what = "http.server"
+    startup_timeout_s = 60.0
+    poll_interval_s = 0.1
+
+    def __init__(self, root: Path, fail_on_ready: bool = False) -> None:
+        super().__init__(root / "http.log")
+        self.port, self.fail_on_ready = processes.free_port(), fail_on_ready
+
+    def command(self) -> list[str]:
+        return [PY, "-u", "-m", "http.server", "--bind", "127.0.0.1", str(self.port)]
+
+    def ready(self) -> bool:
+        return processes.http_ok(f"http://127.0.0.1:{self.port}/")()
+
+    def on_ready(self) -> None:
+        if self.fail_on_ready:
+            raise RuntimeError("planted")
+
+
+def test_a_server_process_starts_restarts_on_its_port_and_stops(tmp_path: Path) -> None:
+    with HttpServer(tmp_path) as server:
+        assert server.running() and processes.port_open(server.port)()
+        first = server.proc
+        assert first is not None
+        server.restart()
+        assert server.proc is not first and server.running()
+        assert processes.http_ok(f"http://127.0.0.1:{server.port}/")()
+        assert server.tail().count("GET / HTTP") >= 2  # one log across the restart ("ab")
+    assert server.proc is None and not server.running()
+    assert not processes.port_open(server.port)() and group_gone(first.pid)
+    server.stop()  # a second stop is harmless
+
+
+def test_a_failed_start_leaves_nothing_running(tmp_path: Path) -> None:
+    server = HttpServer(tmp_path, fail_on_ready=True)
+    with pytest.raises(RuntimeError, match="planted"):
+        server.start()
+    assert server.proc is None and not processes.port_open(server.port)()

@@ -318,6 +318,7 @@ def test_registry_imports_nothing_from_stages_or_flows() -> None:
         assert not imported_roots(module.read_text()) & {"stages", "flows"}, module.name
 
 
+@pytest.mark.slow  # a process, or a SQLite MLflow store
 def test_the_pyfunc_model_code_runs_without_mlflow_warnings() -> None:
     """MLflow runs the model file at every register, load and serve; a warning there is noise the
     user cannot act on."""
@@ -331,6 +332,7 @@ def test_the_pyfunc_model_code_runs_without_mlflow_warnings() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
+@pytest.mark.slow  # a process, or a SQLite MLflow store
 def test_system_metrics_are_logged_without_mlflow_info_lines(tmp_path: Path) -> None:
     """Train's system-metrics monitor printed MLflow INFO lines in the middle of every run
     ("Skip logging GPU metrics", started, stopping, terminated): noise the user cannot act on.
@@ -365,3 +367,135 @@ def test_quiet_log_model_leaves_the_environment_as_it_found_it(monkeypatch,
     with registration._quiet_log_model():
         assert os.environ[name] == (before or "false")  # no bar inside, unless the user asked
     assert os.environ.get(name) == before
+
+
+# ---------------------------------------------------------------- the gate's decision
+# Edges `make mutation` (benchmarks/mutation.py) found untested; each docstring names the
+# mutants (mutmut's names) the test kills.
+
+
+def test_a_gain_of_exactly_the_margin_promotes():
+    """registry.gate.x_decide__mutmut_107 (>= margin became > margin). 0.75 - 0.5 == 0.25 exactly
+    in binary floating point (0.55 - 0.50, as the tests above use, is 0.05000000000000004)."""
+    from registry.gate import CHAMPION, Candidate, decide
+
+    d = decide(Candidate("2", 0.75, DIGEST), Candidate("1", 0.5, DIGEST), "i2t_R@5", 0.25)
+    assert (d.alias, d.compared, d.margin, d.primary_metric) == (CHAMPION, True, 0.25, "i2t_R@5")
+    assert d.reason == ("i2t_R@5 0.75 beats champion v1's 0.5 (higher is better) by 0.25 >= "
+                        "margin 0.25")
+    worse = decide(Candidate("2", 12.0, DIGEST), Candidate("1", 10.0, DIGEST), "i2t_mean_rank",
+                   0.0, direction="lower")
+    assert worse.reason == ("i2t_mean_rank 12 does not beat champion v1's 10 (lower is better) "
+                            "by more than 0 and at least margin 0 (gain -2)")
+
+
+@pytest.mark.parametrize(("new", "champion", "unknown"), [
+    (None, DIGEST, "this version"),
+    (DIGEST, None, "champion v1"),
+    (None, None, "this version and champion v1"),
+])
+def test_an_unknown_val_set_on_either_side_is_named_and_not_compared(new, champion, unknown):
+    """x_decide__mutmut_46 (either -> both unknown: the 'different set' path), _55.._72 (which
+    side the reason names), _8/_10 (the decision's fields)."""
+    from registry.gate import CHALLENGER, Candidate, decide
+
+    d = decide(Candidate("2", 0.9, new), Candidate("1", 0.1, champion), "i2t_R@5", 0.1)
+    assert (d.alias, d.compared) == (CHALLENGER, False)
+    assert d.reason == f"not compared: unknown evaluation set (no val digest on {unknown})"
+    assert (d.primary_metric, d.margin, d.new_value, d.champion_value) == ("i2t_R@5", 0.1, 0.9,
+                                                                            0.1)
+
+
+def test_missing_values_are_recorded_as_not_compared_with_their_reason():
+    """x_decide__mutmut_40/41/45 (no value on the new version), _84/_85/_89 (none on the
+    champion), _77 (a different set), _35 (the first version's reason), _5 (direction)."""
+    from registry.gate import CHALLENGER, CHAMPION, Candidate, decide
+
+    champion = Candidate("1", 0.5, DIGEST)
+    no_value = decide(Candidate("2", None, DIGEST), champion, "i2t_R@5", 0.0)
+    assert (no_value.alias, no_value.compared, no_value.reason) == (
+        CHALLENGER, False, "this version has no 'i2t_R@5' value")
+    no_champion_value = decide(Candidate("2", 0.9, DIGEST), Candidate("1", None, DIGEST),
+                               "i2t_R@5", 0.0)
+    assert (no_champion_value.compared, no_champion_value.reason) == (
+        False, "not compared: champion v1 has no 'i2t_R@5' value")
+    other_set = decide(Candidate("2", 0.9, "b" * 32), champion, "i2t_R@5", 0.0)
+    assert other_set.compared is False
+    first = decide(Candidate("1", 0.9, DIGEST), None, "i2t_R@5", 0.0)
+    assert (first.alias, first.reason) == (CHAMPION, "first version: there is no champion yet")
+    with pytest.raises(ValueError, match="direction must be 'higher' or 'lower', got 'up'"):
+        decide(Candidate("2", 0.9, DIGEST), champion, "i2t_R@5", 0.0, direction="up")
+
+
+def test_the_recorded_description_names_alias_metric_value_and_reason():
+    """describe/decided_alias (they replaced decision_tags, whose mutants 1/3 wrote a missing
+    value wrongly): a missing value reads 'none', and the alias reads back from the text."""
+    from registry.gate import CHALLENGER, Candidate, decide, decided_alias, describe
+
+    d = decide(Candidate("2", None, DIGEST), Candidate("1", 0.5, DIGEST), "i2t_R@5", 0.0)
+    text = describe(d)
+    assert text == "challenger (i2t_R@5 none): this version has no 'i2t_R@5' value"
+    assert decided_alias(text) == CHALLENGER
+    assert decided_alias("champions are made") is None and decided_alias(None) is None
+
+
+def test_primary_direction_lists_exactly_the_ranking_metrics_allowed():
+    """x_primary_direction__mutmut_3/4 (what is allowed), _18/_23 (the message)."""
+    from registry.gate import GateError, primary_direction
+
+    metrics = {"i2t_R@5": 0.5, "i2t_mean_rank": 3.0, "num_images": 10, "chance_i2t_R@5": 0.1,
+               "zeroshot_top1": True, "mAP@10": "0.4"}
+    with pytest.raises(GateError) as err:
+        primary_direction("num_images", metrics)
+    assert str(err.value) == ("register.primary_metric 'num_images' does not rank models (a count "
+                              "or a chance level); allowed: i2t_R@5 (higher is better), "
+                              "i2t_mean_rank (lower is better)")
+    with pytest.raises(GateError, match="'zeroshot_top1' is not in the evaluation metrics"):
+        primary_direction("zeroshot_top1", {"i2t_R@5": 0.5})
+    with pytest.raises(GateError, match="allowed: i2t_R@5"):  # a bool is not a metric value
+        primary_direction("zeroshot_top1", metrics)
+
+
+def test_candidate_from_version_reads_the_metric_and_digest_tags():
+    """x_candidate_from_version__mutmut_* (no fast test read a version: the gate against a real
+    MLflow server is slow). A real MLflow ModelVersion entity, no server."""
+    from mlflow.entities.model_registry import ModelVersion, ModelVersionTag
+
+    from registry.gate import Candidate, candidate_from_version
+
+    def version(tags):
+        return ModelVersion("clip", 7, 0, tags=[ModelVersionTag(k, v) for k, v in tags.items()])
+
+    tagged = version({"metric.i2t_R_at_5": "0.25", "lineage.val_digest": DIGEST})
+    assert candidate_from_version(tagged, "i2t_R@5") == Candidate("7", 0.25, DIGEST)
+    assert candidate_from_version(version({"metric.i2t_R_at_5": "", "lineage.val_digest": ""}),
+                                  "i2t_R@5") == Candidate("7", None, None)
+    assert candidate_from_version(version({}), "i2t_R@5") == Candidate("7", None, None)
+
+
+@pytest.mark.slow  # a process, or a SQLite MLflow store
+def test_a_version_without_the_metric_tag_is_read_from_its_logged_model(tmp_path, monkeypatch):
+    """x_candidate_from_version__mutmut_12..21 (the fallback for a version registered while another
+    metric was primary: no client, the wrong model, the wrong key, or the tag overwritten). A real
+    MLflow SQLite store in tmp_path, the version registered as register_version registers it."""
+    from mlflow import MlflowClient
+
+    from registry.gate import Candidate, candidate_from_version
+    from registry.registration import link_metrics
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the registry resolves models:/ through it
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    experiment = client.create_experiment("gate", artifact_location=(tmp_path / "art").as_uri())
+    run_id = client.create_run(experiment).info.run_id
+    model = client.create_logged_model(experiment, source_run_id=run_id, name="clip")
+    link_metrics(client, run_id, model.model_id, {"i2t_R@5": 0.25, "t2i_R@5": 0.5})
+    client.create_registered_model("clip")
+    version = client.create_model_version(
+        "clip", source=f"models:/{model.model_id}", run_id=run_id,
+        tags={"lineage.val_digest": DIGEST, "metric.t2i_R_at_5": "0.75"})  # t2i was primary
+    assert candidate_from_version(version, "i2t_R@5", client) == Candidate("1", 0.25, DIGEST)
+    # the tag is the gate's input: the logged model's 0.5 does not replace it
+    assert candidate_from_version(version, "t2i_R@5", client) == Candidate("1", 0.75, DIGEST)
+    assert candidate_from_version(version, "i2t_R@5") == Candidate("1", None, DIGEST)
+    assert candidate_from_version(version, "i2t_R@10", client) == Candidate("1", None, DIGEST)

@@ -155,6 +155,7 @@ FAILING_WRITE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("how", ["save", "writer"])
+@pytest.mark.slow  # trains, or starts a writer process
 def test_a_write_that_fails_part_way_leaves_the_previous_checkpoint_intact(tmp_path, how):
     script = tmp_path / "fail.py"
     script.write_text(FAILING_WRITE)
@@ -201,6 +202,7 @@ def restore_mode():
     ms.set_context(mode=previous)
 
 
+@pytest.mark.slow  # trains, or starts a writer process
 def test_checkpoints_of_other_data_are_moved_aside_after_the_new_config_is_validated(
         tmp_path, caplog, restore_mode):
     from clipms.runtime import RuntimeConfig
@@ -255,6 +257,7 @@ def test_only_the_newest_stale_sets_are_kept_and_names_never_collide(tmp_path):
     assert checkpoint.list_checkpoints(folder) == []
 
 
+@pytest.mark.slow  # trains, or starts a writer process
 def test_fingerprint_changes_with_the_data_and_data_fingerprint_covers_the_manifest(tmp_path):
     import json
 
@@ -283,3 +286,156 @@ def test_fingerprint_changes_with_the_data_and_data_fingerprint_covers_the_manif
     # the cadence of checkpoints and logs does not change what is trained
     cadence = {"checkpoint_every": 7, "keep_checkpoints": 9, "log_every": 3}
     assert TrainConfig(**{**cfg.__dict__, **cadence}).fingerprint() == cfg.fingerprint()
+
+
+# ---------------------------------------------------------------- checkpoint
+# Edges `make mutation` (benchmarks/mutation.py) found untested; each docstring names the
+# mutants (mutmut's names) the test kills.
+
+
+def test_host_copies_are_this_instants_values():
+    """clipms.train.checkpoint.x__host_copy__mutmut_1..6, x__as_tensor__mutmut_1: a Tensor's
+    asnumpy() shares its memory (an in-place update, as an optimizer step makes, shows through it),
+    and
+    np.array(copy=False/None) of an array is the array: without the copies a checkpoint submitted
+    before a step could hold the step's values."""
+    import numpy as np
+
+    import clipms  # noqa: F401  (MindSpore's environment first)
+
+    # isort: split
+    import mindspore as ms
+    from mindspore import ops
+
+    from clipms.train.checkpoint import _as_tensor, _host_copy
+
+    param = ms.Parameter(ms.Tensor(np.zeros(3, np.float32)), name="w")
+    host, tensor = _host_copy(param), _as_tensor(param)
+    array = np.zeros(2, np.float32)
+    array_copy, from_list = _host_copy(array), _host_copy([1.5, 2.5])
+    ops.assign(param, ms.Tensor(np.ones(3, np.float32)))
+    array[:] = 7
+    assert host.tolist() == [0, 0, 0] and tensor.asnumpy().tolist() == [0, 0, 0]
+    assert array_copy.tolist() == [0, 0] and array_copy.dtype == np.float32
+    assert from_list.tolist() == [1.5, 2.5]
+
+
+def test_the_writer_keeps_the_last_k_logs_each_write_and_can_be_waited_on_twice(
+        tmp_path, caplog):
+    """xǁCheckpointWriterǁ_write__mutmut_5/10 (keep dropped), 11-16 (the "saved" line),
+    xǁCheckpointWriterǁwait__mutmut_2 (a second wait after the thread is gone),
+    submit 14/18 (the thread's name), submit 20 (a daemon thread: the interpreter would not wait
+    for a write in flight at exit)."""
+    import numpy as np
+
+    from clipms.train import checkpoint
+
+    writer = checkpoint.CheckpointWriter(tmp_path, keep=2)
+    with caplog.at_level("INFO", logger="clipms.train.checkpoint"):
+        for step in (1, 2, 3):
+            path = writer.submit(step, {"w": np.full(2, step, np.float32)}, {"step": step})
+            assert path == checkpoint.checkpoint_path(tmp_path, step)
+            assert writer._thread.name == f"clipms-checkpoint-{step}"
+            assert not writer._thread.daemon
+        writer.wait()
+        writer.close()
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
+        "step-00000002.ckpt", "step-00000003.ckpt"]
+    assert [r.getMessage() for r in caplog.records if r.name == "clipms.train.checkpoint"] == [
+        f"saved {checkpoint.checkpoint_path(tmp_path, s)}" for s in (1, 2, 3)]
+
+
+def test_a_failed_background_write_is_raised_once_by_the_next_call(tmp_path):
+    """xǁCheckpointWriterǁ_write__mutmut_17 (the error lost), wait__mutmut_4/5 (how it is
+    raised, its message), submit__mutmut_6 (the path in it): the folder is a regular file, so the
+    write fails (FileExistsError) on the writer's thread; `close` raises it, then it is gone."""
+    import numpy as np
+
+    from clipms.train import checkpoint
+
+    folder = tmp_path / "not-a-folder"
+    folder.write_text("a file")
+    writer = checkpoint.CheckpointWriter(folder)
+    writer.submit(4, {"w": np.zeros(2, np.float32)}, {"step": 4})
+    with pytest.raises(checkpoint.CheckpointWriteError) as err:
+        writer.close()
+    assert str(err.value).startswith(f"writing {folder / 'step-00000004.ckpt'} failed: ")
+    assert isinstance(err.value.__cause__, FileExistsError)
+    writer.close()  # reported once
+
+
+def test_the_writer_as_a_context_reports_its_error_unless_the_loop_failed(tmp_path, caplog):
+    """xǁCheckpointWriterǁ__exit____mutmut_1..7: a clean exit raises the write's error; when the
+    loop itself failed, the loop's error goes on and the write's is logged."""
+    import numpy as np
+
+    from clipms.train import checkpoint
+
+    folder = tmp_path / "not-a-folder"
+    folder.write_text("a file")
+    tensors, meta = {"w": np.zeros(2, np.float32)}, {"step": 1}
+    with pytest.raises(checkpoint.CheckpointWriteError), checkpoint.CheckpointWriter(folder) as w:
+        w.submit(1, tensors, meta)
+    with (caplog.at_level("ERROR", logger="clipms.train.checkpoint"),
+          pytest.raises(KeyError, match="the loop"),
+          checkpoint.CheckpointWriter(folder) as writer):
+        writer.submit(1, tensors, meta)
+        raise KeyError("the loop")
+    (record,) = [r for r in caplog.records if r.name == "clipms.train.checkpoint"]
+    assert record.getMessage().startswith(f"writing {folder / 'step-00000001.ckpt'} failed: ")
+    with checkpoint.CheckpointWriter(tmp_path / "ok") as writer:  # a clean exit waits
+        writer.submit(1, tensors, meta)
+    assert checkpoint.load(checkpoint.checkpoint_path(tmp_path / "ok", 1)).meta == meta
+
+
+def test_prune_keeps_at_least_one_and_load_names_a_foreign_checkpoint(tmp_path, caplog):
+    """x_prune__mutmut_1..3 (keep=1 allowed, 0 refused with its message), x_load__mutmut_7/9/11
+    (a MindSpore checkpoint without clipms' meta: a ValueError naming it; the path read back),
+    x_load_latest__mutmut_5/6/10 (the warning about a skipped file)."""
+    import numpy as np
+
+    import clipms  # noqa: F401  (MindSpore's environment first)
+
+    # isort: split
+    import mindspore as ms
+
+    from clipms.train import checkpoint
+
+    for step in (1, 2):
+        checkpoint.save(tmp_path, step, {"w": np.full(2, step, np.float32)}, {"step": step})
+    checkpoint.prune(tmp_path, 1)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000002.ckpt"]
+    with pytest.raises(ValueError) as err:
+        checkpoint.prune(tmp_path, 0)
+    assert str(err.value) == "keep must be >= 1, got 0"
+    kept = checkpoint.checkpoint_path(tmp_path, 2)
+    assert checkpoint.load(kept).path == kept
+
+    foreign = checkpoint.checkpoint_path(tmp_path, 3)
+    ms.save_checkpoint([{"name": "w", "data": ms.Tensor(np.ones(2, np.float32))}], str(foreign))
+    with pytest.raises(ValueError) as err:
+        checkpoint.load(foreign)
+    assert str(err.value) == f"{foreign}: not a clipms training checkpoint (no 'clipms_meta' entry)"
+    with caplog.at_level("WARNING", logger="clipms.train.checkpoint"):
+        assert checkpoint.load_latest(tmp_path).path == kept
+    assert [r.getMessage() for r in caplog.records if r.name == "clipms.train.checkpoint"] == [
+        f"skipping unreadable checkpoint {foreign}: {err.value}"]
+
+
+def test_stale_sets_are_folders_with_the_prefix_and_removing_one_is_logged(tmp_path, caplog):
+    """x_stale_sets__mutmut_5 (`and` -> `or`: any folder, or a file named stale-...),
+    x_set_aside__mutmut_30..37 (the line that names a removed set)."""
+    import numpy as np
+
+    from clipms.train import checkpoint
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "stale-notes.txt").write_text("not a set")
+    with caplog.at_level("INFO", logger="clipms.train.checkpoint"):
+        for label in ("aaa", "bbb"):
+            checkpoint.save(tmp_path, 1, {"w": np.zeros(2, np.float32)}, {"step": 1})
+            checkpoint.set_aside(tmp_path, label, keep_sets=1)
+    assert [p.name for p in checkpoint.stale_sets(tmp_path)] == ["stale-bbb"]
+    assert (tmp_path / "other").is_dir() and (tmp_path / "stale-notes.txt").is_file()
+    assert [r.getMessage() for r in caplog.records if r.name == "clipms.train.checkpoint"] == [
+        f"removed {tmp_path / 'stale-aaa'} (only the newest 1 stale checkpoint sets are kept)"]

@@ -189,6 +189,7 @@ def fused_kernels(cache: Path) -> list[str]:
     return sorted(p.name for p in meta.glob("*.so")) if meta.is_dir() else []
 
 
+@pytest.mark.slow  # compiles fused kernels, or starts Python processes that import MindSpore
 def test_configure_sets_the_cpu_environment_before_mindspore_is_imported(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -208,6 +209,7 @@ def bundle(tmp_path_factory):
     return export_tiny_bundle(tmp_path_factory.mktemp("export"), seed=2)
 
 
+@pytest.mark.slow  # compiles fused kernels, or starts Python processes that import MindSpore
 def test_fused_encoder_compiles_fused_kernels_and_matches_the_unfused_one(bundle, tmp_path):
     results = {}
     for fusion in ("on", "off"):
@@ -223,6 +225,7 @@ def test_fused_encoder_compiles_fused_kernels_and_matches_the_unfused_one(bundle
         np.testing.assert_allclose(fused[key], plain[key], atol=1e-5)
 
 
+@pytest.mark.slow  # compiles fused kernels, or starts Python processes that import MindSpore
 def test_fused_training_steps_follow_the_unfused_losses(tmp_path):
     losses = {}
     for fusion in ("on", "off"):

@@ -302,3 +302,63 @@ def test_the_summary_names_drops_corrupt_tars_and_the_rate():
     assert summary(clean, 0.0).endswith(
         "checked in 0.0 s (~0 samples/s) -> 1,200 train samples in 3 shard(s), 299 val samples "
         "in 1 shard(s). Dropped: none. Corrupt input tars skipped: none.")
+
+
+# ---------------------------------------------------------------- shards: an fsspec URL input
+# Edges `make mutation` (benchmarks/mutation.py) found untested; each docstring names the
+# mutants (mutmut's names) the test kills.
+
+
+def test_shards_from_a_url_are_the_shards_of_the_same_local_folder(tmp_path):
+    """clipms.prep.shards.x_build_shards__mutmut_3..46 and x_fetch_tars__mutmut_1..22 (the URL
+    input: tests/test_download_remote.py runs it only inside the shard stage's process, where
+    mutmut cannot see it): the recorded tars are checked, copied into a hidden temporary folder
+    beside the output (made with its parents; gone after) and give the bytes a local input gives;
+    the copy line names the URL and its time; a tar that differs from the record, or one that
+    cannot be copied, is a ShardError that says so."""
+    import re
+
+    from clipms.prep.shards import ShardError, ShardSettings, build_shards, fetch_tars
+
+    src = tmp_path / "store"
+    src.mkdir()
+    write_tar(src / "00000.tar", [good(i) for i in range(5)])
+    write_tar(src / "00001.tar", [good(i, "val") for i in range(5, 8)])
+    recorded = [{"name": p.name, "bytes": p.stat().st_size} for p in sorted(src.glob("*.tar"))]
+    settings = ShardSettings(samples_per_shard=2, workers=1)
+    local = build_shards(src, tmp_path / "local", settings, lambda _: None)
+    url, out = f"file://{src}", tmp_path / "new" / "deeper" / "shards"
+    lines: list[str] = []
+
+    def print_fn(line: str) -> None:  # what is beside the output while the tars are in use
+        lines.append(line)
+        lines.append(" ".join(sorted(p.name[:13] for p in out.parent.iterdir())))
+
+    for _ in range(2):  # the second time the output's parent exists
+        lines.clear()
+        assert build_shards(url, out, settings, print_fn, recorded) == local
+        assert (out / "manifest.json").read_bytes() == \
+            (tmp_path / "local/manifest.json").read_bytes()
+        assert [p.name for p in out.parent.iterdir()] == ["shards"]
+    copied = re.fullmatch(rf"shard: copied 2 tar\(s\) from {re.escape(url)} \((\d+\.\d) s\)",
+                          lines[0])
+    assert copied and float(copied.group(1)) < 60, lines[0]
+    assert lines[1] in (".shard-input-", ".shard-input- shards")
+
+    with pytest.raises(ShardError) as err:
+        build_shards(url, out, settings, print_fn, [{**recorded[0], "bytes": 1}, recorded[1]])
+    assert str(err.value) == (f"the tars at {url} are not the ones the download stage recorded "
+                              "(size changed: 00000.tar); rerun the download stage")
+    with pytest.raises(ShardError, match=r"\(not recorded: 00000\.tar, 00001\.tar\)"):
+        build_shards(url, out, settings, print_fn)
+
+    folder = tmp_path / "copies"
+    folder.mkdir()
+    sources = [str(src / "00001.tar"), str(src / "00000.tar")]
+    assert fetch_tars(url, sources, folder) == [folder / "00001.tar", folder / "00000.tar"]
+    assert (folder / "00000.tar").read_bytes() == (src / "00000.tar").read_bytes()
+    assert fetch_tars(url, [], folder) == []
+    with pytest.raises(ShardError) as err:
+        fetch_tars(url, [str(src / "gone.tar")], folder)
+    assert str(err.value).startswith(f"copying the tars from {url}: ") and "gone.tar" in \
+        str(err.value)

@@ -56,6 +56,7 @@ def _batch(n: int, seed: int):
     return ms.Tensor(images.astype(np.float32) / 255), ms.Tensor(tokens)
 
 
+@pytest.mark.slow  # compiles a training step
 def test_accumulating_k_micro_batches_equals_one_batch_of_k_times_the_size():
     images, tokens = _batch(8, seed=3)
     _, whole = _step_cell(accum_steps=1)
@@ -73,6 +74,7 @@ def test_accumulating_k_micro_batches_equals_one_batch_of_k_times_the_size():
     assert int(accum.step.asnumpy()) == int(accum.adam_t.asnumpy()) == 1
 
 
+@pytest.mark.slow  # compiles a training step
 def test_clipping_scales_the_update_to_the_max_norm_and_reports_the_raw_norm():
     images, tokens = _batch(4, seed=4)
     _, free = _step_cell()
@@ -89,6 +91,7 @@ def test_clipping_scales_the_update_to_the_max_norm_and_reports_the_raw_norm():
     np.testing.assert_allclose(clipped[0], raw[0] / 10, rtol=1e-3, atol=1e-7)
 
 
+@pytest.mark.slow  # compiles a training step
 def test_logit_scale_is_clamped_to_ln_100_after_the_step_and_returned():
     model, cell = _step_cell(lr=0.0)
     model.logit_scale.set_data(ms.Tensor(np.float32(6.0)))  # exp(6) = 403 > 100
@@ -118,6 +121,7 @@ def test_the_graph_schedule_is_the_host_schedule_in_fp32():
                                    atol=1e-12, err_msg=f"step {step}")
 
 
+@pytest.mark.slow  # compiles a training step
 def test_the_first_non_finite_step_is_recorded_on_the_device_and_kept():
     _, cell = _step_cell()
     images, tokens = _batch(4, seed=1)

@@ -57,6 +57,7 @@ def former_step_losses(cfg: TrainConfig, source: RandomBatches, total: int) -> l
     return losses
 
 
+@pytest.mark.slow  # trains: compiles a training step
 def test_the_host_sync_free_loop_gives_the_former_steps_losses_over_20_steps():
     cfg = TrainConfig(model=MICRO, batch_size=8, max_steps=20, lr=2e-3, warmup_steps=5,
                       log_every=10, runtime=RuntimeConfig(kernel_fusion=False))
@@ -85,6 +86,7 @@ class NaNAt(RandomBatches):
         return images, tokens
 
 
+@pytest.mark.slow  # trains: compiles a training step
 def test_a_planted_nan_is_named_at_its_exact_step_although_results_are_read_every_10(tmp_path):
     cfg = TrainConfig(model=MICRO, batch_size=4, epochs=1, lr=1e-3, warmup_steps=1,
                       log_every=10, checkpoint_every=100)
@@ -92,6 +94,7 @@ def test_a_planted_nan_is_named_at_its_exact_step_although_results_are_read_ever
         train(cfg, NaNAt(MICRO, 4, 12, bad=6), None)
 
 
+@pytest.mark.slow  # trains: compiles a training step
 def test_nothing_of_a_bad_step_is_saved_and_the_last_good_checkpoint_is_intact(tmp_path):
     cfg = TrainConfig(model=MICRO, batch_size=4, epochs=1, lr=1e-3, warmup_steps=1,
                       checkpoint_every=2, keep_checkpoints=5, log_every=10)
@@ -117,6 +120,7 @@ class DiesAt(RandomBatches):
         return super().global_batch(epoch, index)
 
 
+@pytest.mark.slow  # trains: compiles a training step
 def test_a_run_resumed_from_a_checkpoint_ends_bitwise_where_an_uninterrupted_one_does(tmp_path):
     cfg = TrainConfig(model=MICRO, batch_size=4, max_steps=6, lr=2e-3, warmup_steps=2,
                       checkpoint_every=3, log_every=4, accum_steps=2)
@@ -133,6 +137,7 @@ def test_a_run_resumed_from_a_checkpoint_ends_bitwise_where_an_uninterrupted_one
         np.testing.assert_array_equal(param.asnumpy(), want[name].asnumpy(), err_msg=name)
 
 
+@pytest.mark.slow  # trains: compiles a training step
 def test_locked_image_tower_does_not_move_and_text_tower_does():
     cfg = TrainConfig(model=MICRO, batch_size=4, epochs=1, lr=1e-2, warmup_steps=1,
                       lock_image=True, checkpoint_every=100)
@@ -145,6 +150,7 @@ def test_locked_image_tower_does_not_move_and_text_tower_does():
     assert any(n.startswith("text.") for n in moved)
 
 
+@pytest.mark.slow  # trains: compiles a training step
 def test_amp_runs_on_cpu_with_a_dynamic_loss_scale():
     cfg = TrainConfig(model=MICRO, batch_size=4, epochs=1, lr=1e-3, warmup_steps=1,
                       precision="amp", loss_scale_window=2)
@@ -157,6 +163,7 @@ def test_amp_runs_on_cpu_with_a_dynamic_loss_scale():
     assert names == [name for name, _ in CLIP(MICRO).parameters_and_names()]  # CLIP's own names
 
 
+@pytest.mark.slow  # trains: compiles a training step
 def test_checkpoints_of_another_config_are_set_aside_not_resumed(tmp_path, caplog):
     folder = tmp_path / "ckpt"
     cfg = TrainConfig(model=MICRO, batch_size=4, epochs=1, lr=1e-3, warmup_steps=1,

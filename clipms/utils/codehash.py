@@ -29,9 +29,17 @@ def module_closure(entry: str, root: Path | str,
     root = Path(root)
     packages = tuple(packages)
     seen: set[Path] = set()
+    # A module is imported from many files, and every module of a package looks at the package's
+    # __init__.py: find each name, and read each file, once per closure.
+    looked_up: set[str] = set()
+    runs_nothing: dict[Path, bool] = {}
     pending = [entry]
     while pending:
-        for path in _module_files(pending.pop(), root, packages):
+        module = pending.pop()
+        if module in looked_up:
+            continue
+        looked_up.add(module)
+        for path in _module_files(module, root, packages, runs_nothing):
             if path not in seen:
                 seen.add(path)
                 pending.extend(imported_modules(path, root))
@@ -47,8 +55,10 @@ def code_digest(files: Iterable[Path | str], root: Path | str) -> str:
     return digest.hexdigest()
 
 
-def _module_files(module: str, root: Path, packages: tuple[str, ...]) -> list[Path]:
-    """The file of `module` and the `__init__.py` of each package above it (empty if external)."""
+def _module_files(module: str, root: Path, packages: tuple[str, ...],
+                  runs_nothing: dict[Path, bool]) -> list[Path]:
+    """The file of `module` and the `__init__.py` of each package above it (empty if external);
+    `runs_nothing` remembers which files hold no code."""
     parts = module.split(".")
     if parts[0] not in packages:
         return []
@@ -57,7 +67,9 @@ def _module_files(module: str, root: Path, packages: tuple[str, ...]) -> list[Pa
         base = Path(*parts[:depth])
         for candidate in (base / "__init__.py", base.with_suffix(".py")):
             if (root / candidate).is_file():
-                if not _runs_nothing(root / candidate):
+                if candidate not in runs_nothing:
+                    runs_nothing[candidate] = _runs_nothing(root / candidate)
+                if not runs_nothing[candidate]:
                     found.append(candidate)
                 break
         else:
@@ -66,9 +78,13 @@ def _module_files(module: str, root: Path, packages: tuple[str, ...]) -> list[Pa
 
 
 def _runs_nothing(path: Path) -> bool:
-    """A file with at most a docstring (a package's `__init__.py`, typically)."""
-    tree = _strip_docstrings(ast.parse(path.read_text(), str(path)))
-    return all(isinstance(node, ast.Pass) for node in tree.body)
+    """A file with at most a docstring (a package's `__init__.py`, typically). Only the top level
+    is looked at: this runs for every module an import reaches, and walking each whole tree made
+    the closures of the stages cost seconds."""
+    body = ast.parse(path.read_text(), str(path)).body
+    if body and _is_docstring(body[0]):
+        body = body[1:]
+    return all(isinstance(node, ast.Pass) for node in body)
 
 
 def imported_modules(path: Path, root: Path) -> list[str]:
@@ -98,8 +114,11 @@ def _strip_docstrings(tree: ast.AST) -> ast.AST:
     for node in ast.walk(tree):
         if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
             continue
-        first = node.body[0] if node.body else None
-        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-                and isinstance(first.value.value, str):
+        if node.body and _is_docstring(node.body[0]):
             node.body = node.body[1:] or [ast.Pass()]
     return tree
+
+
+def _is_docstring(statement: ast.stmt) -> bool:
+    return isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) \
+        and isinstance(statement.value.value, str)
