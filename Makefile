@@ -48,7 +48,7 @@ test: env
 	pytest -q -n 2 --dist loadfile
 
 # The fast tier: every test not marked slow (tests/conftest.py says which must be), the same two
-# workers; under two minutes on a 2-core machine. `make test` stays the whole suite, as CI runs it.
+# workers; about 140 CPU-seconds. `make test` stays the whole suite, as CI runs it.
 .PHONY: test-fast
 test-fast: env
 	pytest -q -n 2 --dist loadfile -m "not slow"

@@ -194,6 +194,18 @@ def mutation(record: Record) -> str:
                   "score", "commit", "run"], rows, right=6)
 
 
+def mutation_tiers(record: Record) -> str:
+    """Per module: the fast tier's kills beside the whole suite's, and what only slow tests kill."""
+    rows = []
+    for label, m in record["results"].items():
+        fast, every = m["fast"], m["all"]
+        rows.append([label, f"`{m['file']}`", fast["mutants"], fast["killed"], every["killed"],
+                     fast["wall_min"], every["wall_min"],
+                     ", ".join(m["killed_only_with_slow_tests"]) or "none"])
+    return table(["module", "file", "mutants", "killed by the fast tier", "killed by all tests",
+                  "fast tier min", "all tests min", "killed only by slow tests"], rows, right=5)
+
+
 def serving(record: Record) -> str:
     """The goals per mode, then every workload's medians (QPS, p99 ms)."""
     res = record["results"]
@@ -244,7 +256,8 @@ RENDERERS: dict[str, Callable[[Record], str]] = {
     "speed_vs_openclip": speed_vs_openclip, "loader": loader, "retrieval": retrieval,
     "data_dedupe": data_dedupe, "data_shard": data_shard, "data_download": data_download,
     "data_urlguard": data_urlguard, "checkpoint": checkpoint,
-    "export_fp16_parity": export_fp16_parity, "mutation": mutation, "serving": serving,
+    "export_fp16_parity": export_fp16_parity, "mutation": mutation,
+    "mutation_tiers": mutation_tiers, "serving": serving,
     "default_run": default_run,
 }
 

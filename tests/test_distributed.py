@@ -219,6 +219,7 @@ SHUTDOWN_NOISE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # starts worker processes
 def test_a_run_fails_by_a_workers_exit_code_not_by_a_traceback_in_its_log(tmp_path):
     logs = tmp_path / "ok"
     logs.mkdir()

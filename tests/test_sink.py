@@ -122,6 +122,7 @@ class HostQueue:
         HostQueue.closed[-1] = True
 
 
+@pytest.mark.slow  # compiles a training step and runs it through a sink feed
 def test_a_sink_feed_gives_the_step_the_host_feeds_batches_and_closes_after_the_last(
         monkeypatch):
     cfg = TrainConfig(model=MICRO, batch_size=4, lr=1e-3, warmup_steps=1, accum_steps=2,

@@ -181,6 +181,7 @@ def test_checkpoints_of_another_config_are_set_aside_not_resumed(tmp_path, caplo
     assert checkpoint.load(saved[0]).meta["fingerprint"] == other.fingerprint()
 
 
+@pytest.mark.slow  # starts a process per rank
 def test_rank_0_sets_stale_checkpoints_aside_only_after_every_rank_has_read_the_folder(tmp_path):
     # Data parallel: every rank reads the folder (load_latest), then rank 0 moves a stale set
     # aside. The barrier (clipms.parallel.comm.barrier under msrun) is what keeps rank 0 from
