@@ -97,11 +97,11 @@ def lock_params(lock: Mapping[str, Any], stages: Iterable[str]) -> dict[str, str
     return out
 
 
-def val_digest(manifest: Path) -> str | None:
-    """A digest of the evaluation set: sha256 over the val shards' names and sha256s."""
+def val_digest(manifest: Path, split: str = "val") -> str | None:
+    """A digest of the evaluation set: sha256 over the split's shards' names and sha256s."""
     if not manifest.exists():
         return None
-    shards = read_json(manifest).get("splits", {}).get("val", {}).get("shards", [])
+    shards = read_json(manifest).get("splits", {}).get(split, {}).get("shards", [])
     if not shards:
         return None
     lines = sorted(f"{s['name']}:{s['sha256']}" for s in shards)

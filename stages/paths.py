@@ -22,6 +22,7 @@ SHARDS = Path("data/shards")
 SHARDS_TRAIN = SHARDS / "train"
 SHARDS_VAL = SHARDS / "val"
 MANIFEST = SHARDS / "manifest.json"
+EVALSETS = Path("data/evalsets")  # frozen evaluation sets, one folder each (pipeline.evalset)
 
 # models/
 TOKENIZER = Path("models/tokenizer.json")
@@ -51,3 +52,12 @@ RECALL_PLOT = Path("plots/recall_at_k.png")
 CONFUSION_CSV = Path("plots/confusion_matrix.csv")
 CONFUSION_PNG = Path("plots/confusion_matrix.png")
 GALLERY = Path("plots/retrieval_gallery.png")
+
+
+def evaluation_set(split: str, pinned_set: str | None) -> tuple[Path, str, str]:
+    """(shards folder, split, name) of the samples `evaluate` scores and the gate compares on:
+    `split` of data/shards, or the frozen set `pinned_set` (its val split)."""
+    if pinned_set:
+        folder = EVALSETS / pinned_set
+        return folder, "val", f"pinned set {pinned_set} ({folder})"
+    return SHARDS, split, f"split {split} of {SHARDS}"

@@ -322,11 +322,12 @@ def test_a_gain_of_exactly_the_margin_promotes():
     d = decide(Candidate("2", 0.75, DIGEST), Candidate("1", 0.5, DIGEST), "i2t_R@5", 0.25)
     assert (d.alias, d.compared, d.margin, d.primary_metric) == (CHAMPION, True, 0.25, "i2t_R@5")
     assert d.reason == ("i2t_R@5 0.75 beats champion v1's 0.5 (higher is better) by 0.25 >= "
-                        "margin 0.25")
+                        f"margin 0.25; both on evaluation set {DIGEST}")
     worse = decide(Candidate("2", 12.0, DIGEST), Candidate("1", 10.0, DIGEST), "i2t_mean_rank",
                    0.0, direction="lower")
     assert worse.reason == ("i2t_mean_rank 12 does not beat champion v1's 10 (lower is better) "
-                            "by more than 0 and at least margin 0 (gain -2)")
+                            f"by more than 0 and at least margin 0 (gain -2); both on evaluation "
+                            f"set {DIGEST}")
 
 
 @pytest.mark.parametrize(("new", "champion", "unknown"), [
