@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from clipms.eval.metrics import HIGHER, LOWER, metric_direction
+from registry.versions import logged_model_id
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 
@@ -192,15 +193,6 @@ def metric_tag(primary_metric: str) -> str:
     from registry.journal import mlflow_key
 
     return f"metric.{mlflow_key(primary_metric)}"
-
-
-def logged_model_id(version: Any) -> str | None:
-    """The id of the logged model a version was registered from. MLflow's SQL registry leaves the
-    version's `model_id` empty and keeps the id in its source, `models:/<model_id>`."""
-    if getattr(version, "model_id", None):
-        return str(version.model_id)
-    rest = (getattr(version, "source", None) or "").removeprefix("models:/")
-    return rest if rest != version.source and rest and "/" not in rest else None
 
 
 def logged_metrics(mlflow_client: Any, version: Any) -> dict[str, float]:

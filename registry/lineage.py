@@ -130,6 +130,18 @@ def lineage(lock: Mapping[str, Any], manifest: Path) -> dict[str, str]:
     return safe_params({k: str(v) for k, v in tags.items() if v is not None})
 
 
+def carried_over(what: str, uri: str, version_uri: str | None, run_id: str | None,
+                 sha256: str | None) -> dict[str, str]:
+    """Lineage tags of what a night took from a registered version (registry.carryover): `what`
+    is "tokenizer" (tokenizer.pin) or "init" (train.init_from); `version_uri` None: nothing was
+    registered yet, so nothing was taken (the first night)."""
+    if version_uri is None:
+        return {f"lineage.{what}_from": f"none: {uri} names no registered model yet (the first "
+                                        "night)"}
+    return {f"lineage.{what}_from": version_uri, f"lineage.{what}_from_uri": uri,
+            f"lineage.{what}_from_run": run_id or "", f"lineage.{what}_sha256": sha256 or ""}
+
+
 def dvc_experiment_tags() -> dict[str, str]:
     """The DVC experiment this run belongs to, when DVC says so (queued/temp experiments)."""
     names = {"DVC_EXP_NAME": "dvc.exp_name", "DVC_EXP_BASELINE_REV": "dvc.exp_baseline_rev"}

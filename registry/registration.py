@@ -3,9 +3,9 @@
 The gate runs under the registry's lock (`registry.gatelock`) and reads the champion there, after
 this version exists, so two registrations racing against one registry compare in turn, never
 against the same old champion. When the champion was scored on another evaluation set, it is
-re-scored on this version's (`registry.rescore`) before the lock is taken (it may take minutes),
-and again under the lock only if the champion changed meanwhile. It fails closed
-(`gate.GateError`): no alias moves.
+re-scored on this version's (`registry.rescore`) there too, so the value compared is always the
+current champion's (another registration waits up to `register.lock_timeout` meanwhile). It
+fails closed (`gate.GateError`): no alias moves.
 
 The training checkpoint the bundle was exported from (clip.ckpt, clip.json, tokenizer.json) is
 logged with the version, into its run under `checkpoint/<logged model id>/`
@@ -190,16 +190,12 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
 
     new = gate.Candidate(number, metrics[params.primary_metric],
                          tags["lineage.val_digest"] or None, gate.EVALUATED_IN_THIS_RUN)
-    # Re-scoring can take minutes: done before the lock, so other registrations do not wait.
-    scored = _comparable(mlflow_client, params, new,
-                         gate.current_champion(mlflow_client, params.model_name,
-                                               params.primary_metric), evaluation_set)
     with gate_lock(tracking_uri(), params.model_name, params.lock_timeout) as lock:
-        champion = gate.current_champion(mlflow_client, params.model_name, params.primary_metric)
-        if champion is not None and (scored is None or scored.version != champion.version):
-            scored = _comparable(mlflow_client, params, new, champion, evaluation_set)
-        decision = gate.decide(new, scored if champion else None, params.primary_metric,
-                               params.margin, direction, set_name)
+        champion = _comparable(mlflow_client, params, new,
+                               gate.current_champion(mlflow_client, params.model_name,
+                                                     params.primary_metric), evaluation_set)
+        decision = gate.decide(new, champion, params.primary_metric, params.margin, direction,
+                               set_name)
         gate.apply(mlflow_client, params.model_name, number, decision)
 
     record = {"model_name": params.model_name, "version": int(number), "run_id": run.run_id,

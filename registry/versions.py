@@ -95,9 +95,16 @@ def resolve(mlflow_client: Any, uri: str) -> Version:
         _require_model(mlflow_client, name, uri)
         what = f"no alias '{alias}'" if alias is not None else f"no version {number}"
         raise VersionError(f"{uri}: registered model '{name}' has {what}") from None
-    from registry.gate import logged_model_id
-
     return Version(uri, name, str(found.version), found.run_id or None, logged_model_id(found))
+
+
+def logged_model_id(version: Any) -> str | None:
+    """The id of the logged model a version was registered from. MLflow's SQL registry leaves the
+    version's `model_id` empty and keeps the id in its source, `models:/<model_id>`."""
+    if getattr(version, "model_id", None):
+        return str(version.model_id)
+    rest = (getattr(version, "source", None) or "").removeprefix("models:/")
+    return rest if rest != version.source and rest and "/" not in rest else None
 
 
 def _require_model(mlflow_client: Any, name: str, uri: str) -> None:

@@ -35,11 +35,13 @@ CHECKPOINTS_RUN = CHECKPOINTS / "mlflow_run.json"  # the MLflow run that wrote t
 MSRUN_LOGS = CHECKPOINTS / "msrun"
 BUNDLE = Path("models/export")
 INDEX = Path("models/index")  # the search index of the bundle's embeddings (serving/)
+WARM_START = Path("models/warm-start")  # train: the registered checkpoint it starts from (no out)
 
 # metrics/ (`dvc metrics show`) and plots/ (`dvc plots show`); cache: false in dvc.yaml
 DEDUPE_METRICS = Path("metrics/dedupe.json")
 DOWNLOAD_METRICS = Path("metrics/download.json")
 SHARD_METRICS = Path("metrics/shard.json")
+TOKENIZER_METRICS = Path("metrics/tokenizer.json")  # where models/tokenizer.json came from
 TRAIN_METRICS = Path("metrics/train.json")
 EVAL_METRICS = Path("metrics/eval.json")
 CLIP_BENCHMARK = Path("metrics/clip_benchmark")  # the same results as CLIP_benchmark JSON files
