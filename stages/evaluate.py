@@ -65,6 +65,10 @@ def main() -> int:
                       clip_benchmark_dir=paths.CLIP_BENCHMARK)
     g = params.gallery
     try:
+        if params.pinned_set:  # a frozen set must be the one recorded, shard for shard
+            from clipms.data.evalset import verify
+
+            verify(shards)
         benchmark_run = BenchmarkRun(model=model_name, pretrained=str(paths.CHECKPOINT))
         run = RunConfig.read(paths.RUN_CONFIG)
         net = load_clip(paths.CHECKPOINT, run.model)

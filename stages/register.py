@@ -29,18 +29,23 @@ def evaluation_set(params: Any) -> Any:
     from registry.rescore import EvaluationSet
 
     shards, split, name = paths.evaluation_set(params.split, params.pinned_set)
+    if params.pinned_set:  # a frozen set must be the one recorded, shard for shard
+        from clipms.data.evalset import verify
+
+        verify(shards)
     return EvaluationSet(shards, split, val_digest(shards / "manifest.json", split), name,
                          params.zeroshot_spec(), params.batch_size)
 
 
 def main() -> int:
+    from clipms.data.webds import DataError
     from clipms.eval.settings import EvaluateParams
     from registry.settings import register_params
 
     try:
         params = register_params(paths.PARAMS)
         evaluated_on = evaluation_set(load_section("evaluate", EvaluateParams))
-    except ParamsError as err:
+    except (ParamsError, DataError) as err:
         print(f"register: error: {err}", file=sys.stderr)
         return 1
     from clipms.utils.jsonio import read_json, write_json

@@ -276,3 +276,58 @@ def test_a_champion_that_cannot_be_rescored_fails_closed(
     assert champion_version(model) == "1"
     v2_version = client.get_model_version(model, "2")
     assert not v2_version.aliases and not v2_version.description
+
+
+def test_versions_scored_on_one_pinned_set_compare_without_rescoring(
+        proxy: FaultProxy, bundle: Path, tmp_path: Path) -> None:
+    """evaluate.pinned_set: the nights' val splits differ (11, then 13 images), the frozen set
+    does not; the decision names it, and the champion's recorded value is compared as is."""
+    import shutil
+
+    from clipms.data.evalset import freeze
+    from registry.lineage import val_digest
+
+    model = "gate-pinned"
+    pinned = tmp_path / "frozen"
+    records = []
+    for name, images, value in (("v1", 11, 0.5), ("v2", 13, 0.6)):
+        ws = prepare_workspace(tmp_path / name, bundle, metrics_with("i2t_R@5", value), model,
+                               val_images=images)
+        if not pinned.exists():
+            freeze(ws / "data" / "shards", "val", pinned)  # today's split, frozen on night 1
+        shutil.copytree(pinned, ws / "data" / "evalsets" / "2026-12")
+        with open(ws / "params.yaml", "a") as params:
+            params.write("evaluate:\n  pinned_set: '2026-12'\n")
+        code, record = register_in(ws)
+        assert code == 0 and record is not None
+        records.append(record)
+    digest = val_digest(pinned / "manifest.json")
+    second = records[1]
+    assert (second["alias"], second["compared"], second["eval_set"]) == ("champion", True, digest)
+    assert second["eval_set_name"] == "pinned set 2026-12 (data/evalsets/2026-12)"
+    assert second["champion_source"] == "recorded when v1 was registered"
+    assert second["champion_value"] == 0.5 and second["champion_recorded_value"] is None
+    description = settings.client().get_model_version(model, "2").description
+    assert "pinned set 2026-12" in description and digest in description
+    assert settings.client().get_model_version(model, "1").tags["lineage.eval_set"] == (
+        "pinned set 2026-12 (data/evalsets/2026-12)")
+
+
+def test_a_run_whose_creation_was_answered_too_late_still_registers(
+        proxy: FaultProxy, bundle: Path, tmp_path: Path) -> None:
+    """A server slower than the stage's wait when train opens the run: the run is created, but
+    train never learns its id (the run file holds none) and evaluate's journal is gone once it
+    was sent. register finds the run by its key instead of failing forever."""
+    import json
+
+    from registry.sender import RUN_KEY_TAG
+
+    proxy.add(Rule("POST", "/runs/create", "hold", release=threading.Event(), hold_s=20.0,
+                   times=1))
+    ws = prepare_workspace(tmp_path / "slow", bundle, scores(0.5), "gate-slow-create")
+    run_file = json.loads((ws / "models" / "mlflow_run.json").read_text())
+    assert run_file["run_id"] is None
+    code, record = register_in(ws)
+    assert code == 0 and record is not None and record["alias"] == "champion"
+    tags = settings.client().get_run(record["run_id"]).data.tags
+    assert tags[RUN_KEY_TAG] == run_file["run_key"]

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from clipms.eval.evaluate import ZeroShotSpec
 
 _FIELD = re.compile(r"[A-Za-z0-9_]+")
+PINNED_SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a folder name, never a path
 
 
 def _checked_templates(templates: list[str]) -> list[str]:
@@ -67,7 +68,7 @@ class EvaluateParams(Section):
     split: str = "val"
     # A frozen evaluation set (its name under the pipeline's pinned-sets folder) scored instead
     # of `split`: the same yardstick for every night (docs/mlflow.md, "A pinned evaluation set").
-    pinned_set: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    pinned_set: str | None = Field(None, pattern=PINNED_SET_NAME.pattern)
     zeroshot: ZeroShotParams = ZeroShotParams()
     gallery: GalleryParams = GalleryParams()
     clip_benchmark: ClipBenchmarkParams = ClipBenchmarkParams()
