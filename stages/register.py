@@ -12,19 +12,22 @@ nothing upstream is lost.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pipeline.params import ParamsError, load_section
 from stages import paths
+
+if TYPE_CHECKING:
+    from clipms.eval.settings import EvaluateParams
+    from registry.rescore import EvaluationSet
 
 READS = (paths.BUNDLE, paths.INDEX, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST,
          paths.SHARDS_VAL, paths.CHECKPOINT, paths.RUN_CONFIG, paths.TOKENIZER)
 WRITES = (paths.REGISTER_METRICS,)
 
 
-def evaluation_set(params: Any) -> Any:
-    """The set `evaluate` scored this version on (clipms.eval.settings.EvaluateParams), as the
-    gate re-scores a champion on it."""
+def evaluation_set(params: EvaluateParams) -> EvaluationSet:
+    """The set `evaluate` scored this version on, as the gate re-scores a champion on it."""
     from registry.lineage import val_digest
     from registry.rescore import EvaluationSet
 
