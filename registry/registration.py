@@ -154,8 +154,9 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
     """Log + register the bundle as a new version of `params.model_name`; returns the gate's
     record. GateError (before anything is logged) for a primary metric evaluate did not write.
     `index_dir` (the index stage's output) is logged into the logged model, and
-    `checkpoint_files` (clip.ckpt, clip.json, tokenizer.json) beside it in the run, before the
-    version exists: no version is registered without them. `evaluation_set` is the set
+    `checkpoint_files` (the stage passes clip.ckpt, clip.json, tokenizer.json) beside it in the
+    run, before the version exists: the stage never registers a version without them (a warm
+    start from one registered without them fails, naming it). `evaluation_set` is the set
     `eval_metrics` were computed on; the champion is re-scored on it when it was scored on
     another one (None: the shard manifest's val split names the set, and nothing can be
     re-scored)."""
