@@ -51,7 +51,8 @@ MODEL_DESCRIPTION_START = "CLIP image-text embedding model (MindSpore, exported 
 MODEL_DESCRIPTION = (
     MODEL_DESCRIPTION_START + " registered by the clipms pipeline's register stage. Alias "
     "`champion`: the version the gate promoted, best `{metric}` ({better} is better, margin "
-    "{margin:g}) on the same evaluation set (tag `lineage.val_digest`); `challenger`: the latest "
+    "{margin:g}) on the same evaluation set (tag `lineage.val_digest`; a champion scored on "
+    "another set is re-scored on the new version's first); `challenger`: the latest "
     "version that did not beat it. Each version's description is the gate's decision; its tags "
     "are its lineage and the gate's inputs; its metrics are on its logged model (experiment > "
     "Models).")
