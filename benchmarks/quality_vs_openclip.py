@@ -152,7 +152,7 @@ def model_config(args: argparse.Namespace) -> Any:
 def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """clipms's trainer on the shards; (features for scoring, run facts)."""
     from clipms.data.preprocess import PreprocessConfig
-    from clipms.eval.embed import embed_split
+    from clipms.eval.embed import CellTowers, embed_split
     from clipms.runtime import for_precision, prepare_import
     from clipms.train.loop import ShardBatches, TrainConfig, train
 
@@ -172,7 +172,7 @@ def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     started = time.perf_counter()
     result = train(config, source, checkpoint_dir=None)
     train_s = time.perf_counter() - started
-    val = embed_split(result.model, tokenizer, preprocess, shards, 128, "val")
+    val = embed_split(CellTowers(result.model, tokenizer, 128), preprocess, shards, 128, "val")
     return ({"image_features": val.image_features, "text_features": val.text_features,
              "text_to_image": val.text_to_image},
             {"side": "ours", "final_loss": result.summary["final_loss"],

@@ -3,8 +3,11 @@
 A new version becomes `champion` only if its primary metric beats the current champion's by at least
 `margin` in the metric's own direction (higher-is-better like R@5, lower-is-better like mean rank;
 strictly: a tie never replaces the champion), on the same evaluation set (same val-set digest, and
-both known). A version evaluated on a different or unknown set is never compared with the champion:
-it becomes `challenger` and the reason says why. The first version of a model becomes champion.
+both known). When the champion was scored on another set (the data grew, so new images hashed
+into val), the caller re-scores it on the new version's set first (`needs_rescore`,
+`registry.rescore`) and hands `decide` that value; a version compared against a champion value of
+another or an unknown set becomes `challenger` and the reason says why. The first version of a
+model becomes champion. Every decision says which set both values are on and where each came from.
 
 It fails closed: only "the model has no `champion` alias" leads to the first-version path. Any error
 reading the registry (a locked database, a 5xx, a timeout) is a `GateError`, and no alias moves.
@@ -17,12 +20,17 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from clipms.eval.metrics import HIGHER, LOWER, metric_direction
+from registry.versions import logged_model_id
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 
 
 class GateError(RuntimeError):
     """The gate could not decide safely (the registry did not answer, or a bad primary metric)."""
+
+
+# Where a value came from, when nobody says otherwise (the new version's: its evaluate stage).
+EVALUATED_IN_THIS_RUN = "evaluate stage of this run"
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,11 @@ class Candidate:
     version: str
     value: float | None  # the primary metric on its evaluation set
     val_digest: str | None  # which evaluation set produced `value`
+    source: str = ""  # where `value` came from ("" = recorded when the version was registered)
+    recorded: tuple[float | None, str | None] | None = None  # re-scored: (value, digest) before
+
+    def origin(self) -> str:
+        return self.source or f"recorded when v{self.version} was registered"
 
 
 @dataclass(frozen=True)
@@ -45,9 +58,30 @@ class Decision:
     champion_value: float | None  # the champion's value before this decision (None: no champion)
     champion_version: str | None
     compared: bool  # False when there was nothing comparable to compare against
+    eval_set: str | None = None  # the val digest of the set both values are on (when compared)
+    eval_set_name: str | None = None  # what that set is (the evaluate stage's split, a pinned set)
+    new_source: str | None = None  # where new_value came from
+    champion_source: str | None = None  # where champion_value came from
+    champion_recorded_value: float | None = None  # re-scored: the value the champion had before
+    champion_recorded_set: str | None = None  # ... on this set (its own val digest)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def needs_rescore(new: Candidate, champion: Candidate | None) -> bool:
+    """True when the champion has no value on the new version's evaluation set (it was scored on
+    another or an unknown one, or not for this metric), and that set is known: the champion must
+    be re-scored on it before the two can be compared."""
+    if champion is None or not new.val_digest:
+        return False
+    return champion.val_digest != new.val_digest or champion.value is None
+
+
+def rescored(champion: Candidate, value: float, val_digest: str, source: str) -> Candidate:
+    """The champion as scored again on the set `val_digest`, remembering what it had before."""
+    return Candidate(champion.version, value, val_digest, source,
+                     recorded=(champion.value, champion.val_digest))
 
 
 def primary_direction(primary_metric: str, metrics: Mapping[str, Any]) -> str:
@@ -66,17 +100,23 @@ def primary_direction(primary_metric: str, metrics: Mapping[str, Any]) -> str:
 
 
 def decide(new: Candidate, champion: Candidate | None, primary_metric: str,
-           margin: float, direction: str = HIGHER) -> Decision:
-    """Champion or challenger for `new`, given the current champion (None if there is none)."""
+           margin: float, direction: str = HIGHER, eval_set_name: str | None = None) -> Decision:
+    """Champion or challenger for `new`, given the current champion (None if there is none);
+    `eval_set_name` names the new version's evaluation set in the decision."""
     if margin < 0:
         raise ValueError(f"register.margin must be >= 0, got {margin}")
     if direction not in (HIGHER, LOWER):
         raise ValueError(f"direction must be {HIGHER!r} or {LOWER!r}, got {direction!r}")
 
     def result(alias: str, reason: str, compared: bool) -> Decision:
+        recorded = champion.recorded if champion and champion.recorded else (None, None)
         return Decision(alias, reason, primary_metric, direction, margin, new.value,
                         champion.value if champion else None,
-                        champion.version if champion else None, compared)
+                        champion.version if champion else None, compared,
+                        eval_set=new.val_digest if compared else None,
+                        eval_set_name=eval_set_name, new_source=new.source or EVALUATED_IN_THIS_RUN,
+                        champion_source=champion.origin() if champion else None,
+                        champion_recorded_value=recorded[0], champion_recorded_set=recorded[1])
 
     if champion is None:
         return result(CHAMPION, "first version: there is no champion yet", False)
@@ -97,14 +137,28 @@ def decide(new: Candidate, champion: Candidate | None, primary_metric: str,
             f"not compared: champion v{champion.version} has no '{primary_metric}' value"), False)
     gain = new.value - champion.value if direction == HIGHER else champion.value - new.value
     better = "higher" if direction == HIGHER else "lower"
+    where = _where(champion, new.val_digest, eval_set_name)
     if gain > 0 and gain >= margin:
         return result(CHAMPION, (
             f"{primary_metric} {new.value:.6g} beats champion v{champion.version}'s "
-            f"{champion.value:.6g} ({better} is better) by {gain:.6g} >= margin {margin:g}"), True)
+            f"{champion.value:.6g} ({better} is better) by {gain:.6g} >= margin {margin:g}"
+            f"{where}"), True)
     return result(CHALLENGER, (
         f"{primary_metric} {new.value:.6g} does not beat champion v{champion.version}'s "
         f"{champion.value:.6g} ({better} is better) by more than 0 and at least margin "
-        f"{margin:g} (gain {gain:.6g})"), True)
+        f"{margin:g} (gain {gain:.6g}){where}"), True)
+
+
+def _where(champion: Candidate, digest: str, name: str | None) -> str:
+    """"; both on evaluation set <name> <digest>", and how the champion got its value there."""
+    named = f"{name} " if name else ""
+    text = f"; both on evaluation set {named}{digest}"
+    if champion.recorded is not None:
+        value, old_set = champion.recorded
+        before = "no value" if value is None else f"{value:.6g}"
+        text += (f", the champion's value {champion.origin()} (it had {before} on "
+                 f"{old_set or 'an unknown set'})")
+    return text
 
 
 def current_champion(mlflow_client: Any, name: str, primary_metric: str) -> Candidate | None:
@@ -126,10 +180,10 @@ def current_champion(mlflow_client: Any, name: str, primary_metric: str) -> Cand
         return candidate_from_version(version, primary_metric, mlflow_client)
     except Exception as err:  # a locked database, a 5xx, a timeout: never "no champion"
         raise GateError(f"could not read the current champion of '{name}' from the registry "
-                        f"({_first_line(err)}); no alias was moved") from err
+                        f"({first_line(err)}); no alias was moved") from err
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
@@ -139,15 +193,6 @@ def metric_tag(primary_metric: str) -> str:
     from registry.journal import mlflow_key
 
     return f"metric.{mlflow_key(primary_metric)}"
-
-
-def logged_model_id(version: Any) -> str | None:
-    """The id of the logged model a version was registered from. MLflow's SQL registry leaves the
-    version's `model_id` empty and keeps the id in its source, `models:/<model_id>`."""
-    if getattr(version, "model_id", None):
-        return str(version.model_id)
-    rest = (getattr(version, "source", None) or "").removeprefix("models:/")
-    return rest if rest != version.source and rest and "/" not in rest else None
 
 
 def logged_metrics(mlflow_client: Any, version: Any) -> dict[str, float]:
@@ -174,7 +219,8 @@ def candidate_from_version(version: Any, primary_metric: str,
 
 
 def describe(decision: Decision) -> str:
-    """The version's one-line description in the registry: the gate's decision and why."""
+    """The version's description in the registry: the gate's decision and why (the reason names
+    the evaluation set and where the champion's value came from)."""
     value = "none" if decision.new_value is None else f"{decision.new_value:.6g}"
     return f"{decision.alias} ({decision.primary_metric} {value}): {decision.reason}"
 

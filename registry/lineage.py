@@ -97,11 +97,11 @@ def lock_params(lock: Mapping[str, Any], stages: Iterable[str]) -> dict[str, str
     return out
 
 
-def val_digest(manifest: Path) -> str | None:
-    """A digest of the evaluation set: sha256 over the val shards' names and sha256s."""
+def val_digest(manifest: Path, split: str = "val") -> str | None:
+    """A digest of the evaluation set: sha256 over the split's shards' names and sha256s."""
     if not manifest.exists():
         return None
-    shards = read_json(manifest).get("splits", {}).get("val", {}).get("shards", [])
+    shards = read_json(manifest).get("splits", {}).get(split, {}).get("shards", [])
     if not shards:
         return None
     lines = sorted(f"{s['name']}:{s['sha256']}" for s in shards)
@@ -128,6 +128,18 @@ def lineage(lock: Mapping[str, Any], manifest: Path) -> dict[str, str]:
     if tags["lineage.git_commit"]:
         tags["mlflow.source.git.commit"] = tags["lineage.git_commit"]
     return safe_params({k: str(v) for k, v in tags.items() if v is not None})
+
+
+def carried_over(what: str, uri: str, version_uri: str | None, run_id: str | None,
+                 sha256: str | None) -> dict[str, str]:
+    """Lineage tags of what a night took from a registered version (registry.carryover): `what`
+    is "tokenizer" (tokenizer.pin) or "init" (train.init_from); `version_uri` None: nothing was
+    registered yet, so nothing was taken (the first night)."""
+    if version_uri is None:
+        return {f"lineage.{what}_from": f"none: {uri} names no registered model yet (the first "
+                                        "night)"}
+    return {f"lineage.{what}_from": version_uri, f"lineage.{what}_from_uri": uri,
+            f"lineage.{what}_from_run": run_id or "", f"lineage.{what}_sha256": sha256 or ""}
 
 
 def dvc_experiment_tags() -> dict[str, str]:

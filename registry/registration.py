@@ -2,17 +2,24 @@
 
 The gate runs under the registry's lock (`registry.gatelock`) and reads the champion there, after
 this version exists, so two registrations racing against one registry compare in turn, never
-against the same old champion. It fails closed (`gate.GateError`): no alias moves.
+against the same old champion. When the champion was scored on another evaluation set, it is
+re-scored on this version's (`registry.rescore`) there too, so the value compared is always the
+current champion's (another registration waits up to `register.lock_timeout` meanwhile). It
+fails closed (`gate.GateError`): no alias moves.
+
+The training checkpoint the bundle was exported from (clip.ckpt, clip.json, tokenizer.json) is
+logged with the version, into its run under `checkpoint/<logged model id>/`
+(`registry.versions`), so a later night can warm-start from it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from clipms.eval.metrics import metric_direction
 from registry import gate, pyfunc
@@ -21,6 +28,10 @@ from registry.journal import mlflow_key, now_ms
 from registry.lineage import val_digest
 from registry.run import PipelineRun
 from registry.settings import RegisterParams, client, tracking_uri
+from registry.versions import checkpoint_path
+
+if TYPE_CHECKING:
+    from registry.rescore import EvaluationSet
 
 MODEL_ARTIFACT = "clip"  # the logged model's name inside the run
 # The search index's folder inside the logged model's own artifacts (serving/ reads it), beside
@@ -40,7 +51,8 @@ MODEL_DESCRIPTION_START = "CLIP image-text embedding model (MindSpore, exported 
 MODEL_DESCRIPTION = (
     MODEL_DESCRIPTION_START + " registered by the clipms pipeline's register stage. Alias "
     "`champion`: the version the gate promoted, best `{metric}` ({better} is better, margin "
-    "{margin:g}) on the same evaluation set (tag `lineage.val_digest`); `challenger`: the latest "
+    "{margin:g}) on the same evaluation set (tag `lineage.val_digest`; a champion scored on "
+    "another set is re-scored on the new version's first); `challenger`: the latest "
     "version that did not beat it. Each version's description is the gate's decision; its tags "
     "are its lineage and the gate's inputs; its metrics are on its logged model (experiment > "
     "Models).")
@@ -105,13 +117,24 @@ def link_metrics(mlflow_client: Any, run_id: str, model_id: str,
 
 
 def version_tags(run_tags: Mapping[str, str], digest: str | None, primary_metric: str,
-                 metrics: Mapping[str, float]) -> dict[str, str]:
-    """A version's tags: its lineage (from the run) and the gate's inputs (the val digest, the
-    primary metric's value). Every other metric is on the logged model, not in the tags."""
+                 metrics: Mapping[str, float], eval_set_name: str | None = None) -> dict[str, str]:
+    """A version's tags: its lineage (from the run) and the gate's inputs (the val digest and
+    the name of that evaluation set, the primary metric's value). Every other metric is on the
+    logged model, not in the tags."""
     tags = {k: v for k, v in run_tags.items() if k.startswith("lineage.")}
     tags["lineage.val_digest"] = digest or run_tags.get("lineage.val_digest", "")
+    if eval_set_name:
+        tags["lineage.eval_set"] = eval_set_name
     tags[gate.metric_tag(primary_metric)] = repr(metrics[primary_metric])
     return tags
+
+
+def log_checkpoint(mlflow_client: Any, run_id: str, model_id: str,
+                   files: Sequence[Path | str]) -> None:
+    """The trained weights behind the bundle, beside it in the run (registry.versions reads
+    them back for a warm start)."""
+    for path in files:
+        mlflow_client.log_artifact(run_id, str(path), checkpoint_path(model_id))
 
 
 def describe_model(mlflow_client: Any, params: RegisterParams) -> None:
@@ -126,11 +149,18 @@ def describe_model(mlflow_client: Any, params: RegisterParams) -> None:
 
 def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterParams,
                      eval_metrics: Mapping[str, Any],
-                     index_dir: Path | str | None = None) -> dict[str, Any]:
+                     index_dir: Path | str | None = None,
+                     evaluation_set: EvaluationSet | None = None,
+                     checkpoint_files: Sequence[Path | str] = ()) -> dict[str, Any]:
     """Log + register the bundle as a new version of `params.model_name`; returns the gate's
     record. GateError (before anything is logged) for a primary metric evaluate did not write.
-    `index_dir` (the index stage's output) is logged into the logged model, before the version
-    exists: the version's model holds both, and no version is registered without its index."""
+    `index_dir` (the index stage's output) is logged into the logged model, and
+    `checkpoint_files` (the stage passes clip.ckpt, clip.json, tokenizer.json) beside it in the
+    run, before the version exists: the stage never registers a version without them (a warm
+    start from one registered without them fails, naming it). `evaluation_set` is the set
+    `eval_metrics` were computed on; the champion is re-scored on it when it was scored on
+    another one (None: the shard manifest's val split names the set, and nothing can be
+    re-scored)."""
     import mlflow
 
     metrics = numeric(eval_metrics)
@@ -147,21 +177,27 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
                                 step=MODEL_STEP)
         if index_dir is not None:
             mlflow_client.log_model_artifacts(info.model_id, str(index_dir), INDEX_ARTIFACT)
+        log_checkpoint(mlflow_client, run.run_id, info.model_id, checkpoint_files)
         link_metrics(mlflow_client, run.run_id, info.model_id, metrics)
     with _step(f"registering a new version of '{params.model_name}'"):
         number = str(mlflow.register_model(info.model_uri, params.model_name).version)
         describe_model(mlflow_client, params)
+    digest = evaluation_set.digest if evaluation_set else val_digest(run.files.manifest)
+    set_name = evaluation_set.name if evaluation_set else None
     with _step(f"tagging version {number}"):
-        tags = version_tags(mlflow_client.get_run(run.run_id).data.tags,
-                            val_digest(run.files.manifest), params.primary_metric, metrics)
+        tags = version_tags(mlflow_client.get_run(run.run_id).data.tags, digest,
+                            params.primary_metric, metrics, set_name)
         for key, value in tags.items():
             mlflow_client.set_model_version_tag(params.model_name, number, key, value)
 
     new = gate.Candidate(number, metrics[params.primary_metric],
-                         tags["lineage.val_digest"] or None)
+                         tags["lineage.val_digest"] or None, gate.EVALUATED_IN_THIS_RUN)
     with gate_lock(tracking_uri(), params.model_name, params.lock_timeout) as lock:
-        champion = gate.current_champion(mlflow_client, params.model_name, params.primary_metric)
-        decision = gate.decide(new, champion, params.primary_metric, params.margin, direction)
+        champion = _comparable(mlflow_client, params, new,
+                               gate.current_champion(mlflow_client, params.model_name,
+                                                     params.primary_metric), evaluation_set)
+        decision = gate.decide(new, champion, params.primary_metric, params.margin, direction,
+                               set_name)
         gate.apply(mlflow_client, params.model_name, number, decision)
 
     record = {"model_name": params.model_name, "version": int(number), "run_id": run.run_id,
@@ -172,3 +208,17 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
     run.log_metrics({"register.version": int(number),
                      "register.is_champion": int(decision.alias == gate.CHAMPION)})
     return record
+
+
+def _comparable(mlflow_client: Any, params: RegisterParams, new: gate.Candidate,
+                champion: gate.Candidate | None,
+                evaluation_set: EvaluationSet | None) -> gate.Candidate | None:
+    """The champion with a value on the new version's evaluation set: as recorded, or re-scored
+    there when it was scored on another set (RescoreError when that fails). Without a set to
+    score on, as recorded (the gate then declines to compare)."""
+    if evaluation_set is None or champion is None or not gate.needs_rescore(new, champion):
+        return champion
+    from registry.rescore import rescore
+
+    return rescore(mlflow_client, params.model_name, champion, evaluation_set,
+                   params.primary_metric)

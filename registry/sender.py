@@ -175,6 +175,10 @@ class RecordSender:
             self._run_ready()
             return
         if self.run_id is None:
+            # Created by an earlier stage whose answer came too late to be recorded (a slow
+            # server): the run carries its key, so find it rather than never sending again.
+            self.run_id = self._find(mlflow_client)
+        if self.run_id is None:
             raise TrackingUnavailable("the MLflow run has not been created yet")
         try:
             journal.send(record, mlflow_client, self.run_id)
@@ -189,10 +193,20 @@ class RecordSender:
     def _create(self, mlflow_client: Any, record: CreateRun) -> str:
         """Create the run, or find it when an earlier attempt did but its answer was lost."""
         experiment_id = ensure_experiment(mlflow_client, self.experiment)
+        found = self._search(mlflow_client, experiment_id)
+        if found:
+            return found
+        run = mlflow_client.create_run(experiment_id, tags=record.tags, run_name=record.run_name)
+        return str(run.info.run_id)
+
+    def _find(self, mlflow_client: Any) -> str | None:
+        """The id of this run if the server has it (by its key), else None."""
+        experiment = mlflow_client.get_experiment_by_name(self.experiment)
+        return None if experiment is None else self._search(mlflow_client,
+                                                             experiment.experiment_id)
+
+    def _search(self, mlflow_client: Any, experiment_id: str) -> str | None:
         found = mlflow_client.search_runs(
             [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'",
             max_results=1)
-        if found:
-            return str(found[0].info.run_id)
-        run = mlflow_client.create_run(experiment_id, tags=record.tags, run_name=record.run_name)
-        return str(run.info.run_id)
+        return str(found[0].info.run_id) if found else None

@@ -114,12 +114,21 @@ EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND = "mlflow.experimentKind", "custom_mode
 def ensure_experiment(mlflow_client: Any, name: str) -> str:
     """The experiment's id, created if missing (artifacts beside the database for a local store),
     marked as a model-training experiment unless it already says what kind it is."""
+    from mlflow.exceptions import MlflowException
+
     experiment = mlflow_client.get_experiment_by_name(name)
     if experiment is None:
         uri = mlflow_client.tracking_uri
         location = local_artifact_location(uri) if is_local_store(uri) else None
-        return str(mlflow_client.create_experiment(
-            name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND}))
+        try:
+            return str(mlflow_client.create_experiment(
+                name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND}))
+        except MlflowException as err:
+            # Another process made it meanwhile, or a slow server made it for a request the
+            # client timed out and retried: the experiment exists, which is all that was asked.
+            experiment = mlflow_client.get_experiment_by_name(name)
+            if err.error_code != "RESOURCE_ALREADY_EXISTS" or experiment is None:
+                raise
     if not (experiment.tags or {}).get(EXPERIMENT_KIND_TAG):  # made before this tag existed
         mlflow_client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG,
                                          MODEL_TRAINING_KIND)

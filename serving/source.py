@@ -9,16 +9,16 @@ another version registered from the same run cannot change this version's index.
 
 from __future__ import annotations
 
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from registry.versions import MODEL_URI, bundle_folder
 from serving.engine import ModelInfo
 
-MODEL_URI = re.compile(r"^models:/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)"
-                       r"(?:@(?P<alias>[A-Za-z0-9_-]+)|/(?P<version>\d+))$")
+__all__ = ["MODEL_URI", "Fetched", "RegistrySource", "SourceError", "bundle_folder",
+           "local_model"]
 
 
 class SourceError(RuntimeError):
@@ -47,22 +47,6 @@ def local_model(bundle_dir: Path | str, index_dir: Path | str | None = None) -> 
     index = Path(index_dir) if index_dir is not None else bundle.parent / "index"
     info = ModelInfo(name=f"local:{bundle.name}", version=bundle_digest(bundle)[:12])
     return Fetched(info, bundle, index)
-
-
-def bundle_folder(model_dir: Path) -> Path | None:
-    """The bundle's folder in a downloaded pyfunc model, as its MLmodel file names it (MLflow
-    keeps the source folder's name: artifacts/export for the pipeline's models/export)."""
-    import yaml
-
-    from registry.pyfunc import BUNDLE_ARTIFACT
-
-    try:
-        mlmodel = yaml.safe_load((model_dir / "MLmodel").read_text())
-        relative = mlmodel["flavors"]["python_function"]["artifacts"][BUNDLE_ARTIFACT]["path"]
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
-        return None
-    folder = (model_dir / relative).resolve()
-    return folder if folder.is_relative_to(model_dir.resolve()) else None
 
 
 class RegistrySource:

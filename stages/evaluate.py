@@ -12,16 +12,12 @@ row per image: actual, predicted) + .png, and plots/retrieval_gallery.png.
 
 from __future__ import annotations
 
-import re
 import sys
 import time
-from typing import Literal
 
-from pydantic import Field, field_validator
-
+from clipms.eval.settings import EvaluateParams
 from clipms.model.config import DEFAULT_PRESET
 from clipms.runtime import RuntimeConfig, configure
-from clipms.schema import Section
 from pipeline.params import ParamsError, load_section, read_params
 from stages import paths
 
@@ -29,57 +25,6 @@ READS = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.TOKENIZER, paths.SHARDS_VAL, 
          paths.MLFLOW_RUN)
 WRITES = (paths.RECALL_CURVE, paths.RECALL_PLOT, paths.CONFUSION_CSV, paths.CONFUSION_PNG,
           paths.GALLERY, paths.CLIP_BENCHMARK, paths.EVAL_METRICS, paths.EVAL_QUALITY)
-_FIELD = re.compile(r"[A-Za-z0-9_]+")
-
-
-def _checked_templates(templates: list[str]) -> list[str]:
-    missing = [t for t in templates if "{}" not in t]
-    if missing:
-        raise ValueError(f"templates need a '{{}}' placeholder for the class name: {missing}")
-    return templates
-
-
-class ZeroShotParams(Section):
-    source: Literal["labels", "folder", "webdataset", "none"] = "labels"
-    label_fields: list[str] = Field(default_factory=lambda: ["colour", "shape"], min_length=1)
-    templates: list[str] = Field(default_factory=lambda: ["a picture of a {}."], min_length=1)
-    path: str | None = None
-    class_names: list[str] | None = None
-    # label field -> its prompt templates: one zero-shot classification per field
-    attributes: dict[str, list[str]] = Field(default_factory=dict)
-
-    _templates = field_validator("templates")(_checked_templates)
-
-    @field_validator("attributes")
-    @classmethod
-    def _attribute_fields(cls, value: dict[str, list[str]]) -> dict[str, list[str]]:
-        for name, templates in value.items():
-            if not _FIELD.fullmatch(name):
-                raise ValueError(f"{name!r}: a label field name is letters, digits and _")
-            if not templates:
-                raise ValueError(f"{name}: needs at least one prompt template")
-            _checked_templates(templates)
-        return value
-
-
-class GalleryParams(Section):
-    text_queries: int = Field(6, ge=0, le=24)  # captions whose top-K images are shown
-    image_queries: int = Field(3, ge=0, le=12)  # images whose top-K captions are shown
-    top_k: int = Field(5, ge=1, le=10)
-
-
-class ClipBenchmarkParams(Section):
-    dataset: str | None = None  # null: <metadata.source>_<split>
-    zeroshot_dataset: str | None = None  # null: <dataset>/<label fields> (source: labels)
-    model: str | None = None  # null: clipms-<train.preset>
-
-
-class EvaluateParams(Section):
-    batch_size: int = Field(128, ge=1)
-    split: str = "val"
-    zeroshot: ZeroShotParams = ZeroShotParams()
-    gallery: GalleryParams = GalleryParams()
-    clip_benchmark: ClipBenchmarkParams = ClipBenchmarkParams()
 
 
 def benchmark_names(params: EvaluateParams) -> tuple[str, str]:
@@ -102,7 +47,7 @@ def main() -> int:
         return 1
     configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
     from clipms.eval.clip_benchmark import BenchmarkFormatError, BenchmarkRun
-    from clipms.eval.evaluate import EvaluationError, ZeroShotSpec, evaluate
+    from clipms.eval.evaluate import EvaluationError, evaluate
     from clipms.eval.metrics import MetricsInputError
     from clipms.eval.outputs import (
         EvalOutputs,
@@ -115,25 +60,27 @@ def main() -> int:
     from clipms.train.trained import RunConfig, TrainedModelError, load_clip
 
     zs = params.zeroshot
-    spec = ZeroShotSpec(source=zs.source, templates=tuple(zs.templates),
-                        label_fields=tuple(zs.label_fields), path=zs.path,
-                        class_names=tuple(zs.class_names) if zs.class_names else None,
-                        attributes=tuple((f, tuple(t)) for f, t in zs.attributes.items()))
+    spec = params.zeroshot_spec()
+    shards, split, _ = paths.evaluation_set(params.split, params.pinned_set)
     out = EvalOutputs(metrics=paths.EVAL_METRICS, recall_curve=paths.RECALL_CURVE,
                       recall_plot=paths.RECALL_PLOT, predictions=paths.CONFUSION_CSV,
                       confusion_png=paths.CONFUSION_PNG, gallery_png=paths.GALLERY,
                       clip_benchmark_dir=paths.CLIP_BENCHMARK, quality_dir=paths.EVAL_QUALITY)
     g = params.gallery
     try:
+        if params.pinned_set:  # a frozen set must be the one recorded, shard for shard
+            from clipms.data.evalset import verify
+
+            verify(shards)
         benchmark_run = BenchmarkRun(model=model_name, pretrained=str(paths.CHECKPOINT))
         run = RunConfig.read(paths.RUN_CONFIG)
         net = load_clip(paths.CHECKPOINT, run.model)
-        report = evaluate(net, Tokenizer.load(paths.TOKENIZER), run.preprocess, paths.SHARDS,
-                          params.batch_size, spec, split=params.split)
+        report = evaluate(net, Tokenizer.load(paths.TOKENIZER), run.preprocess, shards,
+                          params.batch_size, spec, split=split)
         write_outputs(report, out)
         files = write_benchmark_files(report, out.clip_benchmark_dir, dataset,
                                       params.clip_benchmark.zeroshot_dataset, benchmark_run)
-        write_gallery(report, out.gallery_png, paths.SHARDS, params.split,
+        write_gallery(report, out.gallery_png, shards, split,
                       GallerySpec(g.text_queries, g.image_queries, g.top_k),
                       spec.label_fields if spec.source == "labels" else ())
     except (TrainedModelError, EvaluationError, MetricsInputError, BenchmarkFormatError,

@@ -22,6 +22,7 @@ SHARDS = Path("data/shards")
 SHARDS_TRAIN = SHARDS / "train"
 SHARDS_VAL = SHARDS / "val"
 MANIFEST = SHARDS / "manifest.json"
+EVALSETS = Path("data/evalsets")  # frozen evaluation sets, one folder each (pipeline.evalset)
 
 # models/
 TOKENIZER = Path("models/tokenizer.json")
@@ -34,11 +35,13 @@ CHECKPOINTS_RUN = CHECKPOINTS / "mlflow_run.json"  # the MLflow run that wrote t
 MSRUN_LOGS = CHECKPOINTS / "msrun"
 BUNDLE = Path("models/export")
 INDEX = Path("models/index")  # the search index of the bundle's embeddings (serving/)
+WARM_START = Path("models/warm-start")  # train: the registered checkpoint it starts from (no out)
 
 # metrics/ (`dvc metrics show`) and plots/ (`dvc plots show`); cache: false in dvc.yaml
 DEDUPE_METRICS = Path("metrics/dedupe.json")
 DOWNLOAD_METRICS = Path("metrics/download.json")
 SHARD_METRICS = Path("metrics/shard.json")
+TOKENIZER_METRICS = Path("metrics/tokenizer.json")  # where models/tokenizer.json came from
 TRAIN_METRICS = Path("metrics/train.json")
 EVAL_METRICS = Path("metrics/eval.json")
 EVAL_QUALITY = Path("metrics/quality")  # the same figures, one row per task (dvc metrics show)
@@ -52,3 +55,12 @@ RECALL_PLOT = Path("plots/recall_at_k.png")
 CONFUSION_CSV = Path("plots/confusion_matrix.csv")
 CONFUSION_PNG = Path("plots/confusion_matrix.png")
 GALLERY = Path("plots/retrieval_gallery.png")
+
+
+def evaluation_set(split: str, pinned_set: str | None) -> tuple[Path, str, str]:
+    """(shards folder, split, name) of the samples `evaluate` scores and the gate compares on:
+    `split` of data/shards, or the frozen set `pinned_set` (its val split)."""
+    if pinned_set:
+        folder = EVALSETS / pinned_set
+        return folder, "val", f"pinned set {pinned_set} ({folder})"
+    return SHARDS, split, f"split {split} of {SHARDS}"

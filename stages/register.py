@@ -1,27 +1,54 @@
-"""Stage `register`: log the export bundle as a pyfunc into the pipeline's MLflow run, register a
-new version of `register.model_name`, and let the champion/challenger gate pick its alias.
+"""Stage `register`: log the export bundle as a pyfunc into the pipeline's MLflow run (with the
+checkpoint it was exported from), register a new version of `register.model_name`, and let the
+champion/challenger gate pick its alias.
 
-Writes `metrics/register.json` (version, decision, both numbers, reason). Needs the tracking server:
-when it is unreachable this stage fails with a message naming it; nothing upstream is lost.
+Writes `metrics/register.json` (version, decision, both numbers, the evaluation set and where each
+number came from, reason). The gate compares both versions on the evaluation set `evaluate` used
+(the `evaluate` section says which): a champion scored on another set is re-scored on it first.
+Needs the tracking server: when it is unreachable this stage fails with a message naming it;
+nothing upstream is lost.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-from pipeline.params import ParamsError
+from pipeline.params import ParamsError, load_section
 from stages import paths
 
-READS = (paths.BUNDLE, paths.INDEX, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST)
+if TYPE_CHECKING:
+    from clipms.eval.settings import EvaluateParams
+    from registry.rescore import EvaluationSet
+
+READS = (paths.BUNDLE, paths.INDEX, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST,
+         paths.SHARDS_VAL, paths.CHECKPOINT, paths.RUN_CONFIG, paths.TOKENIZER)
 WRITES = (paths.REGISTER_METRICS,)
 
 
+def evaluation_set(params: EvaluateParams) -> EvaluationSet:
+    """The set `evaluate` scored this version on, as the gate re-scores a champion on it."""
+    from registry.lineage import val_digest
+    from registry.rescore import EvaluationSet
+
+    shards, split, name = paths.evaluation_set(params.split, params.pinned_set)
+    if params.pinned_set:  # a frozen set must be the one recorded, shard for shard
+        from clipms.data.evalset import verify
+
+        verify(shards)
+    return EvaluationSet(shards, split, val_digest(shards / "manifest.json", split), name,
+                         params.zeroshot_spec(), params.batch_size)
+
+
 def main() -> int:
+    from clipms.data.webds import DataError
+    from clipms.eval.settings import EvaluateParams
     from registry.settings import register_params
 
     try:
         params = register_params(paths.PARAMS)
-    except ParamsError as err:
+        evaluated_on = evaluation_set(load_section("evaluate", EvaluateParams))
+    except (ParamsError, DataError) as err:
         print(f"register: error: {err}", file=sys.stderr)
         return 1
     from clipms.utils.jsonio import read_json, write_json
@@ -41,7 +68,10 @@ def main() -> int:
     try:
         # The index is logged into the version's model (a test workspace may have none).
         record = register_version(run, paths.BUNDLE, params, read_json(paths.EVAL_METRICS),
-                                  index_dir=paths.INDEX if paths.INDEX.is_dir() else None)
+                                  index_dir=paths.INDEX if paths.INDEX.is_dir() else None,
+                                  evaluation_set=evaluated_on,
+                                  checkpoint_files=(paths.CHECKPOINT, paths.RUN_CONFIG,
+                                                    paths.TOKENIZER))
     except TrackingUnavailable as err:  # the journal keeps everything for the next attempt
         print(f"register: error: {err}", file=sys.stderr)
         return 1

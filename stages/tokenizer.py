@@ -1,8 +1,13 @@
-"""Stage `tokenizer`: train captions of data/shards -> models/tokenizer.json.
+"""Stage `tokenizer`: train captions of data/shards -> models/tokenizer.json (+ where it came from,
+metrics/tokenizer.json).
 
 `python -m stages.tokenizer`; reads the `tokenizer` section. `kind: bpe` trains a CLIP-style BPE on
 every caption of the train split; `kind: openai` writes OpenAI CLIP's vocabulary (shipped with
 clipms, or `openai_vocab`: another merges file of that format) and ignores the train captions.
+`pin: models:/clip@champion` copies that registered version's tokenizer instead (byte for byte:
+the same ids, so training can start from its weights), unless no version of the model was ever
+registered (the first night: it is built as above); any other registry miss stops the stage.
+metrics/tokenizer.json says where the file came from.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from pydantic import Field
 from clipms.data.dataset import DataError, iter_captions
 from clipms.schema import Section
 from clipms.text.tokenizer import MIN_TRAINED_VOCAB, Tokenizer, TokenizerError
+from clipms.utils.jsonio import write_json
 from pipeline.params import ParamsError, load_section
+from registry.versions import MODEL_URI
 from stages import paths
 
 READS = (paths.SHARDS_TRAIN, paths.MANIFEST)
-WRITES = (paths.TOKENIZER,)
+WRITES = (paths.TOKENIZER, paths.TOKENIZER_METRICS)
 
 
 class TokenizerParams(Section):
@@ -29,6 +36,7 @@ class TokenizerParams(Section):
     context_length: int = Field(32, ge=2, le=4096)
     min_frequency: int = Field(2, ge=1)  # bpe: a merge needs a pair seen this often
     openai_vocab: str | None = None  # openai: a .txt.gz merges file; null = the packaged copy
+    pin: str | None = Field(None, pattern=MODEL_URI.pattern)  # models:/NAME@ALIAS | /VERSION
 
 
 def build(params: TokenizerParams) -> Tokenizer:
@@ -42,18 +50,40 @@ def build(params: TokenizerParams) -> Tokenizer:
                            min_frequency=params.min_frequency)
 
 
+def pinned(params: TokenizerParams) -> tuple[Tokenizer | None, dict[str, str | None]]:
+    """The pinned version's tokenizer, copied to models/tokenizer.json, and where it came from;
+    (None, ...) on the first night (nothing registered yet)."""
+    from registry.carryover import pin_tokenizer
+
+    carried = pin_tokenizer(str(params.pin), paths.TOKENIZER)
+    source = {"pin": params.pin, **carried.lineage("tokenizer")}
+    if carried.version is None:
+        print(f"tokenizer: {source['lineage.tokenizer_from']}: building one")
+        return None, source
+    return Tokenizer.load(paths.TOKENIZER), source
+
+
 def main() -> int:
+    from registry.carryover import CarryOverError
+
     started = time.perf_counter()
     try:
         params = load_section("tokenizer", TokenizerParams)
-        tokenizer = build(params)
-    except (ParamsError, DataError, TokenizerError) as err:
+        tokenizer, source = pinned(params) if params.pin else (None, {"pin": None})
+        if tokenizer is None:
+            tokenizer = build(params)
+            tokenizer.save(paths.TOKENIZER)
+            source["lineage.tokenizer_from"] = "trained on this run's train captions"
+    except (ParamsError, DataError, TokenizerError, CarryOverError) as err:
         print(f"tokenizer: error: {err}", file=sys.stderr)
         return 1
-    tokenizer.save(paths.TOKENIZER)
-    print(f"tokenizer: wrote {paths.TOKENIZER}: kind {tokenizer.kind}, {tokenizer.vocab_size} ids "
-          f"(SOT {tokenizer.sot_id}, EOT {tokenizer.eot_id}, pad 0), context "
-          f"{tokenizer.context_length}, in {time.perf_counter() - started:.1f} s")
+    write_json(paths.TOKENIZER_METRICS, {"kind": tokenizer.kind,
+                                         "vocab_size": tokenizer.vocab_size,
+                                         "context_length": tokenizer.context_length, **source})
+    print(f"tokenizer: wrote {paths.TOKENIZER} ({source['lineage.tokenizer_from']}): kind "
+          f"{tokenizer.kind}, {tokenizer.vocab_size} ids (SOT {tokenizer.sot_id}, EOT "
+          f"{tokenizer.eot_id}, pad 0), context {tokenizer.context_length}, in "
+          f"{time.perf_counter() - started:.1f} s")
     return 0
 
 

@@ -6,6 +6,12 @@ optional overrides; its vocabulary size and context length always come from the 
 image size sets the preprocessing. `distributed.workers: N > 1` runs N data-parallel processes
 via msrun. To add metric sinks (MLflow), append objects with `on_step_end`/`on_train_end` to
 `callbacks()`.
+
+`init_from` is a checkpoint path, or a registered version (`models:/clip@champion`): a warm start.
+Its checkpoint is fetched here (registry.carryover: same tokenizer and architecture, or the stage
+stops) and the library gets the local file; the night then runs `warm_start`'s own budget
+(steps, peak learning rate, warmup) instead of `epochs`/`max_steps`, and the run's lineage names
+the version it started from. No version of that model registered yet: the first night, cold.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from clipms.runtime import RuntimeConfig, for_precision, prepare_import
 from clipms.schema import Section
 from clipms.train.config import TrainSettings
 from pipeline.params import ParamsError, load_section
+from registry.versions import is_model_uri
 from stages import paths
 
-READS = (paths.TOKENIZER, paths.SHARDS_TRAIN, paths.MANIFEST)
+READS = (paths.TOKENIZER, paths.TOKENIZER_METRICS, paths.SHARDS_TRAIN, paths.MANIFEST)
 WRITES = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.MLFLOW_RUN, paths.CHECKPOINTS,
           paths.TRAIN_METRICS, paths.TRAIN_CURVE)
 
@@ -46,6 +53,15 @@ class DistributedParams(Section):
                        master_addr=self.master_addr, master_port=self.master_port)
 
 
+class WarmStartParams(Section):
+    """The budget of a night that starts from a registered version's weights (`init_from:
+    models:/...`), instead of epochs/max_steps, lr and warmup_steps."""
+
+    max_steps: int = Field(300, ge=1)
+    lr: float | None = Field(None, ge=0)  # null: train.lr
+    warmup_steps: int = Field(20, ge=0)
+
+
 class TrainParams(TrainSettings):
     """The `train` section: the library's TrainSettings (clipms.train.config, the one train
     schema) plus the stage's own keys. params.yaml documents every key."""
@@ -56,6 +72,7 @@ class TrainParams(TrainSettings):
     model: dict[str, Any] = Field(default_factory=dict)  # overrides, e.g. {vision: {layers: 2}}
     resume: Literal["auto", "never"] = "auto"
     distributed: DistributedParams = Field(default_factory=DistributedParams)
+    warm_start: WarmStartParams = Field(default_factory=WarmStartParams)
 
     @field_validator("model")
     @classmethod
@@ -90,9 +107,7 @@ def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
             f"{global_batch} (train.batch_size {params.batch_size} x train.accum_steps "
             f"{params.accum_steps} x train.distributed.workers {cluster.workers})")
     tokenizer = Tokenizer.load(paths.TOKENIZER)
-    model = resolve_model(params.preset, params.model)
-    model = dataclasses.replace(model, text=dataclasses.replace(
-        model.text, vocab_size=tokenizer.vocab_size, context_length=tokenizer.context_length))
+    model = resolved_model(params, tokenizer)
     _check_grouping(params, tokenizer, model.vision.image_size, cluster.workers)
     settings = params.model_dump(include=set(TrainSettings.model_fields))
     settings["workers"] = loader_workers(params.workers, cluster.local_workers)
@@ -103,6 +118,46 @@ def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
     return TrainJob(config=config, shards_dir=str(paths.SHARDS), tokenizer=str(paths.TOKENIZER),
                     checkpoint_dir=str(paths.CHECKPOINTS), outputs=outputs,
                     resume=params.resume == "auto")
+
+
+def resolved_model(params: TrainParams, tokenizer: Any) -> Any:
+    """The CLIPConfig trained: the preset, its overrides, the tokenizer's vocabulary and context."""
+    model = resolve_model(params.preset, params.model)
+    return dataclasses.replace(model, text=dataclasses.replace(
+        model.text, vocab_size=tokenizer.vocab_size, context_length=tokenizer.context_length))
+
+
+def warm_start(params: TrainParams) -> tuple[TrainParams, Any]:
+    """For `init_from: models:/...`: the params the night trains with (the fetched checkpoint's
+    local path, the warm_start budget; cold on the first night) and what was carried over
+    (registry.carryover.CarriedOver); `params` unchanged and None for anything else."""
+    if not is_model_uri(params.init_from):
+        return params, None
+    from clipms.text.tokenizer import Tokenizer
+    from registry.carryover import fetch_init_checkpoint
+
+    model = resolved_model(params, Tokenizer.load(paths.TOKENIZER))
+    carried = fetch_init_checkpoint(str(params.init_from), paths.WARM_START, paths.TOKENIZER,
+                                    model.to_dict())
+    if carried.version is None:
+        print(f"train: {carried.lineage('init')['lineage.init_from']}: training cold")
+        return params.model_copy(update={"init_from": None}), carried
+    budget = params.warm_start
+    print(f"train: warm start from {carried.version.fixed_uri} ({params.init_from}): "
+          f"{budget.max_steps} steps")
+    return params.model_copy(update={
+        "init_from": str(carried.path), "max_steps": budget.max_steps,
+        "lr": params.lr if budget.lr is None else budget.lr,
+        "warmup_steps": budget.warmup_steps}), carried
+
+
+def lineage_tags(carried: Any) -> dict[str, str]:
+    """Where the tokenizer (metrics/tokenizer.json) and the initial weights came from."""
+    from clipms.utils.jsonio import read_json
+
+    record = read_json(paths.TOKENIZER_METRICS) if paths.TOKENIZER_METRICS.exists() else {}
+    tags = {k: str(v) for k, v in record.items() if k.startswith("lineage.") and v is not None}
+    return {**tags, **(carried.lineage("init") if carried is not None else {})}
 
 
 def _check_grouping(params: TrainParams, tokenizer: Any, image_size: int, workers: int) -> None:
@@ -122,13 +177,16 @@ def _check_grouping(params: TrainParams, tokenizer: Any, image_size: int, worker
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         stream=sys.stdout)
+    from registry.carryover import CarryOverError
+
     try:
         params = load_section("train", TrainParams)
         runtime = load_section("runtime", RuntimeConfig)
         prepare_import(for_precision(runtime, params.precision))  # before MindSpore's import
         cluster = params.distributed.cluster()  # bad combinations fail here, before any work
-        job = build_job(params, runtime)
-    except (ParamsError, ValueError, FileNotFoundError) as err:
+        trained_params, carried = warm_start(params)  # every host needs the weights
+        job = build_job(trained_params, runtime)
+    except (ParamsError, ValueError, FileNotFoundError, CarryOverError) as err:
         print(f"train: error: {err}", file=sys.stderr)
         return 1
     if not cluster.writes_outputs:
@@ -143,6 +201,7 @@ def main() -> int:
     # checkpoint continues the MLflow run that wrote it (paths.CHECKPOINTS_RUN).
     run = PipelineRun.open("train", params.model_dump(), FILES,
                            resume_record=paths.CHECKPOINTS_RUN)
+    run.set_tags(lineage_tags(carried))
     run.start_system_metrics()
     sinks = [*callbacks(), TrainCallback(run)]
     try:

@@ -56,7 +56,7 @@ def test_retrieval_and_zeroshot_match_an_unbatched_recomputation(workspace):
     one-by-one ones up to fp32 rounding, owners exactly), and the report scores those features.
     The metrics are compared on the batched features: an untrained net's scores nearly tie, and a
     batch's other rounding may swap two of them on some CPUs."""
-    from clipms.eval.embed import embed_split
+    from clipms.eval.embed import CellTowers, embed_split
     from clipms.eval.evaluate import ZeroShotSpec, class_features, evaluate
 
     ws = workspace
@@ -64,7 +64,8 @@ def test_retrieval_and_zeroshot_match_an_unbatched_recomputation(workspace):
     shards = ws["root"] / "data" / "shards"
     report = evaluate(ws["net"], ws["tokenizer"], ws["run"].preprocess, shards, batch_size=3,
                       zeroshot=spec, split="val")
-    batched = embed_split(ws["net"], ws["tokenizer"], ws["run"].preprocess, shards, 3, "val")
+    towers = CellTowers(ws["net"], ws["tokenizer"], 3)
+    batched = embed_split(towers, ws["run"].preprocess, shards, 3, "val")
     single_images, single_texts, owners = one_by_one(ws)
     np.testing.assert_array_equal(batched.text_to_image, owners)
     np.testing.assert_allclose(batched.image_features, single_images, atol=1e-5)
@@ -80,7 +81,7 @@ def test_retrieval_and_zeroshot_match_an_unbatched_recomputation(workspace):
     names = sorted({f"{lab['colour']} {lab['shape']}" for _, lab in labelled})
     assert report.class_names == names
     labels = np.array([names.index(f"{lab['colour']} {lab['shape']}") for _, lab in labelled])
-    classes = class_features(ws["net"], ws["tokenizer"], names, spec.templates, 64)
+    classes = class_features(CellTowers(ws["net"], ws["tokenizer"], 64), names, spec.templates)
     want_zs = metrics.zeroshot_metrics(images[[i for i, _ in labelled]], classes, labels)
     for key, value in want_zs.items():
         assert report.metrics[key] == pytest.approx(value, abs=1e-9), key
@@ -103,6 +104,7 @@ def test_label_fields_that_no_image_has_are_a_clear_error(workspace):
 
 
 def test_folder_per_class_zeroshot_counts_broken_images(workspace, tmp_path):
+    from clipms.eval.embed import CellTowers
     from clipms.eval.zeroshot import zeroshot_from_folder
 
     for c, name in enumerate(["red_circle", "blue_square", "green_star"]):
@@ -112,13 +114,15 @@ def test_folder_per_class_zeroshot_counts_broken_images(workspace, tmp_path):
     (tmp_path / "blue_square" / "broken.jpg").write_bytes(b"not a jpeg")
     (tmp_path / "red_circle" / "bomb.png").write_bytes(png_bomb())  # 64 MP in 8 KB: skipped
     (tmp_path / "blue_square" / "notes.txt").write_text("ignored: not an image")
-    zs = zeroshot_from_folder(workspace["net"], workspace["run"].preprocess, tmp_path, 2, None)
+    towers = CellTowers(workspace["net"], workspace["tokenizer"], 2)
+    zs = zeroshot_from_folder(towers, workspace["run"].preprocess, tmp_path, 2, None)
     assert zs.class_names == ["blue square", "green star", "red circle"]  # sorted folders
     assert zs.labels.tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 2]
     assert zs.skipped == 2 and zs.image_features.shape == (9, 32)
 
 
 def test_webdataset_cls_zeroshot(workspace, tmp_path):
+    from clipms.eval.embed import CellTowers
     from clipms.eval.zeroshot import EvaluationError, zeroshot_from_webdataset
 
     images = random_images(4, seed=9)
@@ -129,11 +133,12 @@ def test_webdataset_cls_zeroshot(workspace, tmp_path):
         ("c", {"jpg": jpgs[2]}),                 # no class: skipped
         ("d", {"jpg": jpgs[3], "cls": b"7"}),    # out of range: skipped
     ])
-    zs = zeroshot_from_webdataset(workspace["net"], workspace["run"].preprocess, tmp_path, 8,
+    towers = CellTowers(workspace["net"], workspace["tokenizer"], 8)
+    zs = zeroshot_from_webdataset(towers, workspace["run"].preprocess, tmp_path, 8,
                                   ["cat", "dog"])
     assert zs.labels.tolist() == [1, 0] and zs.skipped == 2 and zs.class_names == ["cat", "dog"]
     with pytest.raises(EvaluationError, match="class_names"):
-        zeroshot_from_webdataset(workspace["net"], workspace["run"].preprocess, tmp_path, 8, None)
+        zeroshot_from_webdataset(towers, workspace["run"].preprocess, tmp_path, 8, None)
 
 
 def frame_components(png, rgb, min_pixels=200):

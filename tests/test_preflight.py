@@ -28,9 +28,9 @@ def _cli(*args: str, cwd: Path = PROJECT_ROOT):
 
 
 def _schemas() -> dict[str, type]:
+    from clipms.eval.settings import EvaluateParams
     from clipms.runtime import RuntimeConfig
     from stages.download import DownloadParams
-    from stages.evaluate import EvaluateParams
     from stages.metadata import MetadataParams
     from stages.tokenizer import TokenizerParams
     from stages.train import TrainParams

@@ -75,6 +75,40 @@ def test_two_missing_val_digests_are_not_the_same_evaluation_set() -> None:
     assert (d.alias, d.compared) == (CHALLENGER, False)
 
 
+@pytest.mark.parametrize(("champion", "needed"), [
+    (None, False),                                   # no champion: nothing to compare with
+    (Candidate("1", 0.5, DIGEST), False),            # the same set, a value: compare as is
+    (Candidate("1", 0.5, "b" * 32), True),           # the data grew: another set
+    (Candidate("1", 0.5, None), True),               # registered without a digest
+    (Candidate("1", None, DIGEST), True),            # no value for this primary metric
+])
+def test_a_champion_without_a_value_on_the_new_set_needs_rescoring(
+        champion: Candidate | None, needed: bool) -> None:
+    assert gate.needs_rescore(Candidate("2", 0.6, DIGEST), champion) is needed
+    assert gate.needs_rescore(Candidate("2", 0.6, None), champion) is False  # no set to score on
+
+
+def test_a_rescored_champion_is_compared_and_the_decision_says_where_each_value_came_from(
+        ) -> None:
+    old_set = "b" * 32
+    source = f"re-scored from models:/clip/1 (its registered MindIR bundle) on evaluation set " \
+             f"{DIGEST}"
+    champion = gate.rescored(Candidate("1", 0.9, old_set), 0.55, DIGEST, source)
+    d = decide(Candidate("2", 0.6, DIGEST, gate.EVALUATED_IN_THIS_RUN), champion, "i2t_R@5",
+               0.0, eval_set_name="split val of data/shards")
+    assert (d.alias, d.compared, d.champion_value, d.eval_set) == (CHAMPION, True, 0.55, DIGEST)
+    assert (d.champion_recorded_value, d.champion_recorded_set) == (0.9, old_set)
+    assert (d.new_source, d.champion_source) == ("evaluate stage of this run", source)
+    assert d.reason == (
+        f"i2t_R@5 0.6 beats champion v1's 0.55 (higher is better) by 0.05 >= margin 0; both on "
+        f"evaluation set split val of data/shards {DIGEST}, the champion's value {source} (it "
+        f"had 0.9 on {old_set})")
+    assert gate.describe(d).startswith("champion (i2t_R@5 0.6): i2t_R@5 0.6 beats")
+    same = decide(Candidate("2", 0.5, DIGEST), Candidate("1", 0.55, DIGEST), "i2t_R@5", 0.0)
+    assert same.champion_source == "recorded when v1 was registered"
+    assert same.champion_recorded_value is None and same.eval_set == DIGEST
+
+
 def test_metric_directions_cover_what_evaluate_writes() -> None:
     from clipms.eval.metrics import metric_direction
 
@@ -382,11 +416,12 @@ def test_a_gain_of_exactly_the_margin_promotes():
     d = decide(Candidate("2", 0.75, DIGEST), Candidate("1", 0.5, DIGEST), "i2t_R@5", 0.25)
     assert (d.alias, d.compared, d.margin, d.primary_metric) == (CHAMPION, True, 0.25, "i2t_R@5")
     assert d.reason == ("i2t_R@5 0.75 beats champion v1's 0.5 (higher is better) by 0.25 >= "
-                        "margin 0.25")
+                        f"margin 0.25; both on evaluation set {DIGEST}")
     worse = decide(Candidate("2", 12.0, DIGEST), Candidate("1", 10.0, DIGEST), "i2t_mean_rank",
                    0.0, direction="lower")
     assert worse.reason == ("i2t_mean_rank 12 does not beat champion v1's 10 (lower is better) "
-                            "by more than 0 and at least margin 0 (gain -2)")
+                            f"by more than 0 and at least margin 0 (gain -2); both on evaluation "
+                            f"set {DIGEST}")
 
 
 @pytest.mark.parametrize(("new", "champion", "unknown"), [

@@ -169,19 +169,26 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def prepare_workspace(root: Path, bundle: Path, eval_metrics: dict, model: str = MODEL,
                       primary_metric: str = "i2t_R@5", val_sha: str = "f" * 64,
-                      train_params: dict | None = None) -> Path:
+                      train_params: dict | None = None, val_images: int | None = None) -> Path:
     """A workspace as the stages before register leave it: dvc.lock, manifest, params, the export
-    bundle, metrics/eval.json, and the pipeline's MLflow run (train opened it, evaluate logged)."""
+    bundle and the checkpoint it came from, metrics/eval.json, and the pipeline's MLflow run
+    (train opened it, evaluate logged). The val split is a manifest entry only (`val_sha`), or
+    real shards of `val_images` images (tests.tiny_model.make_val_shards)."""
     import shutil
 
     from clipms.utils.jsonio import write_json
+    from tests.tiny_model import make_val_shards
 
     root.mkdir(parents=True)
     write_pipeline_state(root, val_sha=val_sha)
+    if val_images is not None:
+        make_val_shards(root / "data" / "shards", n_images=val_images)
     (root / "params.yaml").write_text(
         f"register:\n  model_name: {model}\n  experiment: test-exp\n"
         f"  primary_metric: {primary_metric}\n  margin: 0.0\n")
     shutil.copytree(bundle, root / "models" / "export")
+    for name in ("clip.ckpt", "clip.json", "tokenizer.json"):  # what the bundle was exported from
+        shutil.copy2(bundle.parent / "trained" / name, root / "models" / name)
     write_json(root / "metrics" / "eval.json", eval_metrics)
     with chdir(root):
         tracking_run.PipelineRun.open("train", train_params or {"lr": 1e-3}, FILES).close()
@@ -200,10 +207,11 @@ def register_in(root: Path) -> tuple[int, dict | None]:
         return code, read_json(out) if out.exists() else None
 
 
-def pipeline_run(root: Path, bundle: Path, score: float, val_sha: str = "f" * 64) -> dict:
+def pipeline_run(root: Path, bundle: Path, score: float, val_images: int | None = None) -> dict:
     """One pipeline run as the stages leave it, then the real register stage."""
     eval_metrics = {"i2t_R@1": score / 2, "i2t_R@5": score, "mAP@10": score / 3, "images": 10}
-    prepare_workspace(root, bundle, eval_metrics, val_sha=val_sha, train_params={"lr": score})
+    prepare_workspace(root, bundle, eval_metrics, train_params={"lr": score},
+                      val_images=val_images)
     code, record = register_in(root)
     assert code == 0 and record is not None
     return record
@@ -217,13 +225,16 @@ def test_gate_sequence_on_real_registered_models(workspace: Path, bundle: Path) 
         ("challenger", 0.40, 0.50)
     better = pipeline_run(workspace / "run3", bundle, 0.60)
     assert (better["alias"], better["champion_version"]) == ("champion", "1")
-    other_set = pipeline_run(workspace / "run4", bundle, 0.99, val_sha="0" * 64)
-    assert other_set["alias"] == "challenger" and other_set["compared"] is False
-    assert "different evaluation set" in other_set["reason"]
+    # the data grew: v4 was evaluated on another val set, so champion v3 is re-scored on it
+    other_set = pipeline_run(workspace / "run4", bundle, 0.99, val_images=13)
+    assert other_set["alias"] == "champion" and other_set["compared"] is True
+    assert other_set["champion_recorded_value"] == 0.60
+    assert other_set["champion_source"].startswith(f"re-scored from models:/{MODEL}/3")
+    assert "re-scored" in other_set["reason"]
 
     client = settings.client()
-    assert client.get_model_version_by_alias(MODEL, "champion").version == "3"
-    assert client.get_model_version_by_alias(MODEL, "challenger").version == "4"
+    assert client.get_model_version_by_alias(MODEL, "champion").version == "4"
+    assert client.get_model_version_by_alias(MODEL, "challenger").version == "2"
     v2 = client.get_model_version(MODEL, "2")
     assert gate.decided_alias(v2.description) == "challenger"
     assert v2.tags["metric.i2t_R_at_5"] == "0.4"
@@ -239,9 +250,9 @@ def test_gate_sequence_on_real_registered_models(workspace: Path, bundle: Path) 
     assert "4 version(s)" in out.stdout
     aliases = {line.split()[0]: line.split()[1] for line in out.stdout.splitlines()
                if line.startswith("v") and line[1].isdigit()}
-    assert aliases == {"v1": "-", "v2": "-", "v3": "champion", "v4": "challenger"}
+    assert aliases == {"v1": "-", "v2": "challenger", "v3": "-", "v4": "champion"}
     assert "train.lr" in out.stdout  # the only param that differs between the runs
-    assert "different evaluation set" in out.stdout
+    assert "re-scored from" in out.stdout
 
 
 def test_versions_registered_from_one_run_keep_their_own_index(workspace: Path,

@@ -88,15 +88,36 @@ SHAPES = ["circle", "square"]
 
 def make_val_shards(root, n_images=11, per_shard=4):
     """Shards + manifest in the shard stage's format; image i has 1-3 captions and labels."""
-    rng = np.random.default_rng(0)
-    images = random_images(n_images, seed=7)
+    samples = split_samples(n_images, seed=0)
+    webds.write_manifest(root, per_shard, {"val": webds.write_split(
+        root, "val", shard_files(samples, "val"), per_shard)})
+    return samples
+
+
+def make_train_and_val_shards(root: Path, n_train: int = 24, n_val: int = 11,
+                              per_shard: int = 8) -> None:
+    """Both splits in the shard stage's format: what the tokenizer and train stages read."""
+    train = split_samples(n_train, seed=1, image_seed=11, first_key=1000)
+    val = split_samples(n_val, seed=0)
+    webds.write_manifest(root, per_shard, {
+        "train": webds.write_split(root, "train", shard_files(train, "train"), per_shard),
+        "val": webds.write_split(root, "val", shard_files(val, "val"), per_shard)})
+
+
+def split_samples(n_images: int, seed: int, image_seed: int = 7,
+                  first_key: int = 0) -> list[tuple]:
+    """(key, jpeg, captions, labels) of n random images; image i has 1-3 captions and labels
+    (image 4 has none)."""
+    rng = np.random.default_rng(seed)
     samples = []
-    for i, image in enumerate(images):
+    for i, image in enumerate(random_images(n_images, seed=image_seed)):
         captions = [CAPTIONS[(3 * i + j) % len(CAPTIONS)] for j in range(1 + i % 3)]
         labels = None if i == 4 else {"colour": COLOURS[i % 3], "shape": SHAPES[rng.integers(2)]}
-        samples.append((f"{i:06d}", jpeg_bytes(image), captions, labels))
-    files = [(key, {"jpg": data, "json": json.dumps({"captions": captions, "key": key,
-                                                     "split": "val", "labels": labels}).encode()})
-             for key, data, captions, labels in samples]
-    webds.write_manifest(root, per_shard, {"val": webds.write_split(root, "val", files, per_shard)})
+        samples.append((f"{first_key + i:06d}", jpeg_bytes(image), captions, labels))
     return samples
+
+
+def shard_files(samples: list[tuple], split: str) -> list[tuple[str, dict[str, bytes]]]:
+    return [(key, {"jpg": data, "json": json.dumps({"captions": captions, "key": key,
+                                                     "split": split, "labels": labels}).encode()})
+            for key, data, captions, labels in samples]

@@ -224,7 +224,7 @@ def write_tar(path: Path | str, samples: Iterable[SampleFiles]) -> dict[str, Any
                                         f"{_EXT.pattern}")
                     _add_member(tar, f"{key}.{ext}", data)
                 count += 1
-        size, digest = _size_and_sha256(tmp)
+        size, digest = size_and_sha256(tmp)
     return {"samples": count, "bytes": size, "sha256": digest}
 
 
@@ -238,7 +238,8 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def _size_and_sha256(path: Path) -> tuple[int, str]:
+def size_and_sha256(path: Path) -> tuple[int, str]:
+    """(bytes, sha256 hex) of a file, as the manifest records a shard."""
     digest, size = hashlib.sha256(), 0
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):

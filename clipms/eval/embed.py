@@ -2,6 +2,11 @@
 
 `ValEmbeddings` keeps the raw (not normalised) features with the bookkeeping every metric needs:
 which image each caption describes, the sample keys (to show the images again) and the labels.
+
+The model is seen through `Towers`: the two encoders on model-ready inputs. A trained CLIP Cell
+with its tokenizer is one (`CellTowers`, what the `evaluate` stage scores); an export bundle's
+MindIR graphs are another (`clipms.deploy.infer.Encoder` has the same two methods), so a registered
+model can be scored on a new evaluation set by the very same code.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -39,6 +44,33 @@ class ValEmbeddings:
     skipped: list[str] = field(default_factory=list)  # keys of images the decoder refused
 
 
+class Towers(Protocol):
+    """A CLIP model's two encoders, as evaluation uses them (features need not be normalised)."""
+
+    def encode_preprocessed(self, images: np.ndarray) -> np.ndarray:
+        """(N, E) features of (N, 3, S, S) float32 images from `preprocess_image`."""
+        ...
+
+    def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
+        """(M, E) features of captions or prompts."""
+        ...
+
+
+@dataclass(frozen=True)
+class CellTowers:
+    """A CLIP Cell and its tokenizer as `Towers`, texts encoded `batch_size` at a time."""
+
+    net: CLIP
+    tokenizer: Tokenizer
+    batch_size: int
+
+    def encode_preprocessed(self, images: np.ndarray) -> np.ndarray:
+        return encode_images(self.net, images)
+
+    def encode_texts(self, texts: Sequence[str]) -> np.ndarray:
+        return encode_texts(self.net, self.tokenizer, texts, self.batch_size)
+
+
 def encode_images(net: CLIP, images: np.ndarray) -> np.ndarray:
     import mindspore as ms
 
@@ -60,8 +92,8 @@ def _progress(total: int, unit: str, desc: str) -> Any:
     return tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, mininterval=2.0)
 
 
-def embed_split(net: CLIP, tokenizer: Tokenizer, preprocess: PreprocessConfig,
-                shards_dir: Path | str, batch_size: int, split: str) -> ValEmbeddings:
+def embed_split(towers: Towers, preprocess: PreprocessConfig, shards_dir: Path | str,
+                batch_size: int, split: str) -> ValEmbeddings:
     """Every image and every caption of `split`, embedded once in batches (with a progress bar)."""
     images, keys, labels, captions, owners, skipped = [], [], [], [], [], []
     with _progress(eval_sample_count(shards_dir, split), "img", f"embed {split} images") as bar:
@@ -72,7 +104,7 @@ def embed_split(net: CLIP, tokenizer: Tokenizer, preprocess: PreprocessConfig,
                 captions.extend(caption_list)
                 keys.append(key)
             labels.extend(batch.labels)
-            images.append(encode_images(net, batch.images))
+            images.append(towers.encode_preprocessed(batch.images))
             bar.update(len(batch.keys))
     if not images:
         raise EvaluationError(f"{shards_dir}: split {split!r} has no decodable samples "
@@ -83,8 +115,7 @@ def embed_split(net: CLIP, tokenizer: Tokenizer, preprocess: PreprocessConfig,
     texts = []
     with _progress(len(captions), "caption", f"embed {split} captions") as bar:
         for start in range(0, len(captions), batch_size):
-            texts.append(encode_texts(net, tokenizer, captions[start:start + batch_size],
-                                      batch_size))
+            texts.append(towers.encode_texts(captions[start:start + batch_size]))
             bar.update(len(texts[-1]))
     return ValEmbeddings(image_features=np.concatenate(images), text_features=np.concatenate(texts),
                          text_to_image=np.asarray(owners, dtype=np.int64), keys=keys,

@@ -23,7 +23,7 @@ import numpy as np
 
 from clipms.data.preprocess import PreprocessConfig
 from clipms.eval import metrics
-from clipms.eval.embed import EvaluationError, ValEmbeddings, embed_split, encode_texts
+from clipms.eval.embed import CellTowers, EvaluationError, Towers, ValEmbeddings, embed_split
 from clipms.eval.zeroshot import (
     ZeroShotSet,
     label_fields_present,
@@ -41,8 +41,8 @@ MAX_CURVE_K = 50  # recall@K curves go K = 1 .. min(this, candidates)
 ClassEmbedder = Callable[[Sequence[str]], np.ndarray]  # class names -> (classes, E) features
 
 __all__ = ["EvaluationError", "ClassificationTask", "EvalReport", "ZeroShotSpec", "evaluate",
-           "class_features", "retrieval_report", "zeroshot_report", "attribute_report",
-           "score_embeddings"]
+           "evaluate_towers", "class_features", "retrieval_report", "zeroshot_report",
+           "attribute_report", "score_embeddings"]
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,11 @@ class EvalReport:
     embeddings: ValEmbeddings | None = None  # the split itself, for the gallery
 
 
-def class_features(net: CLIP, tokenizer: Tokenizer, class_names: Sequence[str],
-                   templates: Sequence[str], batch_size: int) -> np.ndarray:
+def class_features(towers: Towers, class_names: Sequence[str],
+                   templates: Sequence[str]) -> np.ndarray:
     """(classes, E): each class's prompts embedded, normalised, averaged and renormalised."""
     prompts = metrics.build_prompts(class_names, templates)
-    embedded = encode_texts(net, tokenizer, prompts, batch_size)
+    embedded = towers.encode_texts(prompts)
     return metrics.class_embeddings(embedded.reshape(len(class_names), len(templates), -1))
 
 
@@ -141,13 +141,20 @@ def attribute_report(val: ValEmbeddings, label_field: str,
 # ------------------------------------------------------------------------------ the whole run
 def evaluate(net: CLIP, tokenizer: Tokenizer, preprocess: PreprocessConfig, shards_dir: Path | str,
              batch_size: int, zeroshot: ZeroShotSpec, split: str) -> EvalReport:
+    """Evaluate a trained CLIP Cell (the `evaluate` stage's model): `evaluate_towers`."""
+    return evaluate_towers(CellTowers(net, tokenizer, batch_size), preprocess, shards_dir,
+                           batch_size, zeroshot, split)
+
+
+def evaluate_towers(towers: Towers, preprocess: PreprocessConfig, shards_dir: Path | str,
+                    batch_size: int, zeroshot: ZeroShotSpec, split: str) -> EvalReport:
     """Embed `split` once; retrieval on all its captions; zero-shot on the chosen labelled set
-    and per attribute."""
-    val = embed_split(net, tokenizer, preprocess, shards_dir, batch_size, split)
-    zs = _zeroshot_set(net, preprocess, val, batch_size, zeroshot)
+    and per attribute. `preprocess` is the model's own (its image size and normalisation)."""
+    val = embed_split(towers, preprocess, shards_dir, batch_size, split)
+    zs = _zeroshot_set(towers, preprocess, val, batch_size, zeroshot)
 
     def embedder(templates: Sequence[str]) -> ClassEmbedder:
-        return lambda names: class_features(net, tokenizer, names, templates, batch_size)
+        return lambda names: class_features(towers, names, templates)
 
     return score_embeddings(val, zeroshot, zs, embedder)
 
@@ -178,8 +185,8 @@ def score_embeddings(val: ValEmbeddings, spec: ZeroShotSpec, zs: ZeroShotSet | N
     return report
 
 
-def _zeroshot_set(net: CLIP, preprocess: PreprocessConfig, val: ValEmbeddings, batch_size: int,
-                  spec: ZeroShotSpec) -> ZeroShotSet | None:
+def _zeroshot_set(towers: Towers, preprocess: PreprocessConfig, val: ValEmbeddings,
+                  batch_size: int, spec: ZeroShotSpec) -> ZeroShotSet | None:
     if spec.source == "none":
         return None
     if spec.source == "labels":
@@ -188,8 +195,9 @@ def _zeroshot_set(net: CLIP, preprocess: PreprocessConfig, val: ValEmbeddings, b
         raise EvaluationError(f"evaluate.zeroshot.source {spec.source!r} needs "
                               "evaluate.zeroshot.path")
     if spec.source == "folder":
-        return zeroshot_from_folder(net, preprocess, spec.path, batch_size, spec.class_names)
+        return zeroshot_from_folder(towers, preprocess, spec.path, batch_size, spec.class_names)
     if spec.source == "webdataset":
-        return zeroshot_from_webdataset(net, preprocess, spec.path, batch_size, spec.class_names)
+        return zeroshot_from_webdataset(towers, preprocess, spec.path, batch_size,
+                                        spec.class_names)
     raise EvaluationError(f"unknown zero-shot source {spec.source!r} "
                           "(labels | folder | webdataset | none)")

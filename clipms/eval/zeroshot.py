@@ -16,15 +16,12 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from clipms.data.preprocess import PreprocessConfig, PreprocessError, preprocess_image
-from clipms.eval.embed import EvaluationError, ValEmbeddings, encode_images
-
-if TYPE_CHECKING:
-    from clipms.model.clip import CLIP
+from clipms.eval.embed import EvaluationError, Towers, ValEmbeddings
 
 log = logging.getLogger(__name__)
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
@@ -101,7 +98,7 @@ def _webdataset_items(path: Path) -> Iterator[tuple[str, bytes, int | None]]:
         yield sample.key, sample.image, label
 
 
-def embed_labelled_images(net: CLIP, preprocess: PreprocessConfig,
+def embed_labelled_images(towers: Towers, preprocess: PreprocessConfig,
                           items: Iterator[tuple[str, bytes | Path, int | None]],
                           batch_size: int, num_classes: int) -> ZeroShotSet:
     """Embed (name, image, class) items; bad images and missing/out-of-range classes are skipped."""
@@ -120,33 +117,33 @@ def embed_labelled_images(net: CLIP, preprocess: PreprocessConfig,
             continue
         batch_labels.append(label)
         if len(batch) == batch_size:
-            features.append(encode_images(net, np.stack(batch)))
+            features.append(towers.encode_preprocessed(np.stack(batch)))
             labels.extend(batch_labels)
             batch, batch_labels = [], []
     if batch:
-        features.append(encode_images(net, np.stack(batch)))
+        features.append(towers.encode_preprocessed(np.stack(batch)))
         labels.extend(batch_labels)
     if not features:
         raise EvaluationError(f"zero-shot set has no usable images ({skipped} skipped)")
     return ZeroShotSet(np.concatenate(features), np.asarray(labels, np.int64), [], skipped)
 
 
-def zeroshot_from_folder(net: CLIP, preprocess: PreprocessConfig, root: Path | str,
+def zeroshot_from_folder(towers: Towers, preprocess: PreprocessConfig, root: Path | str,
                          batch_size: int, class_names: Sequence[str] | None) -> ZeroShotSet:
     items, folder_names = _folder_items(Path(root))
     names = _checked_names(class_names, folder_names, f"{root} (sorted sub-folders)")
     stream = ((str(path), path, label) for path, label in items)
-    found = embed_labelled_images(net, preprocess, stream, batch_size, len(names))
+    found = embed_labelled_images(towers, preprocess, stream, batch_size, len(names))
     found.class_names = names
     return found
 
 
-def zeroshot_from_webdataset(net: CLIP, preprocess: PreprocessConfig, path: Path | str,
+def zeroshot_from_webdataset(towers: Towers, preprocess: PreprocessConfig, path: Path | str,
                              batch_size: int, class_names: Sequence[str] | None) -> ZeroShotSet:
     if not class_names:
         raise EvaluationError("zero-shot webdataset needs evaluate.zeroshot.class_names "
                               "(the name of each cls index)")
-    found = embed_labelled_images(net, preprocess, _webdataset_items(Path(path)), batch_size,
+    found = embed_labelled_images(towers, preprocess, _webdataset_items(Path(path)), batch_size,
                                   len(class_names))
     found.class_names = list(class_names)
     return found
