@@ -159,6 +159,14 @@ def write_params(folder: Path, **download: object) -> None:
     (folder / "params.yaml").write_text(yaml.safe_dump(params))
 
 
+def part_folder(root: Path, part: int = 0) -> Path:
+    """Where img2dataset writes a part of the download store at `root` (one store: one set of
+    download settings): `root/s-<fingerprint>/parts/<part>`."""
+    stores = sorted(root.glob("s-*"))
+    assert len(stores) == 1, f"expected one store in {root}, found {stores}"
+    return stores[0] / "parts" / f"{part:05d}"
+
+
 def images_parquet(folder: Path, urls: list[str]) -> pd.DataFrame:
     """data/images.parquet as dedupe writes it, one row per URL (keys 0..n-1 in hex)."""
     images = pd.DataFrame({"url": urls, "key": [f"{i:016x}" for i in range(len(urls))],

@@ -1027,7 +1027,7 @@ def test_shards_from_a_url_are_the_shards_of_the_same_local_folder(tmp_path):
         build_shards(url, out, settings, print_fn, [{**recorded[0], "bytes": 1}, recorded[1]])
     assert str(err.value) == (f"the tars at {url} are not the ones the download stage recorded "
                               "(size changed: 00000.tar); rerun the download stage")
-    with pytest.raises(ShardError, match=r"\(not recorded: 00000\.tar, 00001\.tar\)"):
+    with pytest.raises(ShardError, match=r"no record of the tars at .* rerun the download stage"):
         build_shards(url, out, settings, print_fn)
 
     folder = tmp_path / "copies"

@@ -108,6 +108,7 @@ def test_bad_samples_are_dropped_and_counted(tmp_path):
     assert metrics["dropped"] == {
         "missing_image": 1, "undecodable_image": 2, "too_large": 0, "too_small": 1,
         "no_caption": 1, "missing_split": 1, "bad_metadata": 1, "bad_key": 6, "duplicate_key": 1,
+        "not_in_tar": 0,
     }
     assert metrics["samples_in"] == 19 and metrics["samples_out"] == 5
     out = read_output(tmp_path / "shards")

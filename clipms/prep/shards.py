@@ -1,11 +1,15 @@
 """Validate downloaded webdataset samples and rewrite them as train/val shards with a manifest.
 
 Input: img2dataset's `NNNNN.tar` files, in a local folder or at an fsspec URL (`<k>.jpg`,
-`<k>.txt`, `<k>.json` carrying our `captions`, `split`, `image_key`, `labels`). Every sample is
-decoded with PIL and checked; a bad sample is dropped and counted by reason, a truncated or
-corrupt input tar is reported and skipped whole. The output key is the sample's `image_key`
-(dedupe's stable key), checked against the shard key format of `clipms.data.webds` here, where keys
-enter the shards; the format itself is `clipms.data.webds`'.
+`<k>.txt`, `<k>.json` carrying our `captions`, `split`, `image_key`, `labels`). With a catalog
+(`clipms.prep.catalog.TarInput`s: the pipeline's case) only the tars it names are read, only the
+images it lists are taken from them, and each sample's captions, split, labels and URL are the
+catalog's - today's images.parquet - not the ones written into the tar by the run that fetched
+the image; without one, every tar of the folder and its own metadata. Every sample is decoded with
+PIL and checked; a bad sample is dropped and counted by reason, a truncated or corrupt input tar is
+reported and skipped whole. The output key is the sample's `image_key` (dedupe's stable key),
+checked against the shard key format of `clipms.data.webds` here, where keys enter the shards; the
+format itself is `clipms.data.webds`'.
 
 Output is a pure function of the input samples and the settings: samples are sorted by key,
 shuffled once with a seeded RNG per split, and written to tars whose headers carry fixed
@@ -34,13 +38,15 @@ from PIL import Image
 from clipms.data import webds
 from clipms.data.preprocess import PixelLimitError, open_image
 from clipms.prep import remote
+from clipms.prep.catalog import TarInput
 from clipms.utils.redact import redact_text, redact_url
 
 SPLITS = ("train", "val")
 DROP_REASONS = (
     "missing_image", "undecodable_image", "too_large", "too_small", "no_caption", "missing_split",
-    "bad_metadata", "bad_key", "duplicate_key",
+    "bad_metadata", "bad_key", "duplicate_key", "not_in_tar",
 )
+Records = dict[str, dict[str, Any]]  # image key -> its metadata (captions, split, labels, url)
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class TarScan:
     name: str
     samples: list[Sample] = field(default_factory=list)
     seen: int = 0
+    skipped: int = 0  # samples of the tar the catalog does not list (not wanted today)
     dropped: Counter = field(default_factory=Counter)
     error: str | None = None
 
@@ -80,31 +87,55 @@ class ShardError(ValueError):
 # ---------------------------------------------------------------- reading and validating
 
 
-def scan_tar(path: str, min_image_size: int) -> TarScan:
-    """Read and validate every sample of one input tar; a corrupt tar gives `error`, no samples."""
-    scan = TarScan(name=Path(path).name)
+def scan_tar(path: str, min_image_size: int, records: Records | None = None,
+             name: str | None = None) -> TarScan:
+    """Read and validate the samples of one input tar - every one, or with `records` only those
+    whose `image_key` it lists, with its metadata; a corrupt tar gives `error`, no samples."""
+    scan = TarScan(name=name or Path(path).name)
     try:
         webds.check_complete(path)
         samples = webds.read_tar(path)
     except webds.DataError as err:
         scan.error = str(err).removeprefix(f"{path}: ")
+        if records is not None:
+            scan.dropped["not_in_tar"] += len(records)
         return scan
+    found: set[str] = set()
     for raw in sorted(samples, key=lambda s: s.key):
+        record = None
+        if records is not None:
+            record = records.get(_image_key(raw))
+            if record is None or _image_key(raw) in found:
+                scan.skipped += 1
+                continue
+            found.add(_image_key(raw))
         scan.seen += 1
-        sample, reason = _validate(raw, path, min_image_size)
+        sample, reason = _validate(raw, path, min_image_size, record)
         if sample is None:
             scan.dropped[reason] += 1
         else:
             scan.samples.append(sample)
+    if records is not None:
+        scan.dropped["not_in_tar"] += len(set(records) - found)
     return scan
 
 
-def _validate(raw: webds.Sample, path: str, min_image_size: int) -> tuple[Sample | None, str]:
+def _image_key(raw: webds.Sample) -> object:
+    try:
+        return raw.meta.get("image_key")
+    except webds.DataError:
+        return None
+
+
+def _validate(raw: webds.Sample, path: str, min_image_size: int,
+              record: dict[str, Any] | None = None) -> tuple[Sample | None, str]:
+    """The sample, or why it is dropped. `record`: its metadata from the catalog (with its key
+    added), instead of the tar's own."""
     ext = raw.image_ext
     if ext is None:
         return None, "missing_image"
     try:
-        meta = raw.meta
+        meta = raw.meta if record is None else {**record, "image_key": raw.meta.get("image_key")}
     except webds.DataError:
         return None, "bad_metadata"
     try:
@@ -119,7 +150,7 @@ def _validate(raw: webds.Sample, path: str, min_image_size: int) -> tuple[Sample
         return None, "undecodable_image"
     if min(width, height) < min_image_size:
         return None, "too_small"
-    captions = _captions(meta, raw.caption)
+    captions = _captions(meta, raw.caption if record is None else "")
     if not captions:
         return None, "no_caption"
     split = meta.get("split")
@@ -158,13 +189,17 @@ def _to_jpeg(image: Image.Image) -> bytes:
     return out.getvalue()
 
 
-def _scan_worker(args: tuple[str, int]) -> TarScan:
+def _scan_worker(args: tuple[str, int, Records | None, str | None]) -> TarScan:
     return scan_tar(*args)
 
 
-def scan_all(tars: list[Path], settings: ShardSettings) -> Iterator[TarScan]:
-    """Scan tars in order, in `workers` processes (decoding is the costly part)."""
-    jobs = [(str(t), settings.min_image_size) for t in tars]
+def scan_all(tars: list[Path], settings: ShardSettings,
+             wanted: list[Records] | None = None, names: list[str] | None = None
+             ) -> Iterator[TarScan]:
+    """Scan tars in order, in `workers` processes (decoding is the costly part); `wanted`: each
+    tar's records (catalog mode), `names`: how each tar is named in reports."""
+    jobs = [(str(t), settings.min_image_size, wanted[i] if wanted else None,
+             names[i] if names else None) for i, t in enumerate(tars)]
     if settings.workers <= 1 or len(jobs) <= 1:
         yield from map(_scan_worker, jobs)
         return
@@ -214,38 +249,64 @@ def shuffled(samples: list[Sample], seed: int, split: str) -> list[Sample]:
 
 def build_shards(input_dir: Path | str, output_dir: Path | str, settings: ShardSettings,
                  print_fn: Callable[[str], None] = print,
-                 recorded: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Validate every input sample and write `output_dir/{train,val}/*.tar` + `manifest.json`.
+                 recorded: list[dict[str, Any]] | None = None,
+                 inputs: list[TarInput] | None = None) -> dict[str, Any]:
+    """Validate the input samples and write `output_dir/{train,val}/*.tar` + `manifest.json`.
 
-    `input_dir` is a local folder or an fsspec URL. The tars at a URL must be exactly the
-    `recorded` ones (the download stage's pointer, `clipms.prep.remote`); they are copied into a
-    temporary folder beside `output_dir` first (removed after), so validating and writing read
-    local files, as for a local input."""
+    `input_dir` is a local folder or an fsspec URL. `inputs` (the download catalog's tars, paths
+    relative to `input_dir`, with today's records) names what to read; without it, every tar of
+    the folder. The tars at a URL must be the `recorded` ones (the download stage's pointer,
+    `clipms.prep.remote`); they are copied into a temporary folder beside `output_dir` first
+    (removed after), so validating and writing read local files, as for a local input."""
     output_dir = Path(output_dir)
+    names = None if inputs is None else [entry.tar for entry in inputs]
+    wanted = None if inputs is None else [entry.records for entry in inputs]
     if remote.is_url(input_dir):
         url = str(input_dir)
+        if not recorded and names != []:
+            raise ShardError(f"no record of the tars at {redact_url(url)} (the download stage's "
+                             "pointer); rerun the download stage")
         try:
             sources = remote.check_shards(url, recorded or [])
         except (remote.RemoteError, OSError) as err:
             raise ShardError(redact_text(str(err))) from None
+        relative = names if names is not None else [s.rsplit("/", 1)[-1] for s in sources]
         output_dir.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".shard-input-", dir=output_dir.parent) as tmp:
             started = time.perf_counter()
-            tars = fetch_tars(url, sources, Path(tmp))
+            tars = fetch_tars(url, _sources_of(url, relative, sources), Path(tmp), relative)
             print_fn(f"shard: copied {len(tars)} tar(s) from {redact_url(url)} "
                      f"({time.perf_counter() - started:.1f} s)")
-            return _build(tars, output_dir, settings, print_fn)
+            return _build(tars, output_dir, settings, print_fn, wanted, names)
     input_dir = Path(input_dir)
     if not input_dir.is_dir():
         raise ShardError(f"{input_dir}: input folder not found (run the download stage first)")
-    return _build(sorted(input_dir.glob("*.tar")), output_dir, settings, print_fn)
+    tars = sorted(input_dir.glob("*.tar")) if names is None else [input_dir / n for n in names]
+    return _build(tars, output_dir, settings, print_fn, wanted, names)
 
 
-def fetch_tars(url: str, sources: list[str], folder: Path) -> list[Path]:
-    """Copy the tars (fsspec paths of `url`'s filesystem) into `folder`, in one call (concurrent
-    on stores that support it); the local copies, in the same (name) order."""
+def _sources_of(url: str, relative: list[str], recorded: list[str]) -> list[str]:
+    """The fsspec paths of the `relative` tars at `url`: each must be one the pointer records."""
+    _fs, root = fsspec.core.url_to_fs(url)
+    paths = [f"{root.rstrip('/')}/{name}" for name in relative]
+    known = set(recorded)
+    unknown = [name for name, path in zip(relative, paths, strict=True) if path not in known]
+    if unknown:
+        raise ShardError(f"the download catalog names tars the pointer does not record "
+                         f"({', '.join(unknown[:5])}); rerun the download stage")
+    return paths
+
+
+def fetch_tars(url: str, sources: list[str], folder: Path,
+               names: list[str] | None = None) -> list[Path]:
+    """Copy the tars (fsspec paths of `url`'s filesystem) into `folder` - as `names` (relative
+    paths) when given, else by file name - in one call (concurrent on stores that support it);
+    the local copies, in the same order."""
     fs, _root = fsspec.core.url_to_fs(url)
-    local = [folder / source.rsplit("/", 1)[-1] for source in sources]
+    local = [folder / (name if names else source.rsplit("/", 1)[-1])
+             for source, name in zip(sources, names or sources, strict=True)]
+    for path in local:
+        path.parent.mkdir(parents=True, exist_ok=True)
     try:
         if sources:
             fs.get(sources, [str(path) for path in local])
@@ -256,9 +317,10 @@ def fetch_tars(url: str, sources: list[str], folder: Path) -> list[Path]:
 
 
 def _build(tars: list[Path], output_dir: Path, settings: ShardSettings,
-           print_fn: Callable[[str], None]) -> dict[str, Any]:
+           print_fn: Callable[[str], None], wanted: list[Records] | None = None,
+           names: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
-    samples, metrics = _collect(tars, settings, print_fn, started)
+    samples, metrics = _collect(tars, settings, print_fn, started, wanted, names)
     if output_dir.exists():
         shutil.rmtree(output_dir)
     output_dir.mkdir(parents=True)
@@ -290,16 +352,18 @@ def _build(tars: list[Path], output_dir: Path, settings: ShardSettings,
 
 
 def _collect(tars: list[Path], settings: ShardSettings, print_fn: Callable[[str], None],
-             started: float) -> tuple[list[Sample], dict[str, Any]]:
+             started: float, wanted: list[Records] | None = None,
+             names: list[str] | None = None) -> tuple[list[Sample], dict[str, Any]]:
     dropped: Counter[str] = Counter()
     corrupt: list[str] = []
     samples: list[Sample] = []
-    seen = 0
-    for done, scan in enumerate(scan_all(tars, settings), start=1):
+    seen = skipped = 0
+    for done, scan in enumerate(scan_all(tars, settings, wanted, names), start=1):
         if scan.error:
             corrupt.append(f"{scan.name}: {scan.error}")
             print_fn(f"shard: skipping corrupt input {scan.name} ({scan.error})")
         seen += scan.seen
+        skipped += scan.skipped
         dropped.update(scan.dropped)
         samples.extend(scan.samples)
         if done % 10 == 0 or done == len(tars):
@@ -316,6 +380,7 @@ def _collect(tars: list[Path], settings: ShardSettings, print_fn: Callable[[str]
         "input_shards_corrupt": len(corrupt),
         "corrupt_input_shards": corrupt,
         "samples_in": seen,
+        "samples_not_listed": skipped,  # in the tars read, but not among today's images
         "samples_out": len(unique),
         "dropped": {reason: dropped.get(reason, 0) for reason in DROP_REASONS},
     }
