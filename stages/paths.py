@@ -22,6 +22,7 @@ SHARDS = Path("data/shards")
 SHARDS_TRAIN = SHARDS / "train"
 SHARDS_VAL = SHARDS / "val"
 MANIFEST = SHARDS / "manifest.json"
+CHANGES_STATE = Path("data/changes")  # the snapshots of the last accepted runs (stage changes)
 
 # models/
 TOKENIZER = Path("models/tokenizer.json")
@@ -39,6 +40,7 @@ INDEX = Path("models/index")  # the search index of the bundle's embeddings (ser
 DEDUPE_METRICS = Path("metrics/dedupe.json")
 DOWNLOAD_METRICS = Path("metrics/download.json")
 SHARD_METRICS = Path("metrics/shard.json")
+CHANGES_METRICS = Path("metrics/changes.json")  # the data-change report (also an MLflow artifact)
 TRAIN_METRICS = Path("metrics/train.json")
 EVAL_METRICS = Path("metrics/eval.json")
 CLIP_BENCHMARK = Path("metrics/clip_benchmark")  # the same results as CLIP_benchmark JSON files

@@ -24,7 +24,7 @@ from clipms.train.config import TrainSettings
 from pipeline.params import ParamsError, load_section
 from stages import paths
 
-READS = (paths.TOKENIZER, paths.SHARDS_TRAIN, paths.MANIFEST)
+READS = (paths.TOKENIZER, paths.SHARDS_TRAIN, paths.MANIFEST, paths.CHANGES_METRICS)
 WRITES = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.MLFLOW_RUN, paths.CHECKPOINTS,
           paths.TRAIN_METRICS, paths.TRAIN_CURVE)
 

@@ -120,10 +120,10 @@ def stage_env() -> dict[str, str]:
     return env
 
 
-def run_stage(name: str, cwd: Path, check: bool = True,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`python -m stages.<name>` in `cwd`, with `env` (default: `stage_env()`)."""
-    proc = subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=cwd,
+def run_stage(name: str, cwd: Path, check: bool = True, env: dict[str, str] | None = None,
+              extra_args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m stages.<name> [extra_args]` in `cwd`, with `env` (default: `stage_env()`)."""
+    proc = subprocess.run([sys.executable, "-m", f"stages.{name}", *(extra_args or [])], cwd=cwd,
                           env=env or stage_env(), capture_output=True, text=True, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"stage {name} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"

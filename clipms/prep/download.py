@@ -241,8 +241,9 @@ def build_catalog(images: pd.DataFrame, refused: pd.DataFrame, known: pd.DataFra
     frame.loc[never, "reason"] = "not attempted"
     refusals = dict(zip(refused["key"], refused["reason"], strict=True))
     is_refused = frame["key"].isin(refusals).to_numpy()
-    frame.loc[is_refused, "status"] = "refused"
+    frame.loc[is_refused, "status"] = "refused"  # today's policy decides, whatever was held
     frame.loc[is_refused, "reason"] = frame.loc[is_refused, "key"].map(refusals)
+    frame.loc[is_refused, "tar"] = None
     return frame
 
 
