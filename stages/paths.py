@@ -22,6 +22,7 @@ SHARDS = Path("data/shards")
 SHARDS_TRAIN = SHARDS / "train"
 SHARDS_VAL = SHARDS / "val"
 MANIFEST = SHARDS / "manifest.json"
+SHARD_CHECKS = Path("data/shard-checks")  # what decoding each input tar found (stage shard)
 CHANGES_STATE = Path("data/changes")  # the snapshots of the last accepted runs (stage changes)
 
 # models/

@@ -6,7 +6,8 @@ stage wrote to that URL, data/download holds its catalog and pointer and the tar
 the URL (`clipms.prep.remote`), refused when they are not the ones the pointer records. Which tars
 hold today's images is the download catalog's (`clipms.prep.catalog`); each sample's captions,
 split, labels and URL are data/images.parquet's, so a caption list that changed for an image an
-earlier run fetched is the new one.
+earlier run fetched is the new one. What decoding each input tar's images found is kept in
+data/shard-checks (by the tar's sha256), so a night decodes only the images of the new parts.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from pipeline.params import PARAMS_FILE, ParamsError, load_section, read_params
 from stages import paths
 
 READS = (paths.DOWNLOAD, paths.IMAGES)
-WRITES = (paths.SHARDS_TRAIN, paths.SHARDS_VAL, paths.MANIFEST, paths.SHARD_METRICS)
+WRITES = (paths.SHARDS_TRAIN, paths.SHARDS_VAL, paths.MANIFEST, paths.SHARD_CHECKS,
+          paths.SHARD_METRICS)
 
 
 class ShardParams(Section):
@@ -74,7 +76,7 @@ def main() -> int:
         source, recorded = download_source()
         inputs = shard_inputs(paths.IMAGES, read_catalog(paths.DOWNLOAD))
         metrics = build_shards(source, paths.SHARDS, ShardSettings(**params.model_dump()),
-                               recorded=recorded, inputs=inputs)
+                               recorded=recorded, inputs=inputs, checks_dir=paths.SHARD_CHECKS)
     except (ParamsError, ShardError, CatalogError) as err:
         print(f"shard: error: {err}", file=sys.stderr)
         return 1

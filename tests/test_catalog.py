@@ -4,6 +4,7 @@ the same images gives (the incremental download's promise, at the library's leve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from clipms.prep.catalog import (
     shard_inputs,
     write_catalog,
 )
-from clipms.prep.shards import ShardSettings, build_shards
+from clipms.prep.shards import ChecksCache, ShardSettings, build_shards
 from tests.test_shard import good, write_tar
 
 SETTINGS = ShardSettings(samples_per_shard=2, workers=1)
@@ -120,3 +121,41 @@ def test_a_catalog_of_other_images_is_refused(tmp_path):
         shard_inputs(images, read_catalog(store))
     with pytest.raises(CatalogError, match="run the download stage first"):
         read_catalog(tmp_path / "nowhere")
+
+
+def test_a_tar_read_before_is_not_decoded_again_and_unused_checks_are_removed(tmp_path):
+    store, checks = tmp_path / "store", tmp_path / "checks"
+    two_parts(store)
+    images = images_file(tmp_path, [1, 2, 3, 4, 5], captions={2: ["a caption written later"]})
+    catalog_for(store, images, {i: "s/parts/00000/00000.tar" for i in (1, 2, 3)} | {
+        i: "s/parts/00001/00000.tar" for i in (4, 5)})
+    inputs = shard_inputs(images, read_catalog(store))
+    cold = build_shards(store, tmp_path / "cold", SETTINGS, quiet, inputs=inputs,
+                        checks_dir=checks)
+    assert cold["input_shards_checked_before"] == 0 and len(list(checks.iterdir())) == 2
+    warm = build_shards(store, tmp_path / "warm", SETTINGS, quiet, inputs=inputs,
+                        checks_dir=checks)
+    assert warm["input_shards_checked_before"] == 2
+    assert {k: v for k, v in warm.items() if k != "input_shards_checked_before"} == \
+        {k: v for k, v in cold.items() if k != "input_shards_checked_before"}
+    assert (tmp_path / "warm/manifest.json").read_bytes() == \
+        (tmp_path / "cold/manifest.json").read_bytes()
+
+    # What the checks say is used, not the tar decoded again: a check saying "too small" drops it.
+    cache = ChecksCache(checks)
+    digest = cache.digest(store / "s/parts/00001/00000.tar")
+    cache.save(digest, [dataclasses.replace(c, width=8) for c in cache.load(digest)])
+    shrunk = build_shards(store, tmp_path / "shrunk", SETTINGS, quiet, inputs=inputs,
+                          checks_dir=checks)
+    assert shrunk["dropped"]["too_small"] == 2 and shrunk["samples_out"] == 3
+
+    # A tar whose bytes changed is decoded again (its checks are under another sha256) ...
+    write_tar(store / "s/parts/00001/00000.tar", [good(4), good(5), good(6)])
+    rewritten = build_shards(store, tmp_path / "rewritten", SETTINGS, quiet, inputs=inputs,
+                             checks_dir=checks)
+    assert rewritten["input_shards_checked_before"] == 1 and rewritten["samples_out"] == 5
+    # ... and a tar no longer read leaves no checks behind.
+    only_first = [entry for entry in inputs if entry.tar.startswith("s/parts/00000")]
+    build_shards(store, tmp_path / "first", SETTINGS, quiet, inputs=only_first,
+                 checks_dir=checks)
+    assert [p.stem for p in checks.iterdir()] == [cache.digest(store / "s/parts/00000/00000.tar")]

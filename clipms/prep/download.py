@@ -197,6 +197,23 @@ def to_fetch(allowed: pd.DataFrame, known: pd.DataFrame, retry_failed: bool
     return allowed[never | retried].reset_index(drop=True), int(never.sum()), int(retried.sum())
 
 
+def for_part(engine: EngineSettings, part: Part) -> EngineSettings:
+    """No more multiprocessing workers than the part has img2dataset shards: a worker without a
+    shard would only cost its start-up (a night's part is often one shard)."""
+    if engine.distributor != "multiprocessing":
+        return engine
+    return replace(engine, processes=max(1, min(engine.processes, part.shards_expected)))
+
+
+def part_shard_size(rows: int, settings: DownloadSettings, engine: EngineSettings) -> int:
+    """img2dataset's shard size for a new part: `samples_per_shard`, or less when the part is
+    small, so that every multiprocessing worker gets a shard (a night's few new images would
+    otherwise be one shard, on one worker)."""
+    if engine.distributor != "multiprocessing":
+        return settings.samples_per_shard
+    return max(1, min(settings.samples_per_shard, -(-rows // engine.processes)))
+
+
 def fetch_missing(store: Store, allowed: pd.DataFrame, settings: DownloadSettings,
                   engine: EngineSettings, policy: FetchPolicy,
                   print_fn: Callable[[str], None]) -> Fetch:
@@ -209,15 +226,17 @@ def fetch_missing(store: Store, allowed: pd.DataFrame, settings: DownloadSetting
                      f"{part.shards_expected} img2dataset shard(s) finished are kept)")
             run_img2dataset(store.rows(part), store.part_url(part),
                             replace(settings, samples_per_shard=part.samples_per_shard),
-                            engine, policy)
+                            for_part(engine, part), policy)
             fetch.parts.append(part)
     known = latest_outcomes(store.outcomes())
     rows, fetch.new, fetch.retried = to_fetch(allowed, known, settings.retry_failed)
     if len(rows):
-        part = store.new_part(img2dataset_rows(rows), settings.samples_per_shard)
+        part = store.new_part(img2dataset_rows(rows), part_shard_size(len(rows), settings,
+                                                                      engine))
         print_fn(f"download: fetching {len(rows):,} image(s) into part {part.name} "
                  f"({fetch.new:,} new, {fetch.retried:,} failed before)")
-        run_img2dataset(store.rows(part), store.part_url(part), settings, engine, policy)
+        run_img2dataset(store.rows(part), store.part_url(part), settings, for_part(engine, part),
+                        policy)
         fetch.parts.append(part)
     return fetch
 
