@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -123,6 +124,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server, remove the scratch
     scratch = Path(tempfile.mkdtemp(prefix="bench-incremental-"))
     port = free_port()
     server = None

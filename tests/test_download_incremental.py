@@ -43,9 +43,10 @@ def test_a_night_fetches_only_what_is_new_and_shards_what_a_from_scratch_run_doe
     source = GrowingSource(tmp_path / "source", capacity=50)
     nightly, scratch = tmp_path / "nightly", tmp_path / "scratch"
     missing = {"URL": None, "TEXT": "a picture the site does not have"}
+    two_workers = {"download": {"processes": 2}}
     with source.site() as site:
         missing["URL"] = f"{site.base}/missing.jpg"
-        write_params(nightly, source.path)
+        write_params(nightly, source.path, **two_workers)
         source.write(site, range(40), extra=[missing])
         night(nightly, SHARDING)
         first_requests = requested(site)
@@ -56,11 +57,11 @@ def test_a_night_fetches_only_what_is_new_and_shards_what_a_from_scratch_run_doe
         second_requests = requested(site)
         download = metrics(nightly, "download")
 
-        write_params(scratch, source.path)  # the same final source, from scratch
+        write_params(scratch, source.path, **two_workers)  # the same final source, from scratch
         night(scratch, SHARDING)
 
         site.requests.clear()  # night 3: nothing new, and the 404 is not tried again
-        write_params(nightly, source.path, download={"retry_failed": False})
+        write_params(nightly, source.path, download={"retry_failed": False, "processes": 2})
         third = run_stage("download", nightly)
         third_requests = requested(site)
 
@@ -68,6 +69,10 @@ def test_a_night_fetches_only_what_is_new_and_shards_what_a_from_scratch_run_doe
     assert second_requests == sorted([f"/img/{i}.jpg" for i in range(40, 50)] + ["/missing.jpg"])
     assert "fetching 11 image(s) into part 00001 (10 new, 1 failed before)" in \
         out["download"].stdout
+    # cut in two img2dataset shards of 6, one per worker (8 a shard would leave one idle)
+    part = part_folder(nightly / "data/download", 1)
+    assert sorted(p.name for p in part.glob("*_stats.json")) == ["00000_stats.json",
+                                                                  "00001_stats.json"]
     assert (download["new_images"], download["retried_images"], download["reused_images"],
             download["dropped_images"], download["successes"]) == (10, 1, 36, 4, 46)
 

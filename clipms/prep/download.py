@@ -224,9 +224,7 @@ def fetch_missing(store: Store, allowed: pd.DataFrame, settings: DownloadSetting
         if not store.is_complete(part):
             print_fn(f"download: resuming part {part.name} ({len(store.finished_shards(part))} of "
                      f"{part.shards_expected} img2dataset shard(s) finished are kept)")
-            run_img2dataset(store.rows(part), store.part_url(part),
-                            replace(settings, samples_per_shard=part.samples_per_shard),
-                            for_part(engine, part), policy)
+            run_part(store, part, settings, engine, policy)
             fetch.parts.append(part)
     known = latest_outcomes(store.outcomes())
     rows, fetch.new, fetch.retried = to_fetch(allowed, known, settings.retry_failed)
@@ -235,10 +233,18 @@ def fetch_missing(store: Store, allowed: pd.DataFrame, settings: DownloadSetting
                                                                       engine))
         print_fn(f"download: fetching {len(rows):,} image(s) into part {part.name} "
                  f"({fetch.new:,} new, {fetch.retried:,} failed before)")
-        run_img2dataset(store.rows(part), store.part_url(part), settings, for_part(engine, part),
-                        policy)
+        run_part(store, part, settings, engine, policy)
         fetch.parts.append(part)
     return fetch
+
+
+def run_part(store: Store, part: Part, settings: DownloadSettings, engine: EngineSettings,
+             policy: FetchPolicy) -> None:
+    """img2dataset on the part's recorded rows, cut into its recorded shard size (what decides
+    which img2dataset shards a resume skips), on at most as many workers as it has shards."""
+    run_img2dataset(store.rows(part), store.part_url(part),
+                    replace(settings, samples_per_shard=part.samples_per_shard),
+                    for_part(engine, part), policy)
 
 
 def build_catalog(images: pd.DataFrame, refused: pd.DataFrame, known: pd.DataFrame,
