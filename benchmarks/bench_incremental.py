@@ -14,7 +14,8 @@ order:
 - incremental: a workspace whose download store (and shard checks) hold the base world, as the
   night before left them (copied in, not timed): the same two commands on the grown world.
 
-Both start the stages as DVC does (a process each, imports included) and time them wall-clock.
+Both start the stages as DVC does (a process each, imports included) and time them wall-clock,
+and count their CPU seconds (the stage's and every process it waited for: img2dataset's workers).
 Rounds alternate the two; the JSON holds every run, the medians and the ratios (incremental /
 full), with the load average before and after each run: the machine may be shared.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -96,22 +98,37 @@ def workspace(folder: Path, metadata_file: Path) -> Path:
 
 
 def stage(folder: Path, name: str) -> float:
+    return stage_times(folder, name)[0]
+
+
+def stage_times(folder: Path, name: str) -> tuple[float, float]:
+    """Wall seconds, and CPU seconds (user + system) of the stage and every process it waited
+    for (img2dataset's workers, the shard stage's): CPU time says what the work costs when the
+    machine is shared and wall time says how long the night took."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cpu_before = _children_cpu()
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=folder, env=env,
                           capture_output=True, text=True)
     seconds = time.perf_counter() - started
     if proc.returncode:
         raise RuntimeError(f"{name} failed in {folder}:\n{proc.stdout[-3000:]}\n{proc.stderr}")
-    return round(seconds, 2)
+    return round(seconds, 2), round(_children_cpu() - cpu_before, 2)
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def timed_night(folder: Path) -> dict[str, object]:
     before = load()
-    download = stage(folder, "download")
-    shard = stage(folder, "shard")
+    download, download_cpu = stage_times(folder, "download")
+    shard, shard_cpu = stage_times(folder, "shard")
     metrics = json.loads((folder / "metrics/download.json").read_text())
     return {"download_s": download, "shard_s": shard, "total_s": round(download + shard, 2),
+            "download_cpu_s": download_cpu, "shard_cpu_s": shard_cpu,
+            "total_cpu_s": round(download_cpu + shard_cpu, 2),
             "fetched": metrics["attempted"], "reused": metrics["reused_images"],
             "samples": json.loads((folder / "metrics/shard.json").read_text())["samples_out"],
             "load_before": before, "load_after": load()}
@@ -170,14 +187,21 @@ def summarise(args: argparse.Namespace, base: int, grown: int, prepared: dict,
     def median(kind: str, key: str) -> float:
         return statistics.median(float(r[key]) for r in runs if r["kind"] == kind)
 
-    pairs = [round(float(i["total_s"]) / float(f["total_s"]), 3)
-             for f, i in zip(runs[0::2], runs[1::2], strict=True)]
+    def ratios(key: str) -> list[float]:
+        return [round(float(i[key]) / float(f[key]), 3)
+                for f, i in zip(runs[0::2], runs[1::2], strict=True)]
+
     summary = {
         "base_images": base, "grown_images": grown,
         "full_total_s_median": median("full", "total_s"),
         "incremental_total_s_median": median("incremental", "total_s"),
-        "ratio_per_round": pairs,
+        "ratio_per_round": ratios("total_s"),
         "ratio_median": round(median("incremental", "total_s") / median("full", "total_s"), 3),
+        "full_total_cpu_s_median": median("full", "total_cpu_s"),
+        "incremental_total_cpu_s_median": median("incremental", "total_cpu_s"),
+        "cpu_ratio_per_round": ratios("total_cpu_s"),
+        "cpu_ratio_median": round(median("incremental", "total_cpu_s")
+                                  / median("full", "total_cpu_s"), 3),
         "full_download_s_median": median("full", "download_s"),
         "full_shard_s_median": median("full", "shard_s"),
         "incremental_download_s_median": median("incremental", "download_s"),

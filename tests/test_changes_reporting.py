@@ -17,6 +17,8 @@ from flows import summary
 from registry import run as tracking_run
 from registry.journal import LogArtifact, LogMetrics
 from registry.settings import TrackingFiles
+from stages import paths
+from stages.tracking import FILES
 
 REPORT = {
     "baseline": {"first_run": False, "images": 2000, "rows": 10000},
@@ -56,6 +58,10 @@ def test_the_summary_artifact_shows_what_changed_and_which_check_failed(tmp_path
     (tmp_path / summary.DATA_CHANGES).unlink()
     assert "_`metrics/changes.json` not produced_" in summary.render(
         summary.RunReport("x", stages), tmp_path)
+
+
+def test_the_report_s_path_has_one_owner():
+    assert summary.DATA_CHANGES == paths.CHANGES_METRICS == FILES.data_changes
 
 
 def test_train_logs_the_report_into_the_run_it_opens(tmp_path: Path, monkeypatch):

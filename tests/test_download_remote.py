@@ -232,3 +232,19 @@ def test_dvc_versions_a_download_to_a_url_by_its_pointer(tmp_path):
     assert "resuming part 00000 (1 of 2 img2dataset shard(s) finished are kept)" in resumed.stdout
     assert (part / "00000.tar").stat().st_mtime_ns == kept
     assert (part / "00001.tar").is_file()
+
+
+def test_a_local_store_is_not_removed_when_download_output_is_set(tmp_path):
+    """Runs without download.output kept their store in data/download; setting the option must
+    not delete it to make room for the pointer: the stage says how to move it."""
+    local = tmp_path / "data/download"
+    prepare_root(str(local), owned=True, print_fn=quiet)
+    (local / "s-0123456789ab/parts").mkdir(parents=True)
+    images_parquet(tmp_path, ["http://127.0.0.1:9/never.jpg"])
+    store = tmp_path.parent / f"{tmp_path.name}-store"
+    write_params(tmp_path, output=f"file://{store}")
+    proc = run_stage("download", tmp_path, check=False)
+    assert proc.returncode == 1
+    assert "holds the download store of earlier runs without download.output" in proc.stderr
+    assert f"Copy its contents to file://{store}" in proc.stderr
+    assert (local / "s-0123456789ab/parts").is_dir() and (local / MARKER).is_file()

@@ -21,13 +21,16 @@ import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clipms.utils.atomic import atomic_write
+
+if TYPE_CHECKING:  # pandas only where a frame is asked for: the shard stage never imports it
+    import pandas as pd
 
 CATALOG_FILE = "catalog.parquet"
 STATUSES = ("fetched", "reused", "failed", "refused")
@@ -68,9 +71,13 @@ def write_catalog(folder: Path | str, frame: pd.DataFrame, images_sha256: str,
 
 @dataclass(frozen=True)
 class Catalog:
-    frame: pd.DataFrame  # COLUMNS
+    table: pa.Table  # COLUMNS
     images_sha256: str
     store: str
+
+    @property
+    def frame(self) -> pd.DataFrame:
+        return self.table.to_pandas()
 
 
 def read_catalog(folder: Path | str) -> Catalog:
@@ -86,8 +93,7 @@ def read_catalog(folder: Path | str) -> Catalog:
     if missing or _IMAGES_DIGEST not in meta:
         raise CatalogError(f"{path}: not a catalog the download stage wrote (missing "
                            f"{missing or 'its images digest'})")
-    return Catalog(table.to_pandas(), meta[_IMAGES_DIGEST].decode(),
-                   meta.get(_STORE, b"").decode())
+    return Catalog(table, meta[_IMAGES_DIGEST].decode(), meta.get(_STORE, b"").decode())
 
 
 def read_images(path: Path | str) -> pa.Table:
@@ -126,8 +132,8 @@ def shard_inputs(images_file: Path | str, catalog: Catalog) -> list[TarInput]:
     its captions, split, labels and URL from `images_file`."""
     check_current(catalog, images_file)
     images = read_images(images_file)
-    held = catalog.frame[catalog.frame["status"].isin(HELD)]
-    where = dict(zip(held["key"], held["tar"], strict=True))
+    held = catalog.table.filter(pc.is_in(catalog.table["status"], pa.array(HELD)))
+    where = dict(zip(held["key"].to_pylist(), held["tar"].to_pylist(), strict=True))
     by_tar: dict[str, TarInput] = defaultdict(lambda: TarInput(""))
     columns = {name: images.column(name).to_pylist() for name in IMAGE_COLUMNS}
     for row in range(images.num_rows):
@@ -141,9 +147,3 @@ def shard_inputs(images_file: Path | str, catalog: Catalog) -> list[TarInput]:
                               "url": columns["url"][row], "split": columns["split"][row],
                               "labels": columns["labels"][row]}
     return [by_tar[tar] for tar in sorted(by_tar)]
-
-
-def describe(catalog: Catalog) -> dict[str, int]:
-    """How many images have each status."""
-    counts = catalog.frame["status"].value_counts()
-    return {status: int(counts.get(status, 0)) for status in STATUSES}

@@ -37,7 +37,15 @@ import pyarrow.parquet as pq
 
 from clipms.prep import catalog, remote
 from clipms.prep.engines import EngineSettings, engine_session
-from clipms.prep.store import Part, Store, StoreError, other_stores, prepare_root, store_id
+from clipms.prep.store import (
+    MARKER,
+    Part,
+    Store,
+    StoreError,
+    other_stores,
+    prepare_root,
+    store_id,
+)
 from clipms.prep.urlguard import FetchPolicy, precheck, refusal_counts
 from clipms.utils.redact import redact_url
 
@@ -336,6 +344,8 @@ def download_images(
         print_fn(f"download: refusing {len(refused):,} row(s) before any download ("
                  + ", ".join(f"{k} {v:,}" for k, v in counts.items()) + ")")
     content = content_settings(settings, policy)
+    if pointer_folder is not None:
+        keep_local_store(pointer_folder, output)
     try:
         prepare_root(output, owned=pointer_folder is None, print_fn=print_fn)
     except StoreError as err:
@@ -371,6 +381,16 @@ def download_images(
                  f"in {pointer_folder / remote.POINTER_FILE}")
     print_fn(summary(metrics))
     return metrics
+
+
+def keep_local_store(folder: Path, output: str) -> None:
+    """DownloadError when `folder` (which is about to hold only the catalog and the pointer to
+    `output`) holds the store of runs without `download.output`: it is not removed unasked."""
+    if (folder / MARKER).is_file():
+        raise DownloadError(
+            f"{folder} holds the download store of earlier runs without download.output. Copy "
+            f"its contents to {redact_url(output)} (they are a store there too: nothing is "
+            f"fetched again), or remove it, then rerun")
 
 
 def _say_other_stores(output: str, current: str, print_fn: Callable[[str], None]) -> None:
