@@ -1,8 +1,8 @@
 """The markdown summary a pipeline run publishes: stage outcomes, metrics, gate decision, MLflow.
 
-It only reads files the stages wrote (metrics/eval.json, metrics/register.json,
-models/mlflow_run.json); each may be missing (stage not in the pipeline yet, or not run) or
-malformed, and the summary says so instead of failing the run.
+It only reads files the stages wrote (metrics/changes.json, metrics/eval.json,
+metrics/register.json, models/mlflow_run.json); each may be missing (stage not in the pipeline
+yet, or not run) or malformed, and the summary says so instead of failing the run.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from clipms.utils.redact import redact_text
 
+DATA_CHANGES = Path("metrics/changes.json")
 EVAL_METRICS = Path("metrics/eval.json")
 REGISTER_DECISION = Path("metrics/register.json")
 MLFLOW_RUN = Path("models/mlflow_run.json")
@@ -61,6 +62,7 @@ def render(report: RunReport, workdir: Path, run_name: str = "") -> str:
               for s in report.stages]
     if report.details:
         parts += ["", "```", report.details.strip(), "```"]
+    parts += _section("Data changes", workdir, DATA_CHANGES, _change_rows)
     parts += _section("Evaluation metrics", workdir, EVAL_METRICS, _metric_rows)
     parts += _section("Registry decision", workdir, REGISTER_DECISION, _flat_rows)
     parts += _mlflow_section(workdir)
@@ -84,6 +86,47 @@ def _section(title: str, workdir: Path, rel: Path, rows: Any) -> list[str]:
     if data is None:
         return [*lines, f"_{problem}_"]
     return [*lines, f"From `{rel}`:", "", "| key | value |", "|---|---|", *rows(data)]
+
+
+def _change_rows(data: dict[str, Any]) -> list[str]:
+    """The data-change report in a few rows: what is new, what did not arrive, what failed."""
+    get = _getter(data)
+    baseline = ("first run: everything is new" if get("baseline.first_run") is True
+                else f"the last accepted run ({get('baseline.images')} images)")
+    failures = data.get("failures")
+    checks = ("; ".join(map(str, failures)) or "passed") if isinstance(failures, list) else "?"
+    cells = [
+        ("compared with", baseline),
+        ("images new / removed / total",
+         f"{get('images.new')} / {get('images.removed')} / {get('images.total')}"),
+        ("kept images whose captions changed", get("images.captions_changed")),
+        ("caption rows new (empty) / removed",
+         f"{get('rows.new')} ({get('rows.new_empty')}) / {get('rows.removed')}"),
+        ("new images failed / refused",
+         f"{get('download.new_failed')} / {get('download.new_refused')} of "
+         f"{get('download.new')}"),
+        ("new captions' words without a token",
+         f"{_fmt(get('tokens.new_unknown_word_share'))} (kept captions: "
+         f"{_fmt(get('tokens.kept_unknown_word_share'))})"),
+        ("image short side, median new / kept",
+         f"{_fmt(get('image_size.new_short_side_p50'))} / "
+         f"{_fmt(get('image_size.kept_short_side_p50'))}"),
+        ("schema", "; ".join(map(str, get("schema.changed") or [])) or "unchanged"),
+        ("checks", checks),
+    ]
+    return [f"| {name} | {_fmt(value)} |" for name, value in cells]
+
+
+def _getter(data: dict[str, Any]) -> Any:
+    """`get("a.b")`: data["a"]["b"], or "?" when the report lacks it."""
+    def get(dotted: str) -> Any:
+        node: Any = data
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return "?"
+            node = node[part]
+        return node
+    return get
 
 
 def _metric_rows(data: dict[str, Any]) -> list[str]:

@@ -21,7 +21,9 @@ from clipms.utils.jsonio import read_json
 from clipms.utils.redact import redact_text
 
 # Stages that never talk to MLflow: their resolved params are taken from dvc.lock by `open`.
-DATA_STAGES = ("metadata", "dedupe", "download", "shard", "tokenizer")
+DATA_STAGES = ("metadata", "dedupe", "download", "shard", "tokenizer", "changes")
+# The sections of the data-change report (metrics/changes.json) whose numbers become metrics.
+DATA_CHANGE_SECTIONS = ("rows", "images", "download", "captions", "tokens", "image_size")
 SECRET_KEY = re.compile(r"(password|passwd|secret|credential|api_?key|(^|_)token$)", re.IGNORECASE)
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 
@@ -194,3 +196,17 @@ def dataset_record(tags: Mapping[str, str], manifest: Path) -> dict[str, str] | 
     profile = {name: split.get("samples") for name, split in splits.items()}
     return {"name": f"{source}-shards", "digest": digest[:36], "source_type": source_type,
             "source": json.dumps({"uri": uri}), "profile": json.dumps(profile)}
+
+
+def data_change_metrics(report: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers of the data-change report as `data.<section>.<name>` metrics (MLflow compares
+    them across runs); lists (reasons, words) and flags stay in the report, logged as a file."""
+    out: dict[str, float] = {}
+    for section in DATA_CHANGE_SECTIONS:
+        values = report.get(section)
+        if not isinstance(values, Mapping):
+            continue
+        for name, value in values.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out[f"data.{section}.{name}"] = float(value)
+    return out

@@ -51,6 +51,7 @@ from registry.journal import (
 )
 from registry.lineage import (
     DATA_STAGES,
+    data_change_metrics,
     dataset_record,
     dvc_experiment_tags,
     flatten,
@@ -120,6 +121,7 @@ class PipelineRun(RecordSender):
         dataset = dataset_record(tags, files.manifest)
         if dataset:
             run.pending.append(LogDataset(dataset, "training"))
+        run.log_data_changes()
         run.owns_run_file = owns_run_file
         run.resume_record = resume_record
         if resume_record is not None and resume_record.exists():
@@ -206,6 +208,20 @@ class PipelineRun(RecordSender):
         """Queue a file or folder for upload (it must still exist when it is sent)."""
         if Path(path).exists():
             self._queue(LogArtifact(str(path), artifact_path))
+
+    def log_data_changes(self) -> None:
+        """The data-change report the run trains on (`files.data_changes`): its numbers as
+        `data.*` metrics, the file as the artifact `data/<name>`."""
+        report = self.files.data_changes
+        if report is None or not report.is_file():
+            return
+        try:
+            numbers = data_change_metrics(read_json(report))
+        except (OSError, ValueError) as err:  # never fail training over a report
+            print(f"[mlflow] WARNING: {report}: not logged ({err})", file=sys.stderr)
+            return
+        self.log_metrics(numbers)
+        self.log_artifact(report, "data")
 
     def queued_metrics(self) -> int:
         with self._lock:

@@ -37,6 +37,7 @@ class TrackingFiles:
     journal_dir: Path  # unsent records, one file per pipeline run
     lock: Path  # dvc.lock: lineage and the params the data stages ran with
     manifest: Path  # the shard manifest: the val digest and the dataset profile
+    data_changes: Path | None = None  # the data-change report: logged when train opens the run
 
 
 class RegisterParams(Section):

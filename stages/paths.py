@@ -23,6 +23,8 @@ SHARDS_TRAIN = SHARDS / "train"
 SHARDS_VAL = SHARDS / "val"
 MANIFEST = SHARDS / "manifest.json"
 EVALSETS = Path("data/evalsets")  # frozen evaluation sets, one folder each (pipeline.evalset)
+SHARD_CHECKS = Path("data/shard-checks")  # what decoding each input tar found (stage shard)
+CHANGES_STATE = Path("data/changes")  # the snapshots of the last accepted runs (stage changes)
 
 # models/
 TOKENIZER = Path("models/tokenizer.json")
@@ -42,6 +44,7 @@ DEDUPE_METRICS = Path("metrics/dedupe.json")
 DOWNLOAD_METRICS = Path("metrics/download.json")
 SHARD_METRICS = Path("metrics/shard.json")
 TOKENIZER_METRICS = Path("metrics/tokenizer.json")  # where models/tokenizer.json came from
+CHANGES_METRICS = Path("metrics/changes.json")  # the data-change report (also an MLflow artifact)
 TRAIN_METRICS = Path("metrics/train.json")
 EVAL_METRICS = Path("metrics/eval.json")
 EVAL_QUALITY = Path("metrics/quality")  # the same figures, one row per task (dvc metrics show)

@@ -1,8 +1,13 @@
-"""Stage `shard`: data/download/*.tar -> validated data/shards/{train,val}/*.tar + manifest.json.
+"""Stage `shard`: today's images (data/images.parquet) from the download store -> validated
+data/shards/{train,val}/*.tar + manifest.json.
 
 `python -m stages.shard`; reads the `shard` section, and `download.output`: when the download
-stage wrote to that URL, data/download holds its pointer and the tars are read from the URL
-(`clipms.prep.remote`), refused when they are not the ones the pointer records.
+stage wrote to that URL, data/download holds its catalog and pointer and the tars are read from
+the URL (`clipms.prep.remote`), refused when they are not the ones the pointer records. Which tars
+hold today's images is the download catalog's (`clipms.prep.catalog`); each sample's captions,
+split, labels and URL are data/images.parquet's, so a caption list that changed for an image an
+earlier run fetched is the new one. What decoding each input tar's images found is kept in
+data/shard-checks (by the tar's sha256), so a night decodes only the images of the new parts.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Any
 
 from pydantic import Field
 
+from clipms.prep.catalog import CatalogError, read_catalog, shard_inputs
 from clipms.prep.remote import (
     POINTER_FILE,
     RemoteError,
@@ -26,8 +32,9 @@ from clipms.utils.redact import redact_url
 from pipeline.params import PARAMS_FILE, ParamsError, load_section, read_params
 from stages import paths
 
-READS = (paths.DOWNLOAD,)
-WRITES = (paths.SHARDS_TRAIN, paths.SHARDS_VAL, paths.MANIFEST, paths.SHARD_METRICS)
+READS = (paths.DOWNLOAD, paths.IMAGES)
+WRITES = (paths.SHARDS_TRAIN, paths.SHARDS_VAL, paths.MANIFEST, paths.SHARD_CHECKS,
+          paths.SHARD_METRICS)
 
 
 class ShardParams(Section):
@@ -67,9 +74,10 @@ def main() -> int:
     try:
         params = load_section("shard", ShardParams)
         source, recorded = download_source()
+        inputs = shard_inputs(paths.IMAGES, read_catalog(paths.DOWNLOAD))
         metrics = build_shards(source, paths.SHARDS, ShardSettings(**params.model_dump()),
-                               recorded=recorded)
-    except (ParamsError, ShardError) as err:
+                               recorded=recorded, inputs=inputs, checks_dir=paths.SHARD_CHECKS)
+    except (ParamsError, ShardError, CatalogError) as err:
         print(f"shard: error: {err}", file=sys.stderr)
         return 1
     write_json(paths.SHARD_METRICS, metrics)

@@ -7,4 +7,5 @@ from registry.settings import TrackingFiles
 from stages import paths
 
 FILES = TrackingFiles(params=paths.PARAMS, run_file=paths.MLFLOW_RUN,
-                      journal_dir=paths.MLFLOW_JOURNAL, lock=paths.LOCK, manifest=paths.MANIFEST)
+                      journal_dir=paths.MLFLOW_JOURNAL, lock=paths.LOCK, manifest=paths.MANIFEST,
+                      data_changes=paths.CHANGES_METRICS)

@@ -31,7 +31,8 @@ from pipeline.params import ParamsError, load_section
 from registry.versions import is_model_uri
 from stages import paths
 
-READS = (paths.TOKENIZER, paths.TOKENIZER_METRICS, paths.SHARDS_TRAIN, paths.MANIFEST)
+READS = (paths.TOKENIZER, paths.TOKENIZER_METRICS, paths.SHARDS_TRAIN, paths.MANIFEST,
+         paths.CHANGES_METRICS)
 WRITES = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.MLFLOW_RUN, paths.CHECKPOINTS,
           paths.TRAIN_METRICS, paths.TRAIN_CURVE)
 

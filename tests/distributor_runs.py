@@ -1,5 +1,6 @@
 """The download stage on one distributor, as tests/test_distributors.py runs it on every one: the
-same loopback URLs, the sample set it wrote, a resume after a lost shard, a Ray head to run on."""
+same loopback URLs, the sample set it wrote, a resume after a lost shard, a second night that
+fetches only its new image, a Ray head to run on."""
 
 from __future__ import annotations
 
@@ -13,13 +14,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pandas as pd
+
 from clipms.data import webds
+from clipms.prep.download import read_parquet
 from harness import processes
 from harness.processes import free_port
-from tests.image_site import Site, images_parquet, run_stage, write_params
+from tests.image_site import Site, images_parquet, part_folder, run_stage, write_params
 
 # Shard 1 (samples_per_shard 3) holds these; the other URLs are answered by shards 0 and 2.
 SHARD_1_REQUESTS = ["/good/3.jpg", "/good/4.jpg", "/good/5.jpg"]
+# The second night: its new image, and the two that failed the first night (retried by default).
+SECOND_NIGHT_REQUESTS = ["/good/6.jpg", "/missing.jpg", "/text.jpg"]
 
 
 def site_urls(site: Site) -> list[str]:
@@ -29,9 +35,10 @@ def site_urls(site: Site) -> list[str]:
 
 
 def samples_of(download: Path) -> set[tuple[str, str, str]]:
-    """(our key, caption, sha256 of the image) of every downloaded sample."""
+    """(our key, caption, sha256 of the image) of every downloaded sample below `download` (a
+    store root, or one part's folder)."""
     return {(s.meta["image_key"], s.caption, hashlib.sha256(s.image).hexdigest())
-            for tar in sorted(download.glob("*.tar")) for s in webds.read_tar(tar)}
+            for tar in sorted(download.rglob("*.tar")) for s in webds.read_tar(tar)}
 
 
 def download_with(folder: Path, site: Site, env: dict[str, str] | None = None,
@@ -48,10 +55,10 @@ def download_with(folder: Path, site: Site, env: dict[str, str] | None = None,
 def resume_after_losing_shard_1(folder: Path, site: Site, env: dict[str, str] | None = None,
                                 out: Path | None = None,
                                 **engine: object) -> tuple[list[str], float]:
-    """Remove shard 1's outputs (an interruption while it was fetching) from `out` (default: the
-    stage's data/download) and rerun, on new engine settings when given (they are not part of the
-    resume fingerprint); the requests, seconds."""
-    out = out or folder / "data/download"
+    """Remove shard 1's outputs (an interruption while it was fetching) from the first part of the
+    store at `out` (default: the stage's data/download) and rerun, on new engine settings when
+    given (they are not part of the store's fingerprint); the requests, seconds."""
+    out = part_folder(out or folder / "data/download")
     kept = (out / "00000.tar").stat().st_mtime_ns
     for path in out.glob("00001*"):
         path.unlink()
@@ -61,9 +68,20 @@ def resume_after_losing_shard_1(folder: Path, site: Site, env: dict[str, str] | 
     started = time.perf_counter()
     proc = run_stage("download", folder, env=env)
     seconds = time.perf_counter() - started
-    assert "resuming" in proc.stdout and "2 finished shard(s) are kept" in proc.stdout
+    assert "resuming part 00000 (2 of 3 img2dataset shard(s) finished are kept)" in proc.stdout
     assert (out / "00000.tar").stat().st_mtime_ns == kept  # finished shards untouched
     return sorted(site.requests), seconds
+
+
+def second_night(folder: Path, site: Site, env: dict[str, str] | None = None) -> list[str]:
+    """The next night's images.parquet - the first image gone, `/good/6.jpg` new - downloaded on
+    the engine of the folder's params; the URLs requested."""
+    images = read_parquet(folder / "data/images.parquet")
+    new = images.iloc[[0]].assign(url=f"{site.base}/good/6.jpg", key=f"{len(images):016x}")
+    pd.concat([images.iloc[1:], new]).to_parquet(folder / "data/images.parquet", index=False)
+    site.requests.clear()
+    run_stage("download", folder, env=env)
+    return sorted(site.requests)
 
 
 # Ray's single-machine mode: `ray start` and ray.init(address=...) otherwise replace 127.0.0.1

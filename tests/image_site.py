@@ -120,10 +120,10 @@ def stage_env() -> dict[str, str]:
     return env
 
 
-def run_stage(name: str, cwd: Path, check: bool = True,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`python -m stages.<name>` in `cwd`, with `env` (default: `stage_env()`)."""
-    proc = subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=cwd,
+def run_stage(name: str, cwd: Path, check: bool = True, env: dict[str, str] | None = None,
+              extra_args: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m stages.<name> [extra_args]` in `cwd`, with `env` (default: `stage_env()`)."""
+    proc = subprocess.run([sys.executable, "-m", f"stages.{name}", *(extra_args or [])], cwd=cwd,
                           env=env or stage_env(), capture_output=True, text=True, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"stage {name} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
@@ -157,6 +157,14 @@ def write_params(folder: Path, **download: object) -> None:
         "shard": {"samples_per_shard": 2, "min_image_size": 32, "seed": 0, "workers": 1},
     }
     (folder / "params.yaml").write_text(yaml.safe_dump(params))
+
+
+def part_folder(root: Path, part: int = 0) -> Path:
+    """Where img2dataset writes a part of the download store at `root` (one store: one set of
+    download settings): `root/s-<fingerprint>/parts/<part>`."""
+    stores = sorted(root.glob("s-*"))
+    assert len(stores) == 1, f"expected one store in {root}, found {stores}"
+    return stores[0] / "parts" / f"{part:05d}"
 
 
 def images_parquet(folder: Path, urls: list[str]) -> pd.DataFrame:

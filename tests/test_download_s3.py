@@ -1,8 +1,9 @@
 """`download.output: s3://bucket/prefix` against a real S3 API: moto's server, started by the test
 on 127.0.0.1 (the `dev` extra), reached by img2dataset and the shard stage through s3fs (the
 `distributed` extra) with the standard AWS variables (AWS_ENDPOINT_URL, keys). The same shards as
-the default local run, a stage killed mid-download resumes on the bucket, and Spark's executors
-write there too, a lost shard then refetched by a local Ray."""
+the default local run, a stage killed mid-download resumes on the bucket, the next night fetches
+only what is new into the bucket's store, and Spark's executors write there too, a lost shard then
+refetched by a local Ray."""
 
 from __future__ import annotations
 
@@ -15,9 +16,15 @@ from pathlib import Path
 import pytest
 
 from clipms.data import webds
-from clipms.prep.download import FINGERPRINT_FILE, DownloadError, prepare_output
 from clipms.prep.remote import POINTER_FILE
-from tests.distributor_runs import SHARD_1_REQUESTS, samples_of, site_urls
+from clipms.prep.store import MARKER, StoreError, prepare_root
+from tests.distributor_runs import (
+    SECOND_NIGHT_REQUESTS,
+    SHARD_1_REQUESTS,
+    samples_of,
+    second_night,
+    site_urls,
+)
 from tests.image_site import (
     Site,
     images_parquet,
@@ -55,11 +62,21 @@ def s3() -> Iterator[tuple[dict[str, str], object]]:
 
 
 def tars_in(fs, prefix: str, folder: Path) -> set[tuple[str, str, str]]:
-    """samples_of() for the tars under `prefix` of the bucket (copied into `folder`)."""
+    """samples_of() for the tars of the store under `prefix` of the bucket (copied into
+    `folder`)."""
     folder.mkdir()
-    for path in fs.glob(f"{prefix}/*.tar"):
-        fs.get(path, str(folder / path.rsplit("/", 1)[-1]))
+    for path in fs.glob(f"{prefix}/s-*/parts/*/*.tar"):
+        local = folder / path.removeprefix(f"{prefix}/")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        fs.get(path, str(local))
     return samples_of(folder)
+
+
+def part_of(fs, prefix: str, part: int = 0) -> str:
+    """The bucket path of a part of the one store under `prefix`."""
+    stores = fs.glob(f"{prefix}/s-*")
+    assert len(stores) == 1, stores
+    return f"{stores[0]}/parts/{part:05d}"
 
 
 @pytest.mark.slow
@@ -78,7 +95,8 @@ def test_download_to_s3_then_shard_gives_the_default_runs_shards(tmp_path, s3):
     assert len(reference) == 6 and tars_in(fs, prefix, tmp_path / "copy") == reference
     pointer = json.loads((tmp_path / "s3/data/download" / POINTER_FILE).read_text())
     assert pointer["url"] == f"s3://{prefix}" and pointer["samples"] == 6
-    assert [s["name"] for s in pointer["shards"]] == ["00000.tar", "00001.tar", "00002.tar"]
+    assert [s["name"] for s in pointer["shards"]] == [
+        f"{pointer['store']}/parts/00000/0000{i}.tar" for i in (0, 1)]
     for name in ("data/shards/manifest.json", "metrics/shard.json"):  # byte-identical shards
         assert (tmp_path / "s3" / name).read_text() == (tmp_path / "local" / name).read_text()
 
@@ -94,20 +112,26 @@ def test_a_download_killed_mid_shard_resumes_on_the_bucket(tmp_path, s3):
         urls = [f"{site.base}/good/{i}.jpg" for i in range(6)]
         urls[2:4] = [f"{site.base}/stall/{i}.jpg" for i in (2, 3)]  # shard 1 stalls
         images_parquet(tmp_path, urls)
-        kill_download_in_shard_1(tmp_path, site, env,
-                                 lambda: fs.exists(f"{prefix}/00000_stats.json"))
+        first_stats = f"{prefix}/s-*/parts/00000/00000_stats.json"
+        kill_download_in_shard_1(tmp_path, site, env, lambda: bool(fs.glob(first_stats)))
         site.stall.set()  # from now on the stalled URLs answer at once
-        assert not fs.exists(f"{prefix}/00001_stats.json")
+        part = part_of(fs, prefix)
+        assert not fs.exists(f"{part}/00001_stats.json")
         assert not (tmp_path / "data/download" / POINTER_FILE).exists()  # no shards claimed
-        finished = object_version(fs, f"{prefix}/00000.tar")
+        finished = object_version(fs, f"{part}/00000.tar")
         site.requests.clear()
         proc = run_stage("download", tmp_path, env=env)
-        assert "resuming" in proc.stdout and "1 finished shard(s) are kept" in proc.stdout
+        assert "resuming part 00000 (1 of 3 img2dataset shard(s) finished are kept)" in \
+            proc.stdout
         assert sorted(site.requests) == ["/good/4.jpg", "/good/5.jpg", "/stall/2.jpg",
                                          "/stall/3.jpg"]
-    assert object_version(fs, f"{prefix}/00000.tar") == finished  # shard 0 was not rewritten
-    metrics = json.loads((tmp_path / "metrics/download.json").read_text())
-    assert metrics["successes"] == 6 and metrics["shards_done"] == 3
+        metrics = json.loads((tmp_path / "metrics/download.json").read_text())
+        assert metrics["successes"] == 6 and metrics["shards_done"] == 3
+        # The next night on the bucket: only its new image is fetched, into a new part.
+        new_night = second_night(tmp_path, site, env=env)
+    assert object_version(fs, f"{part}/00000.tar") == finished  # shard 0 was not rewritten
+    assert new_night == ["/good/6.jpg"]
+    assert fs.glob(f"{part_of(fs, prefix, 1)}/*.tar")
     run_stage("shard", tmp_path, env=env)
     manifest = webds.read_manifest(tmp_path / "data/shards")
     assert manifest["splits"]["train"]["samples"] == 6
@@ -138,40 +162,49 @@ def test_spark_writes_to_the_bucket_and_a_local_ray_resumes_there(tmp_path, s3):
             write_params(tmp_path, distributor="pyspark", spark_master="local[2]", **engine)
             run_stage("download", tmp_path, env=env)
             first = tars_in(fs, prefix, tmp_path / "spark")
-            kept = object_version(fs, f"{prefix}/00000.tar")
-            for path in fs.glob(f"{prefix}/00001*"):
+            part = part_of(fs, prefix)
+            kept = object_version(fs, f"{part}/00000.tar")
+            for path in fs.glob(f"{part}/00001*"):
                 fs.rm(path)
             write_params(tmp_path, distributor="ray", **engine)
             site.requests.clear()
             proc = run_stage("download", tmp_path, env=local_ray)
             requests = sorted(site.requests)
+            resumed = tars_in(fs, prefix, tmp_path / "ray")
+            write_params(tmp_path, distributor="pyspark", spark_master="local[2]", **engine)
+            new_night = second_night(tmp_path, site, env=env)  # Spark's executors again
     finally:
         shutil.rmtree(temp, ignore_errors=True)
-    assert "resuming" in proc.stdout and "2 finished shard(s) are kept" in proc.stdout
+    assert "resuming part 00000 (2 of 3 img2dataset shard(s) finished are kept)" in proc.stdout
     assert requests == SHARD_1_REQUESTS
-    assert object_version(fs, f"{prefix}/00000.tar") == kept
-    assert len(first) == 6 and tars_in(fs, prefix, tmp_path / "ray") == first
+    assert new_night == SECOND_NIGHT_REQUESTS
+    assert object_version(fs, f"{part}/00000.tar") == kept
+    assert len(first) == 6 and resumed == first
+    assert len(tars_in(fs, prefix, tmp_path / "night-2")) == 7
     run_stage("shard", tmp_path, env=env)
     assert webds.read_manifest(tmp_path / "data/shards")["splits"]["train"]["samples"] == 6
 
 
-def test_the_bucket_is_cleared_for_a_new_input_only_when_the_stage_wrote_it(s3, monkeypatch):
-    """prepare_output on S3 itself, with a bucket root as the target: another fingerprint
-    empties it (img2dataset's `_tmp` scratch too); a prefix holding an object the stage did not
-    write is refused and the object kept."""
+def test_a_bucket_is_made_a_store_only_when_empty_or_ours(s3, monkeypatch):
+    """prepare_root on S3 itself, with a bucket root as the target: the earlier layout's objects
+    (ours) are removed, saying so, img2dataset's `_tmp` scratch too; a prefix holding an object
+    the stage did not write is refused and the object kept."""
     env, fs = s3
     for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                  "AWS_DEFAULT_REGION"):
         monkeypatch.setenv(name, env[name])
     fs.mkdir("whole-bucket")
-    prepare_output("s3://whole-bucket", print, expected="one", owned=False)
+    fs.pipe("whole-bucket/clipms_input.sha256", b"one\n")
     fs.pipe("whole-bucket/00000.tar", b"a shard")
     fs.pipe("whole-bucket/_tmp/00001.feather", b"img2dataset's scratch")
-    prepare_output("s3://whole-bucket", print, expected="two", owned=False)
-    assert fs.ls("whole-bucket", detail=False) == [f"whole-bucket/{FINGERPRINT_FILE}"]
-    assert fs.cat("whole-bucket/" + FINGERPRINT_FILE) == b"two\n"
+    said: list[str] = []
+    prepare_root("s3://whole-bucket", owned=False, print_fn=said.append)
+    assert fs.ls("whole-bucket", detail=False) == [f"whole-bucket/{MARKER}"]
+    assert "earlier one-folder layout" in said[0]
+    prepare_root("s3://whole-bucket", owned=False, print_fn=said.append)  # ours now: kept
+    assert len(said) == 1
 
     fs.pipe(f"{BUCKET}/theirs/report.csv", b"not ours")
-    with pytest.raises(DownloadError, match="did not write"):
-        prepare_output(f"s3://{BUCKET}/theirs", print, expected="one", owned=False)
+    with pytest.raises(StoreError, match="did not write"):
+        prepare_root(f"s3://{BUCKET}/theirs", owned=False, print_fn=print)
     assert fs.cat(f"{BUCKET}/theirs/report.csv") == b"not ours"

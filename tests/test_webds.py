@@ -94,3 +94,31 @@ def test_truncated_tars_and_bad_manifests_are_named(tmp_path):
     (tmp_path / "manifest.json").write_text('{"splits": {"train": {"shards": []}}}')
     with pytest.raises(webds.DataError, match="no split 'val'"):
         webds.split_entry(webds.read_manifest(tmp_path), "val", "manifest")
+
+
+def _tarfile_writes(path, samples) -> None:
+    """What `write_tar` wrote with tarfile itself (GNU format, fixed times and owners)."""
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for key, files in samples:
+            for ext, data in files.items():
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o644, 0, 0
+                info.uname = info.gname = ""
+                tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("key_length", [1, 16, 96, 97, 128])  # 96 + ".jpg": tarfile's 100 limit
+def test_the_writer_s_bytes_are_tarfile_s(tmp_path, key_length):
+    """write_tar makes member headers from a template (tarfile's own header building was most of
+    a night's shard rewrite): the bytes must stay exactly those tarfile writes, long names (a GNU
+    long-name record) and the end-of-archive padding included."""
+    for size in (0, 1, 511, 512, 513, 10240, 100_001):
+        samples = [(f"{i}" + "k" * (key_length - 1), {"jpg": bytes([i]) * size, "json": b"{}",
+                                                      "txt": b"x" * (size % 700)})
+                   for i in range(3)]
+        _tarfile_writes(tmp_path / "tarfile.tar", samples)
+        entry = webds.write_tar(tmp_path / "ours.tar", samples)
+        expected = (tmp_path / "tarfile.tar").read_bytes()
+        assert (tmp_path / "ours.tar").read_bytes() == expected, (key_length, size)
+        assert entry == {"samples": 3, "bytes": len(expected),
+                         "sha256": hashlib.sha256(expected).hexdigest()}

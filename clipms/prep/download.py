@@ -1,4 +1,4 @@
-"""img2dataset wrapper: images.parquet -> webdataset shards, with the URL policy and a summary.
+"""img2dataset wrapper: images.parquet -> webdataset shards, fetching only what is new.
 
 Safety (`clipms.prep.urlguard`): every row's URL is checked before img2dataset or any engine sees
 it - the scheme must be allowed (`file` only for the synthetic source) and, unless
@@ -8,40 +8,58 @@ urllib's opener (checked again at connect time; redirects may not change the sch
 an address; bodies are bounded) and images over `max_image_area` / `max_aspect_ratio` are refused
 from their header, before they are decoded.
 
-Resume: img2dataset's default incremental mode skips every shard that already has a
-`NNNNN_stats.json`. The output folder (a local path or any fsspec URL) carries a fingerprint of the
-input, the download settings and the policy; a rerun with the same fingerprint resumes, on any
-distributor, any other fingerprint clears the folder first. A folder without a fingerprint is
-cleared only when it is the project's own; at a URL the user named it must be empty (it is not
-ours to delete). For a URL, the project keeps a pointer instead of the tars (`clipms.prep.remote`).
+Incremental (`clipms.prep.store`): the output (a local folder or any fsspec URL) is a store of
+parts, one per run that had something to fetch, under a fingerprint of the settings that decide a
+sample's bytes (`content_settings`). A run reads which images the store already holds - by the
+stable key dedupe computed from each image's identity - and hands img2dataset only the rest, as a
+new part; an image no longer in images.parquet stays in the store and is left out of the catalog
+(`clipms.prep.catalog`), which tells the shard stage where each of today's images is. Other
+settings start another store beside the first (nothing is deleted: `prune` does that, when a user
+asks). Resume: a part img2dataset did not finish is rerun first with exactly its rows, and
+img2dataset skips every shard that has its `NNNNN_stats.json`, on any distributor. For a URL, the
+project keeps the catalog and a pointer instead of the tars (`clipms.prep.remote`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import fsspec
 import pandas as pd
 import pyarrow.parquet as pq
 
-from clipms.prep import remote
+from clipms.prep import catalog, remote
 from clipms.prep.engines import EngineSettings, engine_session
+from clipms.prep.store import (
+    MARKER,
+    Part,
+    Store,
+    StoreError,
+    other_stores,
+    prepare_root,
+    store_id,
+)
 from clipms.prep.urlguard import FetchPolicy, precheck, refusal_counts
 from clipms.utils.redact import redact_url
 
-# Not *.json: img2dataset counts every *.json in the folder as a finished shard.
-FINGERPRINT_FILE = "clipms_input.sha256"
 # Columns img2dataset copies into each sample's json. It reserves `key` for its own shard-local key,
 # so our stable key travels as `image_key`.
 EXTRA_COLUMNS = ["captions", "split", "image_key", "labels"]
+# The settings that decide a downloaded sample's bytes, or whether an image is accepted at all:
+# a store holds images made with one combination (`content_settings`). Timeouts, retries and the
+# engine decide only whether a fetch succeeds, so they are not among them.
+CONTENT_FIELDS = ("image_size", "resize_mode", "encode_quality", "max_image_area",
+                  "max_aspect_ratio")
+# The packages that decode, resize and encode the images: another version may give other bytes.
+CODEC_PACKAGES = {"img2dataset": ("img2dataset",),
+                  "opencv": ("opencv-python-headless", "opencv-python", "opencv-contrib-python")}
 
 
 def read_parquet(path: Path | str) -> pd.DataFrame:
@@ -56,7 +74,7 @@ def read_parquet(path: Path | str) -> pd.DataFrame:
 
 @dataclass(frozen=True)
 class DownloadSettings:
-    """What decides the downloaded samples (fingerprinted; the engine settings are not)."""
+    """What img2dataset is asked for (the engine settings are apart: `EngineSettings`)."""
 
     image_size: int = 256
     resize_mode: str = "center_crop"
@@ -66,6 +84,7 @@ class DownloadSettings:
     samples_per_shard: int = 1000
     max_image_area: int = 25_000_000
     max_aspect_ratio: float = 10.0
+    retry_failed: bool = True  # refetch images whose latest attempt (in an earlier run) failed
 
 
 class DownloadError(RuntimeError):
@@ -74,70 +93,55 @@ class DownloadError(RuntimeError):
 
 def filter_urls(images: pd.DataFrame, policy: FetchPolicy) -> tuple[pd.DataFrame, dict[str, int]]:
     """The rows the policy allows (`urlguard.precheck`), and the refusals by reason."""
+    allowed, refused = screen_urls(images, policy)
+    return allowed, refusal_counts(refused["reason"])
+
+
+def screen_urls(images: pd.DataFrame, policy: FetchPolicy) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(the rows the policy allows, the refused rows with a `reason` column)."""
     urls = images["url"].astype(object).where(images["url"].notna(), "").astype(str).tolist()
-    reasons = precheck(urls, policy)
-    keep = [reason is None for reason in reasons]
-    return images[keep].reset_index(drop=True), refusal_counts(reasons)
+    reasons = pd.Series(precheck(urls, policy), index=images.index, dtype=object)
+    keep = reasons.isna()
+    return (images[keep].reset_index(drop=True),
+            images[~keep].assign(reason=reasons[~keep]).reset_index(drop=True))
 
 
-def fingerprint(images_file: Path, settings: DownloadSettings, policy: FetchPolicy) -> str:
-    """sha256 of the input bytes + settings + policy: whether existing shards are reusable."""
-    digest = hashlib.sha256()
-    with open(images_file, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    config = {"settings": asdict(settings), "schemes": sorted(policy.allowed_schemes),
-              "allow_private_addresses": policy.allow_private_addresses,
-              "allowed_networks": sorted(policy.allowed_networks), "max_bytes": policy.max_bytes}
-    digest.update(json.dumps(config, sort_keys=True).encode())
-    return digest.hexdigest()
+def content_settings(settings: DownloadSettings, policy: FetchPolicy) -> dict[str, Any]:
+    """What the store's fingerprint covers: CONTENT_FIELDS, the body limit and the codecs."""
+    content: dict[str, Any] = {name: getattr(settings, name) for name in CONTENT_FIELDS}
+    content["max_image_bytes"] = policy.max_bytes
+    for name, distributions in CODEC_PACKAGES.items():
+        content[name] = next((v for d in distributions if (v := _version(d))), None)
+    return content
 
 
-def prepare_output(output: str, print_fn=print, *, expected: str, owned: bool = True) -> None:
-    """Keep a folder whose fingerprint matches (resume); otherwise start from an empty folder.
-    `output` is a local path or any fsspec URL. A folder this stage did not make (no fingerprint)
-    is cleared only when it is `owned` (the project's DVC out); otherwise it must be empty."""
-    fs, root = fsspec.core.url_to_fs(output, use_listings_cache=False)
-    marker = f"{root}/{FINGERPRINT_FILE}"
-    shown = redact_url(output)
-    ours = fs.isfile(marker)
-    if ours and fs.cat_file(marker).decode().strip() == expected:
-        done = len(fs.glob(f"{root}/*_stats.json"))
-        print_fn(f"download: resuming in {shown} ({done} finished shard(s) are kept)")
-        return
-    contents = fs.ls(root, detail=False) if fs.isdir(root) else []
-    if contents and not (ours or owned):
-        raise DownloadError(f"{shown} holds files this stage did not write (no {FINGERPRINT_FILE})"
-                            "; choose an empty folder for download.output or empty this one")
-    if contents:
-        print_fn(f"download: {shown} holds another input or settings; clearing it")
-        for path in contents:  # the folder's contents, not the folder: it may be a bucket
-            fs.rm(path, recursive=True)
-    fs.makedirs(root, exist_ok=True)
-    fs.pipe_file(marker, (expected + "\n").encode())
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
 
 
-def run_img2dataset(images: pd.DataFrame, output: str, settings: DownloadSettings,
+def run_img2dataset(rows: pd.DataFrame, output: str, settings: DownloadSettings,
                     engine: EngineSettings, policy: FetchPolicy) -> None:
-    """Hand the (already checked) rows to img2dataset on the engine, with the policy and the size
-    limits inside its workers; call under `if __name__ == "__main__"`."""
+    """Hand `rows` (already checked; img2dataset's columns) to img2dataset on the engine, with the
+    policy and the size limits inside its workers; call under `if __name__ == "__main__"`."""
     # The engine's session first: img2dataset imports ray when it is installed, and Ray reads the
     # authentication settings a local Ray gets (clipms.prep.engines) once, when it is imported.
     with engine_session(engine):
-        _img2dataset(images, output, settings, engine, policy)
+        _img2dataset(rows, output, settings, engine, policy)
 
 
-def _img2dataset(images: pd.DataFrame, output: str, settings: DownloadSettings,
+def _img2dataset(rows: pd.DataFrame, output: str, settings: DownloadSettings,
                  engine: EngineSettings, policy: FetchPolicy) -> None:
     from img2dataset import download  # heavy (cv2, fsspec, ...): only where used
 
     from clipms.prep.img2dataset_guard import ImageLimits, guarded
 
-    frame = images.rename(columns={"key": "image_key"})[["url", "caption", *EXTRA_COLUMNS]]
     limits = ImageLimits(settings.max_image_area, settings.max_aspect_ratio)
     with tempfile.TemporaryDirectory(prefix="clipms-download-") as tmp, guarded(policy, limits):
         url_list = Path(tmp) / "images.parquet"
-        frame.to_parquet(url_list, index=False)
+        rows.to_parquet(url_list, index=False)
         download(
             url_list=str(url_list),
             input_format="parquet",
@@ -156,7 +160,7 @@ def _img2dataset(images: pd.DataFrame, output: str, settings: DownloadSettings,
             number_sample_per_shard=settings.samples_per_shard,
             max_image_area=settings.max_image_area,
             max_aspect_ratio=settings.max_aspect_ratio,
-            incremental_mode="incremental",  # "overwrite" is broken in 1.47; prepare_output clears
+            incremental_mode="incremental",  # skips shards with stats: how a part resumes
             distributor=engine.distributor,
             subjob_size=engine.subjob_size,
             enable_wandb=False,
@@ -164,37 +168,152 @@ def _img2dataset(images: pd.DataFrame, output: str, settings: DownloadSettings,
         )
 
 
-def expected_shards(rows: int, samples_per_shard: int) -> int:
-    return -(-rows // samples_per_shard)
+def img2dataset_rows(images: pd.DataFrame) -> pd.DataFrame:
+    """images.parquet rows as img2dataset's input (our key as `image_key`)."""
+    return images.rename(columns={"key": "image_key"})[["url", "caption", *EXTRA_COLUMNS]]
 
 
-def summarise(output: str, rows: int, refused: dict[str, int],
-              samples_per_shard: int) -> dict[str, Any]:
-    """Aggregate img2dataset's NNNNN_stats.json files into one metrics dict."""
-    fs, root = fsspec.core.url_to_fs(output, use_listings_cache=False)
-    totals = Counter()
+def latest_outcomes(outcomes: pd.DataFrame) -> pd.DataFrame:
+    """One outcome per image key: its first success (lowest part), else its latest failure."""
+    if outcomes.empty:
+        return outcomes.set_index("image_key")
+    ranked = outcomes.assign(failed=outcomes["status"] != "success",
+                             order=outcomes["part"].where(outcomes["status"] == "success",
+                                                          -outcomes["part"]))
+    ranked = ranked.sort_values(["failed", "order"], kind="stable")
+    return ranked.drop_duplicates("image_key").drop(columns=["failed", "order"]).set_index(
+        "image_key")
+
+
+@dataclass
+class Fetch:
+    """What one run asked img2dataset for: the parts it ran and the rows of the new one."""
+
+    parts: list[Part]
+    new: int = 0       # rows never attempted before
+    retried: int = 0   # rows whose latest earlier attempt failed
+
+
+def to_fetch(allowed: pd.DataFrame, known: pd.DataFrame, retry_failed: bool
+             ) -> tuple[pd.DataFrame, int, int]:
+    """The allowed rows whose image the store does not hold (and, unless `retry_failed`, did not
+    fail to fetch before); with how many are new and how many retried."""
+    status = allowed["key"].map(known["status"]) if len(known) else pd.Series(
+        None, index=allowed.index, dtype=object)
+    never = status.isna()
+    retried = status.notna() & (status != "success") & retry_failed
+    return allowed[never | retried].reset_index(drop=True), int(never.sum()), int(retried.sum())
+
+
+def for_part(engine: EngineSettings, part: Part) -> EngineSettings:
+    """No more multiprocessing workers than the part has img2dataset shards: a worker without a
+    shard would only cost its start-up (a night's part is often one shard)."""
+    if engine.distributor != "multiprocessing":
+        return engine
+    return replace(engine, processes=max(1, min(engine.processes, part.shards_expected)))
+
+
+def part_shard_size(rows: int, settings: DownloadSettings, engine: EngineSettings) -> int:
+    """img2dataset's shard size for a new part: `samples_per_shard`, or less when the part is
+    small, so that every multiprocessing worker gets a shard (a night's few new images would
+    otherwise be one shard, on one worker)."""
+    if engine.distributor != "multiprocessing":
+        return settings.samples_per_shard
+    return max(1, min(settings.samples_per_shard, -(-rows // engine.processes)))
+
+
+def fetch_missing(store: Store, allowed: pd.DataFrame, settings: DownloadSettings,
+                  engine: EngineSettings, policy: FetchPolicy,
+                  print_fn: Callable[[str], None]) -> Fetch:
+    """Finish any part an interrupted run left, then fetch what the store still lacks as a new
+    part."""
+    fetch = Fetch(parts=[])
+    for part in store.parts():
+        if not store.is_complete(part):
+            print_fn(f"download: resuming part {part.name} ({len(store.finished_shards(part))} of "
+                     f"{part.shards_expected} img2dataset shard(s) finished are kept)")
+            run_part(store, part, settings, engine, policy)
+            fetch.parts.append(part)
+    known = latest_outcomes(store.outcomes())
+    rows, fetch.new, fetch.retried = to_fetch(allowed, known, settings.retry_failed)
+    if len(rows):
+        part = store.new_part(img2dataset_rows(rows), part_shard_size(len(rows), settings,
+                                                                      engine))
+        print_fn(f"download: fetching {len(rows):,} image(s) into part {part.name} "
+                 f"({fetch.new:,} new, {fetch.retried:,} failed before)")
+        run_part(store, part, settings, engine, policy)
+        fetch.parts.append(part)
+    return fetch
+
+
+def run_part(store: Store, part: Part, settings: DownloadSettings, engine: EngineSettings,
+             policy: FetchPolicy) -> None:
+    """img2dataset on the part's recorded rows, cut into its recorded shard size (what decides
+    which img2dataset shards a resume skips), on at most as many workers as it has shards."""
+    run_img2dataset(store.rows(part), store.part_url(part),
+                    replace(settings, samples_per_shard=part.samples_per_shard),
+                    for_part(engine, part), policy)
+
+
+def build_catalog(images: pd.DataFrame, refused: pd.DataFrame, known: pd.DataFrame,
+                  fetched_parts: set[int]) -> pd.DataFrame:
+    """catalog.COLUMNS for every row of `images` (see clipms.prep.catalog)."""
+    frame = images[["key", "url"]].copy()
+    outcome = known.reindex(frame["key"])
+    success = (outcome["status"] == "success").to_numpy()
+    tonight = outcome["part"].isin(fetched_parts).to_numpy()
+    frame["status"] = "failed"
+    frame.loc[success & tonight, "status"] = "fetched"
+    frame.loc[success & ~tonight, "status"] = "reused"
+    frame["reason"] = outcome["error_message"].where(~success, None).to_numpy()
+    frame["part"] = outcome["part"].astype("Int64").to_numpy()
+    frame["tar"] = outcome["tar"].where(success, None).to_numpy()
+    for side in ("original_width", "original_height"):
+        frame[side] = pd.to_numeric(outcome[side], errors="coerce").astype("Int64").to_numpy()
+    never = outcome["status"].isna().to_numpy()
+    frame.loc[never, "reason"] = "not attempted"
+    refusals = dict(zip(refused["key"], refused["reason"], strict=True))
+    is_refused = frame["key"].isin(refusals).to_numpy()
+    frame.loc[is_refused, "status"] = "refused"  # today's policy decides, whatever was held
+    frame.loc[is_refused, "reason"] = frame.loc[is_refused, "key"].map(refusals)
+    frame.loc[is_refused, "tar"] = None
+    return frame
+
+
+def summarise(frame: pd.DataFrame, refused: dict[str, int], fetch: Fetch, stats: list[dict],
+              held_keys: set[str]) -> dict[str, Any]:
+    """The metrics dict from the catalog, img2dataset's stats of this run's parts, and the keys
+    the store holds (successes)."""
+    totals: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
-    stats_files = sorted(fs.glob(f"{root}/*_stats.json"))
-    for stats_file in stats_files:
-        stats = json.loads(fs.cat_file(stats_file))
+    for shard in stats:
         for name in ("count", "successes", "failed_to_download", "failed_to_resize"):
-            totals[name] += int(stats.get(name, 0))
-        status = stats.get("status_dict", {})
+            totals[name] += int(shard.get(name, 0))
+        status = shard.get("status_dict", {})
         reasons.update({k: int(v) for k, v in status.items() if k != "success"})
+    counts = frame["status"].value_counts()
+    successes = int(counts.get("fetched", 0) + counts.get("reused", 0))
+    rows = len(frame)
     return {
-        "rows_in": rows + sum(refused.values()),
+        "rows_in": rows,
         "refused": refused,
         "disallowed_scheme": refused.get("disallowed_scheme", 0),
+        "new_images": fetch.new,
+        "retried_images": fetch.retried,
+        "reused_images": int(counts.get("reused", 0)),
+        "dropped_images": len(held_keys - set(frame["key"])),
         "attempted": totals["count"],
-        "successes": totals["successes"],
+        "fetched": totals["successes"],
         "failed_to_download": totals["failed_to_download"],
         "failed_to_resize": totals["failed_to_resize"],
         "failure_reasons": dict(sorted(reasons.items())),
-        "shards_expected": expected_shards(rows, samples_per_shard),
-        "shards_done": len(stats_files),
+        "failed_earlier": int(((frame["status"] == "failed")
+                               & ~frame["part"].isin([p.number for p in fetch.parts])).sum()),
+        "successes": successes,
+        "shards_expected": sum(p.shards_expected for p in fetch.parts),
+        "shards_done": len(stats),
         # Of every row the stage was given: refused rows count as failures too.
-        "success_rate": round(totals["successes"] / total, 4) if (total := rows + sum(
-            refused.values())) else 0.0,
+        "success_rate": round(successes / rows, 4) if rows else 0.0,
     }
 
 
@@ -204,45 +323,82 @@ def download_images(
     settings: DownloadSettings,
     engine: EngineSettings,
     policy: FetchPolicy,
-    print_fn=print,
+    print_fn: Callable[[str], None] = print,
     pointer_folder: Path | None = None,
 ) -> dict[str, Any]:
-    """images.parquet -> img2dataset webdataset in `output` (a path or an fsspec URL); returns the
-    metrics dict. With `pointer_folder` (`output` is then a URL: not the project's own folder),
-    that folder is emptied first and, once every shard is done, holds only the pointer to
-    `output` (`clipms.prep.remote`); a folder at `output` this stage did not write is refused."""
+    """images.parquet -> the images the store at `output` (a path or an fsspec URL) lacks, then
+    the catalog; returns the metrics dict. The catalog goes into `pointer_folder` when given
+    (`output` is then a URL: not the project's own folder; the folder is emptied first and, once
+    every shard is done, also holds the pointer to the tars), else into `output`. A folder at a
+    URL this stage did not write is refused."""
     images_file = Path(images_file)
     # Absolute for a local folder: img2dataset 1.47 means to do it (make_path_absolute) but compares
     # fsspec's protocol with "file", which is now a tuple, so a Ray worker whose working directory
     # differs from ours looked for its shards elsewhere.
     output = str(output) if remote.is_url(output) else str(Path(output).resolve())
-    shown = redact_url(output)
     started = time.perf_counter()
-    allowed, refused = filter_urls(_read_images(images_file), policy)
-    if sum(refused.values()):
-        reasons = ", ".join(f"{k} {v:,}" for k, v in refused.items() if v)
-        print_fn(f"download: refusing {sum(refused.values()):,} row(s) before any download "
-                 f"({reasons})")
-    expected = fingerprint(images_file, settings, policy)
-    prepare_output(output, print_fn, expected=expected, owned=pointer_folder is None)
+    images = _read_images(images_file)
+    allowed, refused = screen_urls(images, policy)
+    if len(refused):
+        counts = refused["reason"].value_counts()
+        print_fn(f"download: refusing {len(refused):,} row(s) before any download ("
+                 + ", ".join(f"{k} {v:,}" for k, v in counts.items()) + ")")
+    content = content_settings(settings, policy)
+    if pointer_folder is not None:
+        keep_local_store(pointer_folder, output)
+    try:
+        prepare_root(output, owned=pointer_folder is None, print_fn=print_fn)
+    except StoreError as err:
+        raise DownloadError(str(err)) from None
+    store = Store(output, store_id(content))
+    store.write_settings(content)
+    _say_other_stores(output, store.id, print_fn)
     if pointer_folder is not None:  # until every shard is done, no pointer says they are
         shutil.rmtree(pointer_folder, ignore_errors=True)
         pointer_folder.mkdir(parents=True)
-    if len(allowed):
-        run_img2dataset(allowed, output, settings, engine, policy)
-    metrics = summarise(output, len(allowed), refused, settings.samples_per_shard)
-    metrics["seconds"] = round(time.perf_counter() - started, 2)
-    if metrics["shards_done"] < metrics["shards_expected"]:
+    fetch = fetch_missing(store, allowed, settings, engine, policy, print_fn)
+    outcomes = store.outcomes()
+    known = latest_outcomes(outcomes)
+    frame = build_catalog(images, refused, known, {p.number for p in fetch.parts})
+    held = set(outcomes.loc[outcomes["status"] == "success", "image_key"])
+    stats = [s for part in fetch.parts for s in store.stats(part)]
+    metrics = summarise(frame, refusal_counts(refused["reason"]), fetch, stats, held)
+    metrics.update(store=store.id, parts=len(store.parts()),
+                   seconds=round(time.perf_counter() - started, 2))
+    unfinished = [p.name for p in fetch.parts if not store.is_complete(p)]
+    if unfinished:
         raise DownloadError(
             f"img2dataset finished {metrics['shards_done']} of {metrics['shards_expected']} shards "
-            f"in {shown}; rerun the stage to resume the unfinished ones"
-        )
+            f"(part(s) {', '.join(unfinished)} of {redact_url(output)}); rerun the stage to "
+            "resume the unfinished ones")
+    catalog.write_catalog(pointer_folder or output, frame, catalog.file_sha256(images_file),
+                          store.id)
     if pointer_folder is not None:
-        pointer = remote.write_pointer(pointer_folder, output, expected)
-        print_fn(f"download: {len(pointer['shards'])} shard(s) in {shown}, recorded in "
-                 f"{pointer_folder / remote.POINTER_FILE}")
+        tars = sorted(set(frame["tar"].dropna()))
+        pointer = remote.write_pointer(pointer_folder, output, store.id, tars,
+                                       metrics["successes"])
+        print_fn(f"download: {len(pointer['shards'])} tar(s) in {redact_url(output)}, recorded "
+                 f"in {pointer_folder / remote.POINTER_FILE}")
     print_fn(summary(metrics))
     return metrics
+
+
+def keep_local_store(folder: Path, output: str) -> None:
+    """DownloadError when `folder` (which is about to hold only the catalog and the pointer to
+    `output`) holds the store of runs without `download.output`: it is not removed unasked."""
+    if (folder / MARKER).is_file():
+        raise DownloadError(
+            f"{folder} holds the download store of earlier runs without download.output. Copy "
+            f"its contents to {redact_url(output)} (they are a store there too: nothing is "
+            f"fetched again), or remove it, then rerun")
+
+
+def _say_other_stores(output: str, current: str, print_fn: Callable[[str], None]) -> None:
+    others = other_stores(output, current)
+    if others:
+        print_fn(f"download: {len(others)} store(s) of other download settings kept beside "
+                 f"{current} ({', '.join(others)}); `python -m stages.download prune` lists "
+                 "what it would remove")
 
 
 def check_success_rate(metrics: dict[str, Any], min_success_rate: float) -> None:
@@ -252,6 +408,9 @@ def check_success_rate(metrics: dict[str, Any], min_success_rate: float) -> None
         return
     causes = Counter({**metrics["failure_reasons"],
                       **{f"refused: {k}": v for k, v in metrics["refused"].items() if v}})
+    if metrics.get("failed_earlier"):
+        causes["failed in an earlier run (download.retry_failed is false)"] = \
+            metrics["failed_earlier"]
     top = "; ".join(f"{n:,} x {reason}" for reason, n in causes.most_common(5)) or "none"
     raise DownloadError(
         f"only {metrics['successes']:,} of {rows:,} images arrived (success rate {rate:.3f} < "
@@ -272,11 +431,16 @@ def _read_images(path: Path) -> pd.DataFrame:
 def summary(metrics: dict[str, Any]) -> str:
     """The one-paragraph end-of-stage summary."""
     reasons = "; ".join(f"{n:,} x {msg}" for msg, n in metrics["failure_reasons"].items())
-    rate = metrics["attempted"] / metrics["seconds"] if metrics.get("seconds") else 0.0
     return (
-        f"download: {metrics['successes']:,} of {metrics['attempted']:,} images fetched "
-        f"({metrics['failed_to_download']:,} failed to download, {metrics['failed_to_resize']:,} "
-        f"failed to decode/resize, {sum(metrics['refused'].values()):,} refused before download) "
-        f"in {metrics.get('seconds', 0):.1f} s (~{rate:.0f} URLs/s, including "
-        f"start-up), {metrics['shards_done']} shard(s). Failure reasons: {reasons or 'none'}."
+        f"download: {metrics['successes']:,} of {metrics['rows_in']:,} images held "
+        f"({metrics['reused_images']:,} reused from earlier runs, {metrics['fetched']:,} fetched "
+        f"now of {metrics['attempted']:,} attempted: {metrics['new_images']:,} new, "
+        f"{metrics['retried_images']:,} failed before); {metrics['failed_to_download']:,} failed "
+        f"to download, {metrics['failed_to_resize']:,} failed to decode/resize, "
+        f"{sum(metrics['refused'].values()):,} refused before download, "
+        f"{metrics.get('failed_earlier', 0):,} failed in an earlier run; "
+        f"{metrics['dropped_images']:,} held image(s) no longer listed are left out. "
+        f"{metrics.get('seconds', 0):.1f} s, {metrics['shards_done']} img2dataset shard(s) run, "
+        f"store {metrics.get('store', '?')} with {metrics.get('parts', 0)} part(s). "
+        f"Failure reasons: {reasons or 'none'}."
     )

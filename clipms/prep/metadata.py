@@ -6,8 +6,10 @@
 
 One row per caption, as MSCOCO's file: URL, TEXT, LABELS (a JSON string of the generator's
 attributes for synthetic rows, null otherwise) and ID (the source's `metadata.id_col` column, for
-`dedupe.identity: id`; null when none is named). The file is written atomically and
-deterministically: the same inputs give the same bytes.
+`dedupe.identity: id`; null when none is named). The source's own columns and their types are kept
+in the file's metadata (`clipms.prep.sourceschema`), so that a later stage can
+tell when the source's schema changed. The file is written atomically and deterministically: the
+same inputs give the same bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clipms.prep import karpathy, synthetic
+from clipms.prep.sourceschema import kept_metadata, with_source_columns
 from clipms.prep.urlguard import FetchPolicy, RefusedURL, build_opener, check_url
 from clipms.utils.atomic import atomic_write
 from clipms.utils.redact import redact_text, redact_url
@@ -167,8 +170,9 @@ def synthetic_table(spec: MetadataSpec, image_dir: Path) -> pa.Table:
             texts.append(caption)
             labels.append(record.labels_json)
     nulls = pa.nulls(len(urls), pa.string())
-    return pa.table({"URL": urls, "TEXT": texts, "LABELS": labels, "ID": nulls, "SPLIT": nulls},
-                    schema=SCHEMA)
+    table = pa.table({"URL": urls, "TEXT": texts, "LABELS": labels, "ID": nulls, "SPLIT": nulls},
+                     schema=SCHEMA)
+    return with_source_columns(table, SCHEMA)
 
 
 def file_url(path: Path) -> str:
@@ -316,16 +320,17 @@ def read_captions(path: Path, url_col: str, caption_col: str, id_col: str | None
     columns = {out: table[named[out]] if named.get(out) else pa.nulls(table.num_rows, pa.string())
                for out in SCHEMA.names}
     try:
-        return pa.table({k: pc.cast(v, pa.string()) for k, v in columns.items()}, schema=SCHEMA)
+        read = pa.table({k: pc.cast(v, pa.string()) for k, v in columns.items()}, schema=SCHEMA)
     except pa.ArrowException as err:
         raise MetadataError(f"{name}: columns {wanted} cannot be read as text ({err})") from err
+    return with_source_columns(read, schema)
 
 
 def write_table(table: pa.Table, out_path: Path) -> None:
-    """Write atomically. Fixed schema, codec and row-group size, no pandas metadata: the same rows
-    give the same bytes (with the pinned pyarrow)."""
+    """Write atomically. Fixed schema, codec and row-group size, no pandas metadata (only the
+    source's columns): the same rows give the same bytes (with the pinned pyarrow)."""
     with atomic_write(out_path) as tmp:
-        pq.write_table(table.cast(SCHEMA).replace_schema_metadata(None), tmp,
+        pq.write_table(table.cast(SCHEMA).replace_schema_metadata(kept_metadata(table)), tmp,
                        compression="zstd", row_group_size=1 << 20)
 
 

@@ -1,11 +1,12 @@
 """Where img2dataset's shards live when they are not in the project: an fsspec URL and its pointer.
 
 The download stage may write to any fsspec URL (`s3://bucket/prefix`, `gs://...`,
-`file:///mnt/shared/...`): img2dataset writes through fsspec itself. The project then keeps a small
-pointer instead of the tars (`POINTER_FILE` in the stage's DVC out): the URL with any credentials,
-query or fragment removed (`clipms.utils.redact`), the input fingerprint, and what arrived, shard by
-shard (tar name and size, img2dataset's counts). DVC versions the pointer; the shard stage reads the
-tars from the URL and refuses them when they are no longer what the pointer records.
+`file:///mnt/shared/...`): img2dataset writes through fsspec itself, into the download store
+(`clipms.prep.store`). The project then keeps a small pointer instead of the tars (`POINTER_FILE`
+in the stage's DVC out, beside the catalog): the URL with any credentials, query or fragment
+removed (`clipms.utils.redact`), the store, and the tars today's images are in (path relative to
+the URL and size). DVC versions the pointer; the shard stage reads those tars from the URL and
+refuses them when they are no longer what the pointer records.
 
 `check_output_url` is the one check of such a URL (the params of both stages use it): a scheme
 fsspec knows, with its implementation installed, that every worker of every distributor can write
@@ -97,25 +98,20 @@ def check_not_inside(url: str, protected: Iterable[Path]) -> None:
                              f"empties the target): {ALLOWED}, outside it")
 
 
-def shard_records(url: str) -> list[dict[str, Any]]:
-    """Every tar at `url` with its size and img2dataset's counts from its `_stats.json`."""
+def write_pointer(folder: Path, url: str, store: str, tars: list[str],
+                  samples: int) -> dict[str, Any]:
+    """`folder/POINTER_FILE` for `tars` (paths relative to `url`) as they are now at `url`,
+    holding `samples` of today's images."""
     fs, root = fsspec.core.url_to_fs(url, use_listings_cache=False)
-    records = []
-    for path, info in sorted(fs.glob(f"{root}/*.tar", detail=True).items()):
-        name = path.rsplit("/", 1)[-1]
-        stats_file = f"{root}/{name.removesuffix('.tar')}_stats.json"
-        stats = json.loads(fs.cat_file(stats_file)) if fs.isfile(stats_file) else {}
-        records.append({"name": name, "bytes": int(info["size"]),
-                        "count": int(stats.get("count", 0)),
-                        "successes": int(stats.get("successes", 0))})
-    return records
-
-
-def write_pointer(folder: Path, url: str, fingerprint: str) -> dict[str, Any]:
-    """`folder/POINTER_FILE` for the shards now at `url` (the folder holds nothing else)."""
-    shards = shard_records(url)
-    pointer = {"url": redact_url(url), "fingerprint": fingerprint,
-               "samples": sum(s["successes"] for s in shards), "shards": shards}
+    found = fs.glob(f"{root.rstrip('/')}/{store}/parts/*/*.tar", detail=True) if tars else {}
+    sizes = {path.removeprefix(f"{root.rstrip('/')}/"): int(info["size"])
+             for path, info in found.items()}
+    missing = [tar for tar in tars if tar not in sizes]
+    if missing:
+        raise RemoteError(f"{redact_url(url)}: tars the catalog names are missing: "
+                          f"{', '.join(missing[:5])}")
+    pointer = {"url": redact_url(url), "store": store, "samples": samples,
+               "shards": [{"name": tar, "bytes": sizes[tar]} for tar in tars]}
     folder.mkdir(parents=True, exist_ok=True)
     (folder / POINTER_FILE).write_text(json.dumps(pointer, indent=2, sort_keys=True) + "\n")
     return pointer
@@ -137,19 +133,24 @@ def read_pointer(folder: Path) -> dict[str, Any] | None:
 
 
 def check_shards(url: str, recorded: list[dict[str, Any]]) -> list[str]:
-    """The tar paths at `url` (fsspec paths) when they are exactly the recorded names and sizes;
-    RemoteError naming the differences otherwise."""
+    """The fsspec paths of the recorded tars (names relative to `url`) when each is at `url` with
+    its recorded size; RemoteError naming the differences otherwise. Other files at `url` (the
+    store's other parts and stores) are no concern here."""
     fs, root = fsspec.core.url_to_fs(url, use_listings_cache=False)
-    found = {path.rsplit("/", 1)[-1]: int(info["size"])
-             for path, info in fs.glob(f"{root}/*.tar", detail=True).items()}
+    root = root.rstrip("/")
     expected = {str(s.get("name")): int(s.get("bytes", -1)) for s in recorded}
+    folders = sorted({name.rsplit("/", 1)[0] if "/" in name else "" for name in expected})
+    found: dict[str, int] = {}
+    for folder in folders:
+        pattern = f"{root}/{folder}/*.tar" if folder else f"{root}/*.tar"
+        for path, info in fs.glob(pattern, detail=True).items():
+            found[path.removeprefix(f"{root}/")] = int(info["size"])
     missing = sorted(set(expected) - set(found))
-    extra = sorted(set(found) - set(expected))
     changed = sorted(n for n in set(found) & set(expected) if found[n] != expected[n])
-    if missing or extra or changed:
+    if missing or changed:
         details = "; ".join(f"{what}: {', '.join(names[:5])}" + (" ..." if len(names) > 5 else "")
-                            for what, names in (("missing", missing), ("not recorded", extra),
-                                                ("size changed", changed)) if names)
+                            for what, names in (("missing", missing), ("size changed", changed))
+                            if names)
         raise RemoteError(f"the tars at {redact_url(url)} are not the ones the download stage "
                           f"recorded ({details}); rerun the download stage")
-    return [f"{root}/{name}" for name in sorted(found)]
+    return [f"{root}/{name}" for name in sorted(expected)]

@@ -251,6 +251,21 @@ class Tokenizer:
 
     __call__ = encode  # open_clip style: tokenizer(texts)
 
+    def unknown_words(self, texts: Iterable[str]) -> tuple[Counter[str], int]:
+        """The words of `texts` (cleaned and split as `encode` does) that have no token of their
+        own, with their counts, and how many words there are in all. A byte-level BPE encodes any
+        text, so nothing is strictly unknown; a word without a whole-word token is one it did not
+        learn as a word (a new name, a typo, another language) and spells from pieces."""
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        counts = _word_counts(texts)
+        inverse = {c: b for b, c in byte_to_unicode().items()}
+        unknown: Counter[str] = Counter()
+        for word, n in counts.items():
+            if word + EOW not in vocab:
+                text = bytes(inverse.get(c, ord("?")) for c in word)
+                unknown[text.decode("utf-8", errors="replace")] += n
+        return unknown, sum(counts.values())
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of one id row, without SOT/EOT/padding (lower-cased and cleaned, as encoded)."""
         ids = [int(i) for i in ids]
