@@ -89,6 +89,7 @@ def test_a_sunk_run_sends_its_training_pipeline_once_and_nothing_decodes_after_i
     assert counted.samples == sent
 
 
+@pytest.mark.slow  # builds and iterates a MindSpore data pipeline with a transfer
 def test_mindsporess_own_send_repeats_epochs_so_a_sunk_run_would_keep_decoding(
         shards, monkeypatch):
     # Why DeviceQueue sends once: mindspore.data_sink sends with -1 (epochs without end).
