@@ -1,8 +1,9 @@
 """The project's own Python packages, as pyproject.toml names them for setuptools (their one
-owner)."""
+owner), and the top-level names a module imports (what the boundary and dependency tests check)."""
 
 from __future__ import annotations
 
+import ast
 import tomllib
 from pathlib import Path
 
@@ -17,3 +18,14 @@ def project_packages(root: Path = ROOT) -> tuple[str, ...]:
 
 
 PROJECT_PACKAGES = project_packages()
+
+
+def imported_roots(source: str) -> set[str]:
+    """Top-level names of every absolute import of a module, lazy ones included."""
+    roots = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots

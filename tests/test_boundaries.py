@@ -3,25 +3,15 @@ pipeline packages, so it can be used (and ported) on its own."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
+from tests.packages import imported_roots
+
 LIBRARY = Path(__file__).resolve().parents[1] / "clipms"
-FORBIDDEN = {"dvc", "prefect", "mlflow", "stages", "registry", "flows", "serving"}
+FORBIDDEN = {"dvc", "prefect", "mlflow", "stages", "registry", "flows", "serving", "pipeline"}
 SERVICE = LIBRARY.parent / "serving"  # the service: clipms and registry, never the pipeline
-
-
-def imported_roots(source: str) -> set[str]:
-    """Top-level package names a module imports (absolute imports only)."""
-    roots = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            roots.add(node.module.split(".")[0])
-    return roots
 
 
 def test_the_checker_sees_forbidden_imports():

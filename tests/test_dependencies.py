@@ -9,14 +9,13 @@ never import something only `dev` pins.
 
 from __future__ import annotations
 
-import ast
 import re
 import sys
 import tomllib
 from functools import cache
 from importlib.metadata import packages_distributions
 
-from tests.packages import PROJECT_PACKAGES, ROOT
+from tests.packages import PROJECT_PACKAGES, ROOT, imported_roots
 
 PYPROJECT = ROOT / "pyproject.toml"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -34,16 +33,6 @@ def requirement_name(requirement: str) -> str:
     return canonical(found.group(0))
 
 
-def imported_top_level(source: str) -> set[str]:
-    """Top-level names of every absolute import of a module, lazy ones included."""
-    roots = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            roots.add(node.module.split(".")[0])
-    return roots
-
 
 @cache  # reading every installed distribution's file list takes seconds
 def distributions_imported_by(packages: tuple[str, ...]) -> set[str]:
@@ -51,7 +40,7 @@ def distributions_imported_by(packages: tuple[str, ...]) -> set[str]:
     modules = set()
     for package in packages:
         for path in (ROOT / package).rglob("*.py"):
-            modules |= imported_top_level(path.read_text())
+            modules |= imported_roots(path.read_text())
     third_party = modules - set(sys.stdlib_module_names) - set(PROJECT_PACKAGES) - {"__future__"}
     providers = packages_distributions()
     return {canonical(dist) for module in third_party for dist in providers.get(module, [])}
@@ -70,7 +59,7 @@ def pinned_lines(requirements: list[str]) -> dict[str, str]:
 def test_the_checker_reads_names_and_imports():
     assert requirement_name('moto[s3]==5.2.5') == "moto"
     assert requirement_name("PyYAML==6.0.2") == canonical("pyyaml")
-    assert imported_top_level("import a.b\nfrom c.d import e\nfrom . import f\n"
+    assert imported_roots("import a.b\nfrom c.d import e\nfrom . import f\n"
                               "def g():\n    import h\n") == {"a", "c", "h"}
 
 

@@ -345,7 +345,7 @@ def test_only_mindir_and_json_files_are_packaged(tmp_path: Path) -> None:
 
 
 def test_registry_imports_nothing_from_stages_or_flows() -> None:
-    from tests.test_boundaries import imported_roots
+    from tests.packages import imported_roots
 
     package = Path(__file__).resolve().parents[1] / "registry"
     for module in sorted(package.glob("*.py")):
