@@ -2,10 +2,10 @@
 metrics/train.json, plots/train.csv (checkpoints in models/checkpoints, kept across runs).
 
 `python -m stages.train`; reads the `train` and `runtime` sections. The model is a preset with
-optional overrides; its vocabulary size and context length always come from the tokenizer, its
-image size sets the preprocessing. `distributed.workers: N > 1` runs N data-parallel processes
-via msrun. To add metric sinks (MLflow), append objects with `on_step_end`/`on_train_end` to
-`callbacks()`.
+optional overrides, laid over `train.loss`'s initial temperature and bias; its vocabulary size
+and context length always come from the tokenizer, its image size sets the preprocessing.
+`distributed.workers: N > 1` runs N data-parallel processes via msrun. To add metric sinks
+(MLflow), append objects with `on_step_end`/`on_train_end` to `callbacks()`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 from clipms.model.config import DEFAULT_PRESET, resolve_model
 from clipms.runtime import RuntimeConfig, for_precision, prepare_import
 from clipms.schema import Section
-from clipms.train.config import TrainSettings
+from clipms.train.config import LOSS_INIT, TrainSettings
 from pipeline.params import ParamsError, load_section
 from stages import paths
 
@@ -90,7 +90,8 @@ def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
             f"{global_batch} (train.batch_size {params.batch_size} x train.accum_steps "
             f"{params.accum_steps} x train.distributed.workers {cluster.workers})")
     tokenizer = Tokenizer.load(paths.TOKENIZER)
-    model = resolve_model(params.preset, params.model)
+    # the loss's initial temperature and bias (SigLIP's), unless train.model sets them itself
+    model = resolve_model(params.preset, {**LOSS_INIT[params.loss], **params.model})
     model = dataclasses.replace(model, text=dataclasses.replace(
         model.text, vocab_size=tokenizer.vocab_size, context_length=tokenizer.context_length))
     _check_grouping(params, tokenizer, model.vision.image_size, cluster.workers)
