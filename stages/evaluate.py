@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import sys
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -90,6 +90,17 @@ def benchmark_names(params: EvaluateParams) -> tuple[str, str]:
     return names.dataset or f"{source}_{params.split}", names.model or f"clipms-{preset}"
 
 
+def zeroshot_spec(params: EvaluateParams) -> Any:
+    """The `evaluate.zeroshot` params as the library's ZeroShotSpec."""
+    from clipms.eval.evaluate import ZeroShotSpec
+
+    zs = params.zeroshot
+    return ZeroShotSpec(source=zs.source, templates=tuple(zs.templates),
+                        label_fields=tuple(zs.label_fields), path=zs.path,
+                        class_names=tuple(zs.class_names) if zs.class_names else None,
+                        attributes=tuple((f, tuple(t)) for f, t in zs.attributes.items()))
+
+
 def main() -> int:
     started = time.perf_counter()
     try:
@@ -101,7 +112,7 @@ def main() -> int:
         return 1
     configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
     from clipms.eval.clip_benchmark import BenchmarkFormatError, BenchmarkRun
-    from clipms.eval.evaluate import EvaluationError, ZeroShotSpec, evaluate
+    from clipms.eval.evaluate import EvaluationError, evaluate
     from clipms.eval.metrics import MetricsInputError
     from clipms.eval.outputs import (
         EvalOutputs,
@@ -114,10 +125,7 @@ def main() -> int:
     from clipms.train.trained import RunConfig, TrainedModelError, load_clip
 
     zs = params.zeroshot
-    spec = ZeroShotSpec(source=zs.source, templates=tuple(zs.templates),
-                        label_fields=tuple(zs.label_fields), path=zs.path,
-                        class_names=tuple(zs.class_names) if zs.class_names else None,
-                        attributes=tuple((f, tuple(t)) for f, t in zs.attributes.items()))
+    spec = zeroshot_spec(params)
     out = EvalOutputs(metrics=paths.EVAL_METRICS, recall_curve=paths.RECALL_CURVE,
                       recall_plot=paths.RECALL_PLOT, predictions=paths.CONFUSION_CSV,
                       confusion_png=paths.CONFUSION_PNG, gallery_png=paths.GALLERY,

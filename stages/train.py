@@ -17,10 +17,10 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from clipms.model.config import DEFAULT_PRESET, resolve_model
+from clipms.model.config import DEFAULT_PRESET, CLIPConfig, resolve_model
 from clipms.runtime import RuntimeConfig, for_precision, prepare_import
 from clipms.schema import Section
-from clipms.train.config import LOSS_INIT, TrainSettings
+from clipms.train.config import LOSS_INIT, TrainSettings, check_loss_fits
 from pipeline.params import ParamsError, load_section
 from stages import paths
 
@@ -61,10 +61,17 @@ class TrainParams(TrainSettings):
     @classmethod
     def _buildable(cls, overrides: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         """The preset with these overrides must be a valid architecture (patch size divides the
-        image size, widths and layer counts positive, heads divide widths); the ValueError
-        names the key."""
-        resolve_model(info.data.get("preset", DEFAULT_PRESET), overrides)
+        image size, widths and layer counts positive, heads divide widths) that `loss` can
+        train; the ValueError names the key."""
+        loss = info.data.get("loss", "clip")
+        check_loss_fits(loss, model_for(info.data.get("preset", DEFAULT_PRESET), loss, overrides))
         return overrides
+
+
+def model_for(preset: str, loss: str, overrides: dict[str, Any]) -> CLIPConfig:
+    """The preset with `train.model`'s overrides laid over `loss`'s initial temperature and bias
+    (SigLIP's; clipms.train.config.LOSS_INIT)."""
+    return resolve_model(preset, {**LOSS_INIT[loss], **overrides})
 
 
 def callbacks() -> list[Any]:
@@ -90,8 +97,7 @@ def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
             f"{global_batch} (train.batch_size {params.batch_size} x train.accum_steps "
             f"{params.accum_steps} x train.distributed.workers {cluster.workers})")
     tokenizer = Tokenizer.load(paths.TOKENIZER)
-    # the loss's initial temperature and bias (SigLIP's), unless train.model sets them itself
-    model = resolve_model(params.preset, {**LOSS_INIT[params.loss], **params.model})
+    model = model_for(params.preset, params.loss, params.model)
     model = dataclasses.replace(model, text=dataclasses.replace(
         model.text, vocab_size=tokenizer.vocab_size, context_length=tokenizer.context_length))
     _check_grouping(params, tokenizer, model.vision.image_size, cluster.workers)

@@ -30,6 +30,19 @@ LOSS_INIT: dict[str, dict[str, float]] = {
 }
 
 
+def check_loss_fits(loss: str, model: CLIPConfig) -> None:
+    """SigLIP trains the model's logit bias; the softmax loss has no use for one (ValueError)."""
+    bias = model.init_logit_bias
+    if loss == "siglip" and bias is None:
+        raise ValueError("train.loss='siglip' needs a model with a logit bias "
+                         "(model.init_logit_bias; the train stage sets SigLIP's "
+                         f"{LOSS_INIT['siglip']} unless train.model sets them)")
+    if loss == "clip" and bias is not None:
+        raise ValueError(f"train.loss='clip' but the model has init_logit_bias={bias} (a "
+                         "SigLIP model's bias, which the softmax loss never trains): set "
+                         "train.loss: siglip, or leave init_logit_bias unset")
+
+
 class TrainSettings(Section):
     """The tunables of a training run (the `train` section of params.yaml documents each)."""
 
@@ -91,16 +104,7 @@ class TrainConfig(TrainSettings):
 
     @model_validator(mode="after")
     def _loss_fits_model(self) -> TrainConfig:
-        """SigLIP trains the model's logit bias; the softmax loss has no use for one."""
-        bias = self.model.init_logit_bias
-        if self.loss == "siglip" and bias is None:
-            raise ValueError("train.loss='siglip' needs a model with a logit bias "
-                             "(model.init_logit_bias; the train stage sets SigLIP's "
-                             f"{LOSS_INIT['siglip']} unless train.model sets them)")
-        if self.loss == "clip" and bias is not None:
-            raise ValueError(f"train.loss='clip' but the model has init_logit_bias={bias} (a "
-                             "SigLIP model's bias, which the softmax loss never trains): set "
-                             "train.loss: siglip, or leave init_logit_bias unset")
+        check_loss_fits(self.loss, self.model)
         return self
 
     def to_dict(self) -> dict[str, Any]:
