@@ -1,0 +1,350 @@
+"""Time to quality: how long training the default world takes to reach a zero-shot target, per
+training recipe (the old default, SigLIP, patch dropout, shorter schedules, ...), alternated in
+one run over seeds.
+
+    # the default world's shards and tokenizer: a checkout of the project, data stages only
+    git clone <this repo> WORK && (cd WORK && dvc repro tokenizer)
+    nice -n 5 python benchmarks/time_to_quality.py run --work WORK --seeds 0 1
+    python benchmarks/time_to_quality.py table benchmarks/results/time_to_quality.json
+
+Each run is `stages.train`'s own job (`build_job` on WORK's params.yaml with the candidate's
+`train` overrides; checkpoints every `checkpoint_every` steps, as `make run` writes them), in a
+process of its own, writing into a scratch folder. Every `--eval-every` steps the training is
+paused and the model scored as `stages.evaluate` scores it (the val split, `evaluate` params of
+WORK): zero-shot top-1 and R@5 both ways. The clock counts training only - model building,
+compilation, the loader, checkpoints and the steps - never the pauses. A candidate's time to
+quality is its clock at the first check with zero-shot top-1 >= --target; its steps likewise.
+
+Runs alternate: seed 0 goes through the candidates in order, seed 1 in reverse, and so on, so
+the machine's drift falls on all of them alike; the 1-minute load is recorded before and after
+each run. The JSON (`--out`) is rewritten after every run, so a long run can be read as it goes.
+
+Why a script under benchmarks/ and not a `clipms-bench` subcommand: it drives the pipeline's own
+train stage and params.yaml (stages/, pipeline/), which the clipms library must not import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_OUT = ROOT / "benchmarks/results/time_to_quality.json"
+
+# The default before this benchmark (90 epochs of the softmax loss at lr 1e-3): every setting a
+# candidate changes, stated so that the baseline stays that default whatever params.yaml says now.
+# Everything else (batch 64, warmup 100, the model, ...) is WORK's params.yaml.
+OLD_DEFAULT: dict[str, Any] = {"loss": "clip", "model.vision.patch_dropout": 0.0, "epochs": 90,
+                               "lr": 1.0e-3}
+BASELINE = "old-default"
+# candidate -> its `train` overrides on top of OLD_DEFAULT (dotted keys, as `dvc exp run -S`)
+CANDIDATES: dict[str, dict[str, Any]] = {
+    BASELINE: {},
+    "siglip": {"loss": "siglip"},
+    "pd25": {"model.vision.patch_dropout": 0.25},
+    "pd50": {"model.vision.patch_dropout": 0.5},
+    "siglip-pd50": {"loss": "siglip", "model.vision.patch_dropout": 0.5},
+    "clip-45ep": {"epochs": 45},
+    "siglip-45ep": {"loss": "siglip", "epochs": 45},
+    "siglip-pd50-45ep": {"loss": "siglip", "model.vision.patch_dropout": 0.5, "epochs": 45},
+    "siglip-45ep-lr2e-3": {"loss": "siglip", "epochs": 45, "lr": 2.0e-3},
+    "siglip-30ep": {"loss": "siglip", "epochs": 30},
+}
+# The 90-epoch lever runs answer "how soon does this lever reach the target" and stop there
+# (unless --full); the old default and the shorter schedules, candidates for the new default,
+# always run to the end, whose i2t R@5 the default must keep.
+STOP_AT_TARGET = {"siglip", "pd25", "pd50", "siglip-pd50"}
+REPORTED = ("zeroshot_top1", "i2t_R@5", "t2i_R@5", "i2t_R@1", "t2i_R@1")
+
+
+def _parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train every candidate for every seed, alternated")
+    run.add_argument("--work", required=True, type=Path,
+                     help="a checkout whose data stages ran (data/shards, models/tokenizer.json)")
+    run.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
+                     help=f"names of CANDIDATES (default: all: {', '.join(CANDIDATES)})")
+    run.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    run.add_argument("--target", type=float, default=0.85, help="zero-shot top-1 to reach")
+    run.add_argument("--eval-every", type=int, default=90, help="steps between checks")
+    run.add_argument("--max-steps", type=int, default=None,
+                     help="cap every run at this many steps (a smoke test of the benchmark)")
+    run.add_argument("--full", action="store_true",
+                     help=f"run {', '.join(sorted(STOP_AT_TARGET))} to the end too")
+    run.add_argument("--warmup-steps", type=int, default=2,
+                     help="first compile each candidate's graphs in a run of this many steps, "
+                     "untimed, so every timed run starts with the kernel cache warm, as a "
+                     "user's second run does (0: no warm-up)")
+    run.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    one = sub.add_parser("one", help="(internal) one training run; prints its JSON")
+    one.add_argument("--work", required=True, type=Path)
+    one.add_argument("--overrides", required=True, help="JSON of the train overrides")
+    one.add_argument("--eval-every", type=int, required=True)
+    one.add_argument("--scratch", required=True, type=Path)
+    one.add_argument("--stop-at", type=float, default=None,
+                     help="stop when zero-shot top-1 reaches this")
+    table = sub.add_parser("table", help="markdown tables of a result JSON")
+    table.add_argument("result", type=Path, nargs="?", default=DEFAULT_OUT)
+    return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- one training run
+def candidate_overrides(name: str, seed: int, max_steps: int | None) -> dict[str, Any]:
+    if name not in CANDIDATES:
+        raise SystemExit(f"unknown candidate {name!r}; known: {', '.join(CANDIDATES)}")
+    overrides = {**OLD_DEFAULT, **CANDIDATES[name], "seed": seed}
+    if max_steps is not None:
+        overrides["max_steps"] = max_steps
+    return overrides
+
+
+def train_params(work: Path, overrides: dict[str, Any]) -> Any:
+    """WORK's `train` section with the dotted overrides applied, validated."""
+    from pipeline.params import read_params, validate_section
+    from stages.train import TrainParams
+
+    section = read_params(work / "params.yaml")["train"]
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        node = section
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[leaf] = value
+    return validate_section("train", TrainParams, section)
+
+
+def scorer(model_config: Any) -> Any:
+    """score(model) -> `stages.evaluate`'s metrics of the model's current weights (the checkout's
+    `evaluate` params), through an evaluation-mode copy (clipms.bench.checks.EvalCopy)."""
+    from clipms.bench.checks import EvalCopy
+    from pipeline.params import load_section
+    from stages import paths
+    from stages.evaluate import EvaluateParams, zeroshot_spec
+
+    params = load_section("evaluate", EvaluateParams)
+    spec, copy = zeroshot_spec(params), EvalCopy(model_config)
+
+    def score(model: Any) -> dict[str, float]:
+        from clipms.data.preprocess import PreprocessConfig
+        from clipms.eval.evaluate import evaluate
+        from clipms.text.tokenizer import Tokenizer
+
+        preprocess = PreprocessConfig(image_size=model_config.vision.image_size)
+        return evaluate(copy(model), Tokenizer.load(paths.TOKENIZER), preprocess, paths.SHARDS,
+                        params.batch_size, spec, split=params.split).metrics
+
+    return score
+
+
+def one(args: argparse.Namespace) -> None:
+    """One run in this process (the `run` command starts one per candidate and seed)."""
+    import dataclasses
+
+    from clipms.bench.checks import QualityChecks, TargetReached
+    from clipms.runtime import RuntimeConfig, for_precision, prepare_import
+    from pipeline.params import load_section
+
+    os.chdir(args.work)  # the stages name their files relative to the checkout
+    overrides = json.loads(args.overrides)
+    params = train_params(Path("."), overrides)
+    runtime = load_section("runtime", RuntimeConfig)
+    prepare_import(for_precision(runtime, params.precision))  # before MindSpore's import
+    from clipms.train import job as train_job
+    from stages.train import build_job
+
+    job = build_job(params, runtime)
+    scratch = args.scratch
+    outputs = train_job.Outputs(
+        checkpoint=str(scratch / "clip.ckpt"), run_config=str(scratch / "clip.json"),
+        metrics=str(scratch / "train.json"), plot=str(scratch / "train.csv"))
+    job = dataclasses.replace(job, checkpoint_dir=str(scratch / "checkpoints"), resume=False,
+                              outputs=outputs)
+    stop = None if args.stop_at is None else ("zeroshot_top1", args.stop_at)
+    checker = QualityChecks(args.eval_every, scorer(job.config.model), REPORTED, stop)  # clock
+    try:
+        summary = train_job.run(job, [checker]).summary
+    except TargetReached:
+        summary = {"steps": checker.curve[-1]["step"], "stopped_at_target": True}
+    steps, train_s = int(summary["steps"]), checker.train_s
+    stepping = train_s - (checker.first_step_s or 0.0)  # the steps after the first (compile)
+    batch = job.config.batch_size * job.config.accum_steps
+    print(json.dumps({"overrides": overrides, "steps": steps, "train_s": round(train_s, 1),
+                      "first_step_s": round(checker.first_step_s or 0.0, 1),
+                      "samples_per_s": round(batch * (steps - 1) / stepping, 1)
+                      if stepping > 0 else None,
+                      "stopped_at_target": summary.get("stopped_at_target", False),
+                      "final_loss": summary.get("final_loss"),
+                      "logit_bias": summary.get("logit_bias"),
+                      "peak_rss_mb": round(summary["peak_rss_mb"]) if "peak_rss_mb" in summary
+                      else None, "final": checker.curve[-1], "curve": checker.curve}), flush=True)
+
+
+# ------------------------------------------------------------------------------ the whole run
+def schedule(candidates: Sequence[str], seeds: Sequence[int]) -> list[tuple[str, int]]:
+    """(candidate, seed) in run order: each seed through the candidates, every other seed in
+    reverse (the drift of the machine falls on every candidate alike)."""
+    order = []
+    for i, seed in enumerate(seeds):
+        names = list(candidates) if i % 2 == 0 else list(reversed(candidates))
+        order += [(name, seed) for name in names]
+    return order
+
+
+def run_one(args: argparse.Namespace, name: str, seed: int, max_steps: int | None = None,
+            stop_at: float | None = None) -> dict[str, Any]:
+    """One run in a process of its own: its JSON, with the load and the start time."""
+    overrides = candidate_overrides(name, seed, max_steps)
+    load_before = os.getloadavg()
+    started = datetime.now(UTC)
+    with tempfile.TemporaryDirectory(prefix="ttq-") as scratch:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "one", "--work",
+               str(args.work.resolve()), "--overrides", json.dumps(overrides),
+               "--eval-every", str(args.eval_every), "--scratch", scratch]
+        proc = subprocess.run(cmd + (["--stop-at", str(stop_at)] if stop_at else []),
+                              env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"time_to_quality: {name} seed {seed} failed (exit {proc.returncode})")
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"candidate": name, "seed": seed, "started_utc": started.isoformat(timespec="seconds"),
+            "load_1m_start": round(load_before[0], 2),
+            "load_1m_end": round(os.getloadavg()[0], 2), **found}
+
+
+def reached(row: dict[str, Any], target: float) -> dict[str, Any] | None:
+    """The first check at or above the target, or None."""
+    return next((c for c in row["curve"] if c["zeroshot_top1"] >= target), None)
+
+
+def summarise(runs: list[dict[str, Any]], target: float, min_r5: float = 0.95,
+              share: float = 0.5) -> dict[str, Any]:
+    """Per candidate and seed: time and steps to the target, and its ratios to the old default of
+    the same seed (its time to the target, and its whole training: "today's training time");
+    `meets` when on every seed the target came within `share` of the old default's whole
+    training time and the whole run (not one stopped at the target) ended with i2t R@5 >=
+    `min_r5`: a recipe that can be the default."""
+    baseline = {r["seed"]: r for r in runs if r["candidate"] == BASELINE}
+    out: dict[str, Any] = {}
+    for row in runs:
+        hit, base = reached(row, target), baseline.get(row["seed"])
+        entry = {"steps": row["steps"], "train_s": row["train_s"],
+                 "samples_per_s": row["samples_per_s"],
+                 "stopped_at_target": row.get("stopped_at_target", False),
+                 "steps_to_target": hit["step"] if hit else None,
+                 "train_s_to_target": hit["train_s"] if hit else None,
+                 **{f"final_{k}": row["final"][k] for k in REPORTED}}
+        if base is not None:
+            base_hit = reached(base, target)
+            entry["to_target_over_old_default_train_s"] = (
+                round(hit["train_s"] / base["train_s"], 3) if hit else None)
+            entry["to_target_over_old_default_to_target"] = (
+                round(hit["train_s"] / base_hit["train_s"], 3) if hit and base_hit else None)
+        out.setdefault(row["candidate"], {})[str(row["seed"])] = entry
+    for seeds in out.values():
+        ratios = [s.get("to_target_over_old_default_train_s") for s in seeds.values()]
+        whole = [s for s in seeds.values() if not s["stopped_at_target"]]
+        seeds["meets"] = bool(ratios) and all(r is not None and r <= share for r in ratios) and \
+            len(whole) == len(ratios) and all(s["final_i2t_R@5"] >= min_r5 for s in whole)
+    return out
+
+
+def describe_machine() -> dict[str, Any]:
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    return {"cpus": os.cpu_count(), "cpu": model,
+            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)}
+
+
+def git_commit() -> str:
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
+
+    commit = git("rev-parse", "--short", "HEAD").strip()
+    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def run(args: argparse.Namespace) -> None:
+    for name in args.candidates:
+        candidate_overrides(name, 0, None)  # unknown names fail before anything trains
+    if BASELINE not in args.candidates:
+        print(f"time_to_quality: no {BASELINE!r} among the candidates: no ratios",
+              file=sys.stderr)
+    record = {"benchmark": "time_to_quality", "command": " ".join(sys.argv),
+              "commit": git_commit(), "machine": describe_machine(),
+              "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+              "target": {"zeroshot_top1": args.target, "eval_every": args.eval_every},
+              "old_default": OLD_DEFAULT,
+              "candidates": {n: CANDIDATES[n] for n in args.candidates},
+              "max_steps": args.max_steps, "warmup_steps": args.warmup_steps,
+              "stop_at_target": [] if args.full else sorted(STOP_AT_TARGET & {*args.candidates}),
+              "runs": []}
+    if args.warmup_steps:
+        for name in args.candidates:  # fills the kernel cache; not recorded
+            print(f"time_to_quality: warm-up {name}", file=sys.stderr, flush=True)
+            run_one(args, name, args.seeds[0], max_steps=args.warmup_steps)
+    for name, seed in schedule(args.candidates, args.seeds):
+        print(f"time_to_quality: {name} seed {seed}", file=sys.stderr, flush=True)
+        stop = args.target if name in STOP_AT_TARGET and not args.full else None
+        record["runs"].append(run_one(args, name, seed, args.max_steps, stop))
+        record["summary"] = summarise(record["runs"], args.target)
+        record["ended_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print("\n".join(tables(record)))
+
+
+# --------------------------------------------------------------------------------------- table
+def tables(record: dict[str, Any]) -> list[str]:
+    """Markdown: per candidate and seed, time and steps to the target and the end-of-run scores;
+    then the verdict per candidate."""
+    target = record["target"]["zeroshot_top1"]
+    lines = [f"| candidate | seed | steps | train s | samples/s | to {target} zero-shot: steps "
+             "| train s | / old default's train s | final zero-shot top-1 | i2t R@5 | t2i R@5 "
+             "| load 1m start / end |", "|---" * 12 + "|"]
+    for row in record["runs"]:
+        hit = reached(row, target)
+        entry = record["summary"][row["candidate"]][str(row["seed"])]
+        ratio = entry.get("to_target_over_old_default_train_s")
+        to_steps, to_s = (hit["step"], f"{hit['train_s']:.0f}") if hit else ("not reached", "-")
+        lines.append(
+            f"| {row['candidate']} | {row['seed']} | {row['steps']}"
+            f"{' (stopped)' if row.get('stopped_at_target') else ''} | {row['train_s']:.0f} | "
+            f"{row['samples_per_s'] or 0:.0f} | {to_steps} | {to_s} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}'} | "
+            f"{row['final']['zeroshot_top1']:.3f} | {row['final']['i2t_R@5']:.3f} | "
+            f"{row['final']['t2i_R@5']:.3f} | {row['load_1m_start']} / {row['load_1m_end']} |")
+    lines += ["", "| candidate | overrides of the old default | on every seed: target within "
+              "half the old default's training time, i2t R@5 >= 0.95 at the end |", "|---|---|---|"]
+    for name, seeds in record["summary"].items():
+        overrides = ", ".join(f"{k}={v}" for k, v in record["candidates"][name].items()) or "-"
+        lines.append(f"| {name} | {overrides} | {'yes' if seeds['meets'] else 'no'} |")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parse(argv)
+    if args.command == "run":
+        run(args)
+    elif args.command == "one":
+        one(args)
+    else:
+        print("\n".join(tables(json.loads(args.result.read_text()))))
+
+
+if __name__ == "__main__":
+    main()
