@@ -203,6 +203,7 @@ def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
              "text_to_image": val.text_to_image},
             {"side": "ours", "final_loss": result.summary["final_loss"],
              "train_s": round(checks.train_s, 1), "curve": curve,
+             "first_step_s": round(checks.first_step_s or 0.0, 1),  # startup + compilation
              "logit_bias": result.summary.get("logit_bias"),
              "peak_rss_mb": result.summary.get("peak_rss_mb")})
 

@@ -15,9 +15,12 @@ WORK): zero-shot top-1 and R@5 both ways. The clock counts training only - model
 compilation, the loader, checkpoints and the steps - never the pauses. A candidate's time to
 quality is its clock at the first check with zero-shot top-1 >= --target; its steps likewise.
 
-Runs alternate: seed 0 goes through the candidates in order, seed 1 in reverse, and so on, so
-the machine's drift falls on all of them alike; the 1-minute load is recorded before and after
-each run. The JSON (`--out`) is rewritten after every run, so a long run can be read as it goes.
+Runs alternate: each seed starts with the old default, then goes through the other candidates,
+seed 0 in order, seed 1 in reverse, and so on, so the machine's drift falls on all of them alike;
+the 1-minute load is recorded before and after each run. The 90-epoch lever runs stop at the
+target, or once their clock passes the old default's time to it on the same seed (the lever bought
+no time). `--lanes 2` trains two seeds at once, each lane its own sequence. The JSON (`--out`) is
+rewritten after every run, so a long run can be read as it goes.
 
 Why a script under benchmarks/ and not a `clipms-bench` subcommand: it drives the pipeline's own
 train stage and params.yaml (stages/, pipeline/), which the clipms library must not import.
@@ -32,7 +35,9 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -61,9 +66,10 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "siglip-45ep-lr2e-3": {"loss": "siglip", "epochs": 45, "lr": 2.0e-3},
     "siglip-30ep": {"loss": "siglip", "epochs": 30},
 }
-# The 90-epoch lever runs answer "how soon does this lever reach the target" and stop there
-# (unless --full); the old default and the shorter schedules, candidates for the new default,
-# always run to the end, whose i2t R@5 the default must keep.
+# The 90-epoch lever runs answer "how soon does this lever reach the target": they stop there, or
+# once their clock passes the time the old default of their seed took to the target (then the
+# lever did not buy time), unless --full. The old default and the shorter schedules, candidates
+# for the new default, always run to the end, whose i2t R@5 the default must keep.
 STOP_AT_TARGET = {"siglip", "pd25", "pd50", "siglip-pd50"}
 REPORTED = ("zeroshot_top1", "i2t_R@5", "t2i_R@5", "i2t_R@1", "t2i_R@1")
 
@@ -83,10 +89,9 @@ def _parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      help="cap every run at this many steps (a smoke test of the benchmark)")
     run.add_argument("--full", action="store_true",
                      help=f"run {', '.join(sorted(STOP_AT_TARGET))} to the end too")
-    run.add_argument("--warmup-steps", type=int, default=2,
-                     help="first compile each candidate's graphs in a run of this many steps, "
-                     "untimed, so every timed run starts with the kernel cache warm, as a "
-                     "user's second run does (0: no warm-up)")
+    run.add_argument("--lanes", type=int, default=1,
+                     help="seeds trained at the same time, each its own sequence of runs (on a "
+                     "machine shared with other work, a second lane takes a second share of it)")
     run.add_argument("--out", type=Path, default=DEFAULT_OUT)
     one = sub.add_parser("one", help="(internal) one training run; prints its JSON")
     one.add_argument("--work", required=True, type=Path)
@@ -95,6 +100,8 @@ def _parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     one.add_argument("--scratch", required=True, type=Path)
     one.add_argument("--stop-at", type=float, default=None,
                      help="stop when zero-shot top-1 reaches this")
+    one.add_argument("--deadline", type=float, default=None,
+                     help="stop at the first check after this many training seconds")
     table = sub.add_parser("table", help="markdown tables of a result JSON")
     table.add_argument("result", type=Path, nargs="?", default=DEFAULT_OUT)
     return parser.parse_args(argv)
@@ -154,7 +161,7 @@ def one(args: argparse.Namespace) -> None:
     """One run in this process (the `run` command starts one per candidate and seed)."""
     import dataclasses
 
-    from clipms.bench.checks import QualityChecks, TargetReached
+    from clipms.bench.checks import OutOfTime, QualityChecks, TargetReached
     from clipms.runtime import RuntimeConfig, for_precision, prepare_import
     from pipeline.params import load_section
 
@@ -174,11 +181,14 @@ def one(args: argparse.Namespace) -> None:
     job = dataclasses.replace(job, checkpoint_dir=str(scratch / "checkpoints"), resume=False,
                               outputs=outputs)
     stop = None if args.stop_at is None else ("zeroshot_top1", args.stop_at)
-    checker = QualityChecks(args.eval_every, scorer(job.config.model), REPORTED, stop)  # clock
+    checker = QualityChecks(args.eval_every, scorer(job.config.model), REPORTED, stop,
+                            args.deadline)  # the clock starts
     try:
         summary = train_job.run(job, [checker]).summary
     except TargetReached:
-        summary = {"steps": checker.curve[-1]["step"], "stopped_at_target": True}
+        summary = {"steps": checker.curve[-1]["step"], "stopped": "target"}
+    except OutOfTime:
+        summary = {"steps": checker.curve[-1]["step"], "stopped": "old default's time"}
     steps, train_s = int(summary["steps"]), checker.train_s
     stepping = train_s - (checker.first_step_s or 0.0)  # the steps after the first (compile)
     batch = job.config.batch_size * job.config.accum_steps
@@ -186,7 +196,7 @@ def one(args: argparse.Namespace) -> None:
                       "first_step_s": round(checker.first_step_s or 0.0, 1),
                       "samples_per_s": round(batch * (steps - 1) / stepping, 1)
                       if stepping > 0 else None,
-                      "stopped_at_target": summary.get("stopped_at_target", False),
+                      "stopped": summary.get("stopped"),
                       "final_loss": summary.get("final_loss"),
                       "logit_bias": summary.get("logit_bias"),
                       "peak_rss_mb": round(summary["peak_rss_mb"]) if "peak_rss_mb" in summary
@@ -194,18 +204,17 @@ def one(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------ the whole run
-def schedule(candidates: Sequence[str], seeds: Sequence[int]) -> list[tuple[str, int]]:
-    """(candidate, seed) in run order: each seed through the candidates, every other seed in
-    reverse (the drift of the machine falls on every candidate alike)."""
-    order = []
-    for i, seed in enumerate(seeds):
-        names = list(candidates) if i % 2 == 0 else list(reversed(candidates))
-        order += [(name, seed) for name in names]
-    return order
+def schedule(candidates: Sequence[str], seeds: Sequence[int]) -> dict[int, list[str]]:
+    """Each seed's candidates in run order: the old default first (its time to the target bounds
+    the lever runs of its seed), then the others, in reverse for every other seed (the drift of
+    the machine falls on every candidate alike)."""
+    first = [name for name in candidates if name == BASELINE]
+    rest = [name for name in candidates if name != BASELINE]
+    return {seed: first + (rest if i % 2 == 0 else rest[::-1]) for i, seed in enumerate(seeds)}
 
 
 def run_one(args: argparse.Namespace, name: str, seed: int, max_steps: int | None = None,
-            stop_at: float | None = None) -> dict[str, Any]:
+            stop_at: float | None = None, deadline: float | None = None) -> dict[str, Any]:
     """One run in a process of its own: its JSON, with the load and the start time."""
     overrides = candidate_overrides(name, seed, max_steps)
     load_before = os.getloadavg()
@@ -214,7 +223,9 @@ def run_one(args: argparse.Namespace, name: str, seed: int, max_steps: int | Non
         cmd = [sys.executable, str(Path(__file__).resolve()), "one", "--work",
                str(args.work.resolve()), "--overrides", json.dumps(overrides),
                "--eval-every", str(args.eval_every), "--scratch", scratch]
-        proc = subprocess.run(cmd + (["--stop-at", str(stop_at)] if stop_at else []),
+        cmd += ["--stop-at", str(stop_at)] if stop_at is not None else []
+        cmd += ["--deadline", str(deadline)] if deadline is not None else []
+        proc = subprocess.run(cmd,
                               env={**os.environ, "PYTHONPATH": str(ROOT)},
                               stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
@@ -235,15 +246,15 @@ def summarise(runs: list[dict[str, Any]], target: float, min_r5: float = 0.95,
     """Per candidate and seed: time and steps to the target, and its ratios to the old default of
     the same seed (its time to the target, and its whole training: "today's training time");
     `meets` when on every seed the target came within `share` of the old default's whole
-    training time and the whole run (not one stopped at the target) ended with i2t R@5 >=
-    `min_r5`: a recipe that can be the default."""
+    training time and the whole run (not one stopped early) ended with i2t R@5 >= `min_r5`: a
+    recipe that can be the default."""
     baseline = {r["seed"]: r for r in runs if r["candidate"] == BASELINE}
     out: dict[str, Any] = {}
     for row in runs:
         hit, base = reached(row, target), baseline.get(row["seed"])
         entry = {"steps": row["steps"], "train_s": row["train_s"],
                  "samples_per_s": row["samples_per_s"],
-                 "stopped_at_target": row.get("stopped_at_target", False),
+                 "stopped": row.get("stopped"),
                  "steps_to_target": hit["step"] if hit else None,
                  "train_s_to_target": hit["train_s"] if hit else None,
                  **{f"final_{k}": row["final"][k] for k in REPORTED}}
@@ -256,7 +267,7 @@ def summarise(runs: list[dict[str, Any]], target: float, min_r5: float = 0.95,
         out.setdefault(row["candidate"], {})[str(row["seed"])] = entry
     for seeds in out.values():
         ratios = [s.get("to_target_over_old_default_train_s") for s in seeds.values()]
-        whole = [s for s in seeds.values() if not s["stopped_at_target"]]
+        whole = [s for s in seeds.values() if not s["stopped"]]
         seeds["meets"] = bool(ratios) and all(r is not None and r <= share for r in ratios) and \
             len(whole) == len(ratios) and all(s["final_i2t_R@5"] >= min_r5 for s in whole)
     return out
@@ -290,21 +301,32 @@ def run(args: argparse.Namespace) -> None:
               "target": {"zeroshot_top1": args.target, "eval_every": args.eval_every},
               "old_default": OLD_DEFAULT,
               "candidates": {n: CANDIDATES[n] for n in args.candidates},
-              "max_steps": args.max_steps, "warmup_steps": args.warmup_steps,
+              "max_steps": args.max_steps, "lanes": args.lanes,
               "stop_at_target": [] if args.full else sorted(STOP_AT_TARGET & {*args.candidates}),
               "runs": []}
-    if args.warmup_steps:
-        for name in args.candidates:  # fills the kernel cache; not recorded
-            print(f"time_to_quality: warm-up {name}", file=sys.stderr, flush=True)
-            run_one(args, name, args.seeds[0], max_steps=args.warmup_steps)
-    for name, seed in schedule(args.candidates, args.seeds):
-        print(f"time_to_quality: {name} seed {seed}", file=sys.stderr, flush=True)
-        stop = args.target if name in STOP_AT_TARGET and not args.full else None
-        record["runs"].append(run_one(args, name, seed, args.max_steps, stop))
-        record["summary"] = summarise(record["runs"], args.target)
-        record["ended_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+    lock = threading.Lock()
+
+    def lane(seed: int, names: list[str]) -> None:
+        deadline = None
+        for name in names:
+            print(f"time_to_quality: {name} seed {seed}", file=sys.stderr, flush=True)
+            lever = name in STOP_AT_TARGET and not args.full
+            row = run_one(args, name, seed, args.max_steps, args.target if lever else None,
+                          deadline if lever else None)
+            if name == BASELINE:
+                hit = reached(row, args.target)
+                deadline = hit["train_s"] if hit else row["train_s"]
+            with lock:
+                record["runs"].append(row)
+                record["summary"] = summarise(record["runs"], args.target)
+                record["ended_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+    with ThreadPoolExecutor(max_workers=max(1, args.lanes)) as pool:
+        for done in [pool.submit(lane, seed, names)
+                     for seed, names in schedule(args.candidates, args.seeds).items()]:
+            done.result()
     print("\n".join(tables(record)))
 
 
@@ -316,14 +338,16 @@ def tables(record: dict[str, Any]) -> list[str]:
     lines = [f"| candidate | seed | steps | train s | samples/s | to {target} zero-shot: steps "
              "| train s | / old default's train s | final zero-shot top-1 | i2t R@5 | t2i R@5 "
              "| load 1m start / end |", "|---" * 12 + "|"]
-    for row in record["runs"]:
+    order = list(record["candidates"])
+    for row in sorted(record["runs"], key=lambda r: (order.index(r["candidate"]), r["seed"])):
         hit = reached(row, target)
         entry = record["summary"][row["candidate"]][str(row["seed"])]
         ratio = entry.get("to_target_over_old_default_train_s")
         to_steps, to_s = (hit["step"], f"{hit['train_s']:.0f}") if hit else ("not reached", "-")
+        stopped = f" (stopped: {row['stopped']})" if row.get("stopped") else ""
         lines.append(
-            f"| {row['candidate']} | {row['seed']} | {row['steps']}"
-            f"{' (stopped)' if row.get('stopped_at_target') else ''} | {row['train_s']:.0f} | "
+            f"| {row['candidate']} | {row['seed']} | {row['steps']}{stopped} | "
+            f"{row['train_s']:.0f} | "
             f"{row['samples_per_s'] or 0:.0f} | {to_steps} | {to_s} | "
             f"{'-' if ratio is None else f'{ratio:.2f}'} | "
             f"{row['final']['zeroshot_top1']:.3f} | {row['final']['i2t_R@5']:.3f} | "

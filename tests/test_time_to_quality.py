@@ -23,26 +23,27 @@ def test_the_benchmark_runs_alternates_checks_and_stops_lever_runs_at_the_target
     out = tmp_path / "ttq.json"
     run([sys.executable, str(SCRIPT), "run", "--work", str(ws), "--candidates", "old-default",
          "siglip-pd50", "--seeds", "0", "1", "--max-steps", "4", "--eval-every", "2",
-         "--target", "0.0", "--warmup-steps", "1", "--out", str(out)],
+         "--target", "0.0", "--out", str(out)],
         cwd=PROJECT_ROOT, timeout=2400, env=env)
     record = json.loads(out.read_text())
+    # the old default first in each seed (its time bounds the lever runs), then the levers
     assert [(r["candidate"], r["seed"]) for r in record["runs"]] == [
-        ("old-default", 0), ("siglip-pd50", 0), ("siglip-pd50", 1), ("old-default", 1)]
+        ("old-default", 0), ("siglip-pd50", 0), ("old-default", 1), ("siglip-pd50", 1)]
     for row in record["runs"]:
         assert row["load_1m_start"] >= 0 and row["train_s"] > 0
         checks = [c["step"] for c in row["curve"]]
         if row["candidate"] == "old-default":  # to the end, checked every 2 steps
-            assert checks == [2, 4] and not row["stopped_at_target"] and row["steps"] == 4
+            assert checks == [2, 4] and row["stopped"] is None and row["steps"] == 4
         else:  # a lever run: stopped at the first check at the target
-            assert checks == [2] and row["stopped_at_target"] and row["steps"] == 2
+            assert checks == [2] and row["stopped"] == "target" and row["steps"] == 2
             assert row["overrides"]["loss"] == "siglip"
         assert 0 <= row["final"]["zeroshot_top1"] <= 1 and 0 <= row["final"]["i2t_R@5"] <= 1
     seed0 = record["summary"]["siglip-pd50"]["0"]
-    assert seed0["steps_to_target"] == 2 and seed0["stopped_at_target"]
+    assert seed0["steps_to_target"] == 2 and seed0["stopped"] == "target"
     assert seed0["to_target_over_old_default_train_s"] is not None
     assert record["summary"]["siglip-pd50"]["meets"] is False  # stopped runs are not defaults
     assert record["summary"]["old-default"]["0"]["to_target_over_old_default_to_target"] == 1.0
     tables = run([sys.executable, str(SCRIPT), "table", str(out)], cwd=PROJECT_ROOT,
                  env=env).stdout
-    assert "| siglip-pd50 | 0 | 2 (stopped) |" in tables
+    assert "| siglip-pd50 | 0 | 2 (stopped: target) |" in tables
     assert "| siglip-pd50 | loss=siglip, model.vision.patch_dropout=0.5 | no |" in tables

@@ -25,14 +25,20 @@ class TargetReached(Exception):
     """A QualityChecks told to stop at a target reached it: the run has answered its question."""
 
 
+class OutOfTime(Exception):
+    """A QualityChecks given a deadline passed it without reaching its target."""
+
+
 class QualityChecks:
     """Callback: every `every` steps and at the end, pause the clock and record `score(model)`'s
     `keys`; `first_step_s` is the clock when the first step was read back (startup and graph
-    compilation)."""
+    compilation). With `deadline_s`, a check on a clock past it ends the run (`OutOfTime`)."""
 
     def __init__(self, every: int, score: Callable[[Any], Scores], keys: Sequence[str],
-                 stop_at: tuple[str, float] | None = None) -> None:
+                 stop_at: tuple[str, float] | None = None,
+                 deadline_s: float | None = None) -> None:
         self.every, self.score, self.keys, self.stop_at = every, score, tuple(keys), stop_at
+        self.deadline_s = deadline_s
         self.started = time.perf_counter()
         self.paused = 0.0  # seconds spent scoring
         self.curve: list[dict[str, float]] = []
@@ -56,9 +62,13 @@ class QualityChecks:
         # rows arrive after a read of the device; the weights are step's when it is the last
         if self.every and step % self.every == 0 and step == self.run.step:
             self.check(step)
-            if self.stop_at is not None and self.curve[-1][self.stop_at[0]] >= self.stop_at[1]:
-                self.train_s = self.curve[-1]["train_s"]
+            last = self.curve[-1]
+            if self.stop_at is not None and last[self.stop_at[0]] >= self.stop_at[1]:
+                self.train_s = last["train_s"]
                 raise TargetReached(step)
+            if self.deadline_s is not None and last["train_s"] >= self.deadline_s:
+                self.train_s = last["train_s"]
+                raise OutOfTime(step)
 
     def on_train_end(self, summary: Scores) -> None:
         self.train_s = self.clock()
