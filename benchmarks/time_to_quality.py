@@ -19,8 +19,10 @@ Runs alternate: each seed starts with the old default, then goes through the oth
 seed 0 in order, seed 1 in reverse, and so on, so the machine's drift falls on all of them alike;
 the 1-minute load is recorded before and after each run. The 90-epoch lever runs stop at the
 target, or once their clock passes the old default's time to it on the same seed (the lever bought
-no time). `--lanes 2` trains two seeds at once, each lane its own sequence. The JSON (`--out`) is
-rewritten after every run, so a long run can be read as it goes.
+no time). `--lanes 2` trains two seeds at once, each lane its own sequence; `--all-at-once`
+starts every run together, each in a process of its own. The JSON (`--out`) is
+rewritten after every run (benchmarks/record.py's envelope), so a long run can be read
+as it goes.
 
 Why a script under benchmarks/ and not a `clipms-bench` subcommand: it drives the pipeline's own
 train stage and params.yaml (stages/, pipeline/), which the clipms library must not import.
@@ -31,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -92,6 +93,11 @@ def _parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     run.add_argument("--lanes", type=int, default=1,
                      help="seeds trained at the same time, each its own sequence of runs (on a "
                      "machine shared with other work, a second lane takes a second share of it)")
+    run.add_argument("--all-at-once", action="store_true",
+                     help="every run in its own process, all started together: for a machine "
+                     "too busy to run them one after another in the time there is; they share "
+                     "its load, and the lever runs stop at the target only (no old default's "
+                     "time yet to bound them)")
     run.add_argument("--out", type=Path, default=DEFAULT_OUT)
     one = sub.add_parser("one", help="(internal) one training run; prints its JSON")
     one.add_argument("--work", required=True, type=Path)
@@ -213,6 +219,14 @@ def schedule(candidates: Sequence[str], seeds: Sequence[int]) -> dict[int, list[
     return {seed: first + (rest if i % 2 == 0 else rest[::-1]) for i, seed in enumerate(seeds)}
 
 
+def lanes_of(plan: dict[int, list[str]], all_at_once: bool) -> list[tuple[int, list[str]]]:
+    """The sequences of runs that go side by side: one per seed, or with `all_at_once` one per
+    run, every run started together under the same load."""
+    if all_at_once:
+        return [(seed, [name]) for seed, names in plan.items() for name in names]
+    return list(plan.items())
+
+
 def run_one(args: argparse.Namespace, name: str, seed: int, max_steps: int | None = None,
             stop_at: float | None = None, deadline: float | None = None) -> dict[str, Any]:
     """One run in a process of its own: its JSON, with the load and the start time."""
@@ -273,37 +287,21 @@ def summarise(runs: list[dict[str, Any]], target: float, min_r5: float = 0.95,
     return out
 
 
-def describe_machine() -> dict[str, Any]:
-    model = next((line.split(":", 1)[1].strip() for line in
-                  Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    return {"cpus": os.cpu_count(), "cpu": model,
-            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)}
-
-
-def git_commit() -> str:
-    def git(*cmd: str) -> str:
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout
-
-    commit = git("rev-parse", "--short", "HEAD").strip()
-    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
 def run(args: argparse.Namespace) -> None:
+    import record  # benchmarks/record.py: the result file's envelope (command, commit, load)
+
     for name in args.candidates:
         candidate_overrides(name, 0, None)  # unknown names fail before anything trains
     if BASELINE not in args.candidates:
         print(f"time_to_quality: no {BASELINE!r} among the candidates: no ratios",
               file=sys.stderr)
-    record = {"benchmark": "time_to_quality", "command": " ".join(sys.argv),
-              "commit": git_commit(), "machine": describe_machine(),
-              "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-              "target": {"zeroshot_top1": args.target, "eval_every": args.eval_every},
-              "old_default": OLD_DEFAULT,
-              "candidates": {n: CANDIDATES[n] for n in args.candidates},
-              "max_steps": args.max_steps, "lanes": args.lanes,
-              "stop_at_target": [] if args.full else sorted(STOP_AT_TARGET & {*args.candidates}),
-              "runs": []}
+    recording = record.start("time_to_quality")
+    result: dict[str, Any] = {
+        "target": {"zeroshot_top1": args.target, "eval_every": args.eval_every},
+        "old_default": OLD_DEFAULT, "candidates": {n: CANDIDATES[n] for n in args.candidates},
+        "max_steps": args.max_steps, "lanes": args.lanes, "all_at_once": args.all_at_once,
+        "stop_at_target": [] if args.full else sorted(STOP_AT_TARGET & {*args.candidates}),
+        "runs": []}
     lock = threading.Lock()
 
     def lane(seed: int, names: list[str]) -> None:
@@ -317,31 +315,30 @@ def run(args: argparse.Namespace) -> None:
                 hit = reached(row, args.target)
                 deadline = hit["train_s"] if hit else row["train_s"]
             with lock:
-                record["runs"].append(row)
-                record["summary"] = summarise(record["runs"], args.target)
-                record["ended_utc"] = datetime.now(UTC).isoformat(timespec="seconds")
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(record, indent=1) + "\n")
+                result["runs"].append(row)
+                result["summary"] = summarise(result["runs"], args.target)
+                recording.write(result, args.out)
 
-    with ThreadPoolExecutor(max_workers=max(1, args.lanes)) as pool:
-        for done in [pool.submit(lane, seed, names)
-                     for seed, names in schedule(args.candidates, args.seeds).items()]:
+    lanes = lanes_of(schedule(args.candidates, args.seeds), args.all_at_once)
+    workers = len(lanes) if args.all_at_once else max(1, args.lanes)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for done in [pool.submit(lane, seed, names) for seed, names in lanes]:
             done.result()
-    print("\n".join(tables(record)))
+    print("\n".join(tables(result)))
 
 
 # --------------------------------------------------------------------------------------- table
-def tables(record: dict[str, Any]) -> list[str]:
+def tables(result: dict[str, Any]) -> list[str]:
     """Markdown: per candidate and seed, time and steps to the target and the end-of-run scores;
-    then the verdict per candidate."""
-    target = record["target"]["zeroshot_top1"]
+    then the verdict per candidate. `result`: the result file's `results`."""
+    target = result["target"]["zeroshot_top1"]
     lines = [f"| candidate | seed | steps | train s | samples/s | to {target} zero-shot: steps "
              "| train s | / old default's train s | final zero-shot top-1 | i2t R@5 | t2i R@5 "
              "| load 1m start / end |", "|---" * 12 + "|"]
-    order = list(record["candidates"])
-    for row in sorted(record["runs"], key=lambda r: (order.index(r["candidate"]), r["seed"])):
+    order = list(result["candidates"])
+    for row in sorted(result["runs"], key=lambda r: (order.index(r["candidate"]), r["seed"])):
         hit = reached(row, target)
-        entry = record["summary"][row["candidate"]][str(row["seed"])]
+        entry = result["summary"][row["candidate"]][str(row["seed"])]
         ratio = entry.get("to_target_over_old_default_train_s")
         to_steps, to_s = (hit["step"], f"{hit['train_s']:.0f}") if hit else ("not reached", "-")
         stopped = f" (stopped: {row['stopped']})" if row.get("stopped") else ""
@@ -354,8 +351,8 @@ def tables(record: dict[str, Any]) -> list[str]:
             f"{row['final']['t2i_R@5']:.3f} | {row['load_1m_start']} / {row['load_1m_end']} |")
     lines += ["", "| candidate | overrides of the old default | on every seed: target within "
               "half the old default's training time, i2t R@5 >= 0.95 at the end |", "|---|---|---|"]
-    for name, seeds in record["summary"].items():
-        overrides = ", ".join(f"{k}={v}" for k, v in record["candidates"][name].items()) or "-"
+    for name, seeds in result["summary"].items():
+        overrides = ", ".join(f"{k}={v}" for k, v in result["candidates"][name].items()) or "-"
         lines.append(f"| {name} | {overrides} | {'yes' if seeds['meets'] else 'no'} |")
     return lines
 
@@ -367,7 +364,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "one":
         one(args)
     else:
-        print("\n".join(tables(json.loads(args.result.read_text()))))
+        print("\n".join(tables(json.loads(args.result.read_text())["results"])))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ def test_the_benchmark_runs_alternates_checks_and_stops_lever_runs_at_the_target
          "--target", "0.0", "--out", str(out)],
         cwd=PROJECT_ROOT, timeout=2400, env=env)
     record = json.loads(out.read_text())
+    assert record["benchmark"] == "time_to_quality"  # benchmarks/record.py's envelope
+    assert {"command", "commit", "load_avg", "machine"} <= record["meta"].keys()
+    record = record["results"]
     # the old default first in each seed (its time bounds the lever runs), then the levers
     assert [(r["candidate"], r["seed"]) for r in record["runs"]] == [
         ("old-default", 0), ("siglip-pd50", 0), ("old-default", 1), ("siglip-pd50", 1)]
@@ -47,3 +50,23 @@ def test_the_benchmark_runs_alternates_checks_and_stops_lever_runs_at_the_target
                  env=env).stdout
     assert "| siglip-pd50 | 0 | 2 (stopped: target) |" in tables
     assert "| siglip-pd50 | loss=siglip, model.vision.patch_dropout=0.5 | no |" in tables
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("time_to_quality", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_all_at_once_gives_every_run_a_lane_of_its_own_and_lanes_keep_a_seed_s_order():
+    ttq = _script()
+    plan = ttq.schedule(["clip-45ep", "old-default", "pd50"], [0, 1])
+    assert plan == {0: ["old-default", "clip-45ep", "pd50"],
+                    1: ["old-default", "pd50", "clip-45ep"]}
+    assert ttq.lanes_of(plan, all_at_once=False) == list(plan.items())
+    assert ttq.lanes_of(plan, all_at_once=True) == [
+        (0, ["old-default"]), (0, ["clip-45ep"]), (0, ["pd50"]),
+        (1, ["old-default"]), (1, ["pd50"]), (1, ["clip-45ep"])]
