@@ -254,6 +254,7 @@ RENDERERS: dict[str, Callable[[Record], str]] = {
     "data_urlguard": data_urlguard, "checkpoint": checkpoint,
     "export_fp16_parity": export_fp16_parity, "mutation": mutation, "serving": serving,
     "default_run": default_run, "time_to_quality": time_to_quality,
+    "time_to_quality_seed1": time_to_quality,
 }
 
 

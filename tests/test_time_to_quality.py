@@ -70,3 +70,24 @@ def test_all_at_once_gives_every_run_a_lane_of_its_own_and_lanes_keep_a_seed_s_o
     assert ttq.lanes_of(plan, all_at_once=True) == [
         (0, ["old-default"]), (0, ["clip-45ep"]), (0, ["pd50"]),
         (1, ["old-default"]), (1, ["pd50"]), (1, ["clip-45ep"])]
+
+
+def test_results_md_renders_the_result_file_with_the_benchmarks_own_tables(tmp_path):
+    sys.path.insert(0, str(PROJECT_ROOT / "benchmarks"))
+    import record
+    import render_results
+
+    ttq = _script()
+    curve = [{"step": 2, "train_s": 1.0, "zeroshot_top1": 0.9, "i2t_R@5": 0.96, "t2i_R@5": 0.97,
+              "i2t_R@1": 0.5, "t2i_R@1": 0.5}]
+    runs = [{"candidate": name, "seed": 0, "steps": 2, "train_s": s, "samples_per_s": 10.0,
+             "stopped": None, "final": curve[-1], "curve": curve, "load_1m_start": 1.0,
+             "load_1m_end": 2.0} for name, s in (("old-default", 4.0), ("clip-45ep", 2.0))]
+    result = {"target": {"zeroshot_top1": 0.85, "eval_every": 2},
+              "candidates": {n: ttq.CANDIDATES[n] for n in ("old-default", "clip-45ep")},
+              "runs": runs, "summary": ttq.summarise(runs, 0.85)}
+    record.Recording("time_to_quality", "python benchmarks/time_to_quality.py run").write(
+        result, tmp_path / "time_to_quality.json")
+    block = render_results.render_block("time_to_quality", tmp_path)
+    assert "| clip-45ep | 0 | 2 | 2 | 10 | 2 | 1 | 0.25 | 0.900 | 0.960 | 0.970 |" in block
+    assert "| clip-45ep | epochs=45 | yes |" in block
