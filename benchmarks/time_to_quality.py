@@ -295,7 +295,7 @@ def run(args: argparse.Namespace) -> None:
     if BASELINE not in args.candidates:
         print(f"time_to_quality: no {BASELINE!r} among the candidates: no ratios",
               file=sys.stderr)
-    recording = record.start("time_to_quality")
+    recording = record.start(args.out.stem)  # results/<name>.json holds benchmark <name>
     result: dict[str, Any] = {
         "target": {"zeroshot_top1": args.target, "eval_every": args.eval_every},
         "old_default": OLD_DEFAULT, "candidates": {n: CANDIDATES[n] for n in args.candidates},

@@ -20,13 +20,13 @@ def test_the_benchmark_runs_alternates_checks_and_stops_lever_runs_at_the_target
     ws = make_workspace(tmp_path / "ws")
     env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT), "CLIPMS_KERNEL_FUSION": "0"}
     run(["dvc", "repro", "tokenizer"], cwd=ws, timeout=900, env=env)
-    out = tmp_path / "ttq.json"
+    out = tmp_path / "time_to_quality.json"
     run([sys.executable, str(SCRIPT), "run", "--work", str(ws), "--candidates", "old-default",
          "siglip-pd50", "--seeds", "0", "1", "--max-steps", "4", "--eval-every", "2",
          "--target", "0.0", "--out", str(out)],
         cwd=PROJECT_ROOT, timeout=2400, env=env)
     record = json.loads(out.read_text())
-    assert record["benchmark"] == "time_to_quality"  # benchmarks/record.py's envelope
+    assert record["benchmark"] == out.stem  # benchmarks/record.py's envelope: results/<name>.json
     assert {"command", "commit", "load_avg", "machine"} <= record["meta"].keys()
     record = record["results"]
     # the old default first in each seed (its time bounds the lever runs), then the levers
