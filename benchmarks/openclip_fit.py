@@ -6,16 +6,25 @@ Runs in a separate virtualenv with torch + open_clip_torch (not project dependen
     PEER_VENV/bin/pip install torch==2.14.1 torchvision==0.29.1 open_clip_torch==3.3.0 \
         numpy==1.26.4 pillow==11.1.0 tokenizers==0.21.1
 
+(A peer venv without `tokenizers` can take it from a folder on PYTHONPATH: `PEER_VENV/bin/pip
+install --no-deps --target DIR tokenizers==0.21.1`.)
+
 The model is `open_clip.model.CLIP` built from clipms's preset (`CLIPConfig.to_openclip()`) with
 open_clip's own initialisation. The training recipe is open_clip_train's (main.py / train.py):
 AdamW over two parameter groups (no decay on tensors with < 2 dims, "bn"/"ln"/"bias" names and
 `logit_scale`; `--wd-rule embeddings` also exempts the token and positional embeddings, clipms's
-old rule), `open_clip_train.scheduler.cosine_lr` set before each step, `open_clip.loss.ClipLoss`,
-optional global-norm clipping, and `logit_scale` clamped to [0, ln 100] after each step. The
-batches are clipms's own (`clipms.data.dataset.TrainSamples`: same sample order, caption draw and
-preprocessing as clipms's trainer for the seed), so both sides see bit-identical inputs; the val
-split is embedded from `clipms.data.dataset.iter_eval_batches` and scored by the driver with
-clipms.eval.metrics. Writes an .npz of features and a JSON line on stdout.
+old rule), `open_clip_train.scheduler.cosine_lr` set before each step, `open_clip.loss.ClipLoss`
+(or, for a model config with `init_logit_bias`, i.e. `--siglip`'s model,
+`open_clip.loss.SigLipLoss` on the model's four outputs), optional global-norm clipping, and
+`logit_scale` clamped to [0, ln 100] after each step. A config's `vision_cfg.patch_dropout` is
+open_clip's own PatchDropout. The batches are clipms's own (`clipms.data.dataset.TrainSamples`:
+same sample order, caption draw and preprocessing as clipms's trainer for the seed), so both sides
+see bit-identical inputs (also a peer with numpy 2.4 and Pillow 13 against the project's numpy 1.26
+and Pillow 11: the same bytes, checked); the val split is embedded from
+`clipms.data.dataset.iter_eval_batches` and scored by the driver with clipms.eval.metrics. Writes
+an .npz of features and a JSON line on stdout. With `--eval-every N` the val split is also scored
+every N steps (the clock paused; `clipms.eval.metrics`, numpy only): the JSON's `curve` ({step,
+train_s, recalls}), for the driver's time to equal quality.
 """
 
 from __future__ import annotations
@@ -42,7 +51,10 @@ from clipms.data.dataset import (  # noqa: E402
     steps_per_epoch,
 )
 from clipms.data.preprocess import PreprocessConfig  # noqa: E402
+from clipms.eval.metrics import retrieval_metrics  # noqa: E402
 from clipms.text.tokenizer import Tokenizer  # noqa: E402
+
+CURVE_KEYS = ("i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10")
 
 
 def _parse() -> argparse.Namespace:
@@ -61,6 +73,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--wd-rule", choices=("openclip", "embeddings"), default="openclip")
     parser.add_argument("--grad-clip-norm", type=float, default=None)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="score the val split every this many steps (0: only at the end)")
     parser.add_argument("--dump-init", type=Path, help="write the seed's initial weights to this "
                         ".safetensors and exit (for `quality_vs_openclip.py run --init openclip`)")
     return parser.parse_args()
@@ -86,11 +100,23 @@ def normalise(pixels: np.ndarray, preprocess: PreprocessConfig) -> torch.Tensor:
     return (torch.from_numpy(pixels).float() / 255.0 - mean) / std
 
 
-def train(model: torch.nn.Module, samples: TrainSamples, args: argparse.Namespace) -> list[float]:
+class Clock:
+    """Training seconds: wall time since the start, without the pauses to score the val split."""
+
+    def __init__(self) -> None:
+        self.started, self.paused = time.perf_counter(), 0.0
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started - self.paused
+
+
+def train(model: torch.nn.Module, samples: TrainSamples, args: argparse.Namespace,
+          clock: Clock, check=None) -> list[float]:  # noqa: ANN001 - check(step) scores
     optimizer = torch.optim.AdamW(decay_groups(model, args.wd, args.wd_rule), lr=args.lr,
                                   betas=(0.9, 0.98), eps=1e-6)
     scheduler = cosine_lr(optimizer, args.lr, args.warmup, args.steps)
-    loss_fn = open_clip.loss.ClipLoss()
+    siglip = model.logit_bias is not None  # open_clip_train: --siglip makes the bias
+    loss_fn = open_clip.loss.SigLipLoss() if siglip else open_clip.loss.ClipLoss()
     losses = []
     model.train()
     for step in range(args.steps):
@@ -100,8 +126,7 @@ def train(model: torch.nn.Module, samples: TrainSamples, args: argparse.Namespac
         images = normalise(np.stack([image for image, _ in items]), samples.preprocess)
         tokens = torch.from_numpy(np.stack([text for _, text in items])).long()
         optimizer.zero_grad(set_to_none=True)
-        image_features, text_features, scale = model(images, tokens)
-        loss = loss_fn(image_features, text_features, scale)
+        loss = loss_fn(*model(images, tokens))  # features, scale (and the bias, for SigLIP)
         loss.backward()
         if args.grad_clip_norm:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip_norm, norm_type=2.0)
@@ -112,6 +137,9 @@ def train(model: torch.nn.Module, samples: TrainSamples, args: argparse.Namespac
         if step % 10 == 0 or step == args.steps - 1:
             print(f"openclip step {step + 1}/{args.steps} loss {losses[-1]:.4f}", file=sys.stderr,
                   flush=True)
+        if check is not None and args.eval_every and (step + 1) % args.eval_every == 0:
+            check(step + 1)
+            model.train()
     return losses
 
 
@@ -145,13 +173,25 @@ def main() -> None:
     epochs = -(-args.steps // steps_per_epoch(args.shards, args.batch_size))
     samples = TrainSamples(index_shards(args.shards, "train"), tokenizer, preprocess,
                            args.batch_size, epochs=epochs, seed=args.seed)
-    started = time.perf_counter()
-    losses = train(model, samples, args)
-    train_s = time.perf_counter() - started
+    clock, curve = Clock(), []
+
+    def check(step: int) -> None:
+        at, began = clock.seconds(), time.perf_counter()
+        val = embed_val(model, args.shards, tokenizer, preprocess)
+        found = retrieval_metrics(val["image_features"], val["text_features"],
+                                  val["text_to_image"])
+        clock.paused += time.perf_counter() - began
+        curve.append({"step": step, "train_s": round(at, 2),
+                      **{k: round(float(found[k]), 4) for k in CURVE_KEYS}})
+
+    losses = train(model, samples, args, clock, check)
+    train_s = clock.seconds()
     np.savez(args.out, **embed_val(model, args.shards, tokenizer, preprocess))
     print(json.dumps({"side": "open_clip", "peer": f"open_clip {open_clip.__version__}, torch "
                       f"{torch.__version__}", "final_loss": losses[-1],
-                      "train_s": round(train_s, 1),
+                      "train_s": round(train_s, 1), "curve": curve,
+                      "logit_bias": None if model.logit_bias is None
+                      else float(model.logit_bias.detach()),
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}),
           flush=True)
 

@@ -11,8 +11,14 @@
     python benchmarks/quality_vs_openclip.py run --work /tmp/qb --side openclip --seed 0 \\
         --peer-python PEER_VENV/bin/python
     # 3. the table (per seed and mean; then every arm, ours from each --init and open_clip, over
-    #    all its seeds: n, mean +- sd, ratio of the means, Welch t, paired t over common seeds)
-    python benchmarks/quality_vs_openclip.py table --work /tmp/qb
+    #    all its seeds: n, mean +- sd, ratio of the means, Welch t, paired t over common seeds;
+    #    and, for runs with --eval-every, each side's time to the quality both reached)
+    python benchmarks/quality_vs_openclip.py table --work /tmp/qb [--json-out RESULT.json]
+
+The levers of open_clip's trainer, on both sides alike: `--loss siglip` (open_clip's SigLipLoss
+and `--siglip` initialisation: logit scale ln 10, bias -10) and `--patch-dropout P` (the image
+tower's vision_cfg.patch_dropout). `--eval-every N` scores the val split every N steps on both
+sides with the training clock paused, for the time each side takes to a quality.
 
 Same on both sides: architecture (`--preset`, open_clip's CLIP built from `to_openclip()`), the
 OpenAI BPE tokenizer (`tokenizer.kind: openai`), batches (the same samples, captions and
@@ -51,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 DATA_STAGES = ("metadata", "dedupe", "download", "shard", "tokenizer")
 REPORTED = ("i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mAP@10")
 TABLED = REPORTED[:6]
+CURVE_KEYS = TABLED  # what a check records (benchmarks/openclip_fit.py's CURVE_KEYS too)
 
 
 def _parse() -> argparse.Namespace:
@@ -82,8 +89,13 @@ def _parse() -> argparse.Namespace:
                      "init")
     run.add_argument("--peer-python", help="--side openclip: the python of a venv with "
                      "torch + open_clip_torch (see benchmarks/openclip_fit.py)")
+    run.add_argument("--loss", choices=("clip", "siglip"), default="clip")
+    run.add_argument("--patch-dropout", type=float, default=0.0)
+    run.add_argument("--eval-every", type=int, default=0,
+                     help="score the val split every this many steps (0: only at the end)")
     table = sub.add_parser("table", help="markdown table of WORK/results.jsonl")
     table.add_argument("--work", required=True, type=Path)
+    table.add_argument("--json-out", type=Path, help="also write the comparison as JSON here")
     return parser.parse_args()
 
 
@@ -139,19 +151,25 @@ def prepare(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------------------- run
 def model_config(args: argparse.Namespace) -> Any:
+    """The preset with the tokenizer's vocabulary, the loss's initial scale and bias and the
+    patch dropout: one config, so both sides build the same model (`to_openclip` carries them)."""
     from clipms.model.config import get_preset
     from clipms.text.tokenizer import Tokenizer
+    from clipms.train.config import LOSS_INIT
 
     tokenizer = Tokenizer.load(args.work / "models/tokenizer.json")
     cfg = get_preset(args.preset)
     text = dataclasses.replace(cfg.text, vocab_size=tokenizer.vocab_size,
                                context_length=tokenizer.context_length)
-    return dataclasses.replace(cfg, text=text), tokenizer
+    vision = dataclasses.replace(cfg.vision, patch_dropout=args.patch_dropout)
+    return dataclasses.replace(cfg, text=text, vision=vision, **LOSS_INIT[args.loss]), tokenizer
 
 
 def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """clipms's trainer on the shards; (features for scoring, run facts)."""
+    from clipms.bench.checks import EvalCopy, QualityChecks
     from clipms.data.preprocess import PreprocessConfig
+    from clipms.eval import metrics
     from clipms.eval.embed import CellTowers, embed_split
     from clipms.runtime import for_precision, prepare_import
     from clipms.train.loop import ShardBatches, TrainConfig, train
@@ -160,7 +178,8 @@ def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     config = TrainConfig(model=cfg, batch_size=args.batch_size, max_steps=args.steps,
                          lr=args.lr, warmup_steps=args.warmup, weight_decay=args.wd,
                          grad_clip_norm=args.grad_clip_norm or None, seed=args.seed,
-                         decay_embeddings=args.wd_rule == "openclip", log_every=20)
+                         decay_embeddings=args.wd_rule == "openclip",
+                         log_every=args.eval_every or 20, loss=args.loss)
     if args.init == "openclip":
         # the conversion imports MindSpore before train() configures the runtime: export what
         # MindSpore reads at import (OMP_WAIT_POLICY) first, or its idle threads spin
@@ -169,14 +188,24 @@ def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     preprocess = PreprocessConfig(image_size=cfg.vision.image_size)
     shards = args.work / "data/shards"
     source = ShardBatches(shards, tokenizer, preprocess, args.batch_size, seed=args.seed)
-    started = time.perf_counter()
-    result = train(config, source, checkpoint_dir=None)
-    train_s = time.perf_counter() - started
+    copy = EvalCopy(cfg)
+
+    def score(model: Any) -> dict[str, float]:
+        val = embed_split(CellTowers(copy(model), tokenizer, 128), preprocess, shards, 128, "val")
+        return metrics.retrieval_metrics(val.image_features, val.text_features,
+                                         val.text_to_image)
+
+    checks = QualityChecks(args.eval_every, score, CURVE_KEYS)  # the clock starts
+    result = train(config, source, checkpoint_dir=None, callbacks=[checks])
+    curve = checks.curve if args.eval_every else []
     val = embed_split(CellTowers(result.model, tokenizer, 128), preprocess, shards, 128, "val")
     return ({"image_features": val.image_features, "text_features": val.text_features,
              "text_to_image": val.text_to_image},
             {"side": "ours", "final_loss": result.summary["final_loss"],
-             "train_s": round(train_s, 1), "peak_rss_mb": result.summary.get("peak_rss_mb")})
+             "train_s": round(checks.train_s, 1), "curve": curve,
+             "first_step_s": round(checks.first_step_s or 0.0, 1),  # startup + compilation
+             "logit_bias": result.summary.get("logit_bias"),
+             "peak_rss_mb": result.summary.get("peak_rss_mb")})
 
 
 def peer_command(args: argparse.Namespace) -> tuple[Path, list[str]]:
@@ -185,7 +214,7 @@ def peer_command(args: argparse.Namespace) -> tuple[Path, list[str]]:
     cfg, _ = model_config(args)
     run_dir = args.work / "runs"
     run_dir.mkdir(exist_ok=True)
-    config_path = run_dir / f"openclip-{args.preset}.json"
+    config_path = run_dir / f"openclip-{args.preset}-{args.loss}-pd{args.patch_dropout:g}.json"
     config_path.write_text(json.dumps(cfg.to_openclip()))
     return config_path, [args.peer_python, str(ROOT / "benchmarks/openclip_fit.py"),
                          "--shards", str(args.work / "data/shards"),
@@ -212,10 +241,11 @@ def train_peer(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
     if not args.peer_python:
         raise SystemExit("--side openclip needs --peer-python (a venv with open_clip_torch)")
     config_path, base = peer_command(args)
-    out = config_path.parent / f"openclip-seed{args.seed}-{args.wd_rule}.npz"
+    out = config_path.with_name(f"{config_path.stem}-seed{args.seed}-{args.wd_rule}.npz")
     cmd = [*base, "--out", str(out), "--steps", str(args.steps),
            "--batch-size", str(args.batch_size), "--lr", str(args.lr),
-           "--warmup", str(args.warmup), "--wd", str(args.wd), "--wd-rule", args.wd_rule]
+           "--warmup", str(args.warmup), "--wd", str(args.wd), "--wd-rule", args.wd_rule,
+           "--eval-every", str(args.eval_every)]
     if args.grad_clip_norm:
         cmd += ["--grad-clip-norm", str(args.grad_clip_norm)]
     proc = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
@@ -235,7 +265,8 @@ def run(args: argparse.Namespace) -> None:
     counts = [int(c) for c in np.bincount(features["text_to_image"])]
     chance = metrics.retrieval_chance_levels(counts)
     record = {**facts, "seed": args.seed, "wd_rule": args.wd_rule, "init": args.init,
-              "steps": args.steps,
+              "loss": args.loss, "patch_dropout": args.patch_dropout,
+              "eval_every": args.eval_every, "steps": args.steps,
               "batch_size": args.batch_size, "lr": args.lr, "warmup": args.warmup,
               "wd": args.wd, "grad_clip_norm": args.grad_clip_norm, "preset": args.preset,
               "val_images": len(counts), "val_captions": sum(counts),
@@ -248,22 +279,36 @@ def run(args: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------------------------- table
+def setting(row: dict) -> tuple:
+    """What a run trained: (preset, wd rule, steps, lr, batch, loss, patch dropout); runs from
+    before the loss and patch dropout were options trained the softmax loss without dropout."""
+    return (row["preset"], row["wd_rule"], row["steps"], row["lr"], row["batch_size"],
+            row.get("loss", "clip"), float(row.get("patch_dropout", 0.0)))
+
+
+def describe(key: tuple) -> str:
+    preset, rule, steps, lr, batch, loss, dropout = key
+    return (f"{preset}, wd rule {rule}, {steps} steps, lr {lr}, batch {batch}, loss {loss}, "
+            f"patch dropout {dropout:g}")
+
+
 def table(args: argparse.Namespace) -> None:
     """Per setting: every run's recalls (both directions), mean +- sample sd over the seeds both
     sides ran, and ours / open_clip of the R@5 means; then per setting every arm (ours from each
-    init, open_clip) over all its seeds, compared (`comparison`)."""
+    init, open_clip) over all its seeds, compared (`comparison`); then, where both sides
+    checked quality as they trained, each side's time to the quality both reached
+    (`equal_quality`). `--json-out` writes the same as JSON."""
     rows = [json.loads(line) for line in (args.work / "results.jsonl").read_text().splitlines()
             if line.strip()]
     groups: dict[tuple, dict[str, dict[int, dict]]] = {}
     for row in rows:  # the last run of each (setting, side, seed) counts
-        key = (row["preset"], row["wd_rule"], row["steps"], row["lr"], row["batch_size"])
+        key = setting(row)
         if row.get("init", "own") != "own":  # a setting of its own, on our side
             key = (key[0], f"{key[1]}, init {row['init']}", *key[2:])
         groups.setdefault(key, {}).setdefault(row["side"], {})[row["seed"]] = row
-    for (preset, rule, steps, lr, batch), sides in sorted(groups.items()):
+    for key, sides in sorted(groups.items()):
         both = sorted(set(sides.get("ours", {})) & set(sides.get("open_clip", {})))
-        print(f"\n{preset}, wd rule {rule}, {steps} steps, lr {lr}, batch {batch}; "
-              f"seeds with both sides {both}\n")
+        print(f"\n{describe(key)}; seeds with both sides {both}\n")
         print("| side | seed | " + " | ".join(TABLED) + " | load 1m |")
         print("|---" * (len(TABLED) + 3) + "|")
         for side in ("ours", "open_clip"):
@@ -282,11 +327,71 @@ def table(args: argparse.Namespace) -> None:
                      for k in ("i2t_R@5", "t2i_R@5")}
             print(f"\nours / open_clip (means over {both}): i2t R@5 {ratio['i2t_R@5']:.2f}, "
                   f"t2i R@5 {ratio['t2i_R@5']:.2f}")
-    for (preset, rule, steps, lr, batch), by_arm in sorted(arms(rows).items()):
+    for key, by_arm in sorted(arms(rows).items()):
         if len(by_arm) > 1:
-            print(f"\nComparison of the arms, {preset}, wd rule {rule}, {steps} steps, lr {lr}, "
-                  f"batch {batch} (mean +- sample sd over each arm's seeds)\n")
+            print(f"\nComparison of the arms, {describe(key)} (mean +- sample sd over each arm's "
+                  "seeds)\n")
             print("\n".join(comparison(by_arm)))
+    timed = {key: equal_quality(sides) for key, sides in sorted(groups.items())}
+    for key, found in timed.items():
+        if found:
+            print(f"\nTime to equal quality, {describe(key)}\n")
+            print("\n".join(equal_quality_table(found)))
+    out = getattr(args, "json_out", None)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({
+            "benchmark": "quality_vs_openclip", "quality": QUALITY, "runs": rows,
+            "settings": [{"setting": describe(key), "equal_quality": found,
+                          "arms": {arm: {k: _mean_sd_pair([r[k] for r in by_seed.values()])
+                                         for k in COMPARED} | {"seeds": sorted(by_seed)}
+                                   for arm, by_seed in arms(rows).get(key, {}).items()}}
+                         for key, found in timed.items()]}, indent=1) + "\n")
+
+
+QUALITY = "R@5, both directions' mean"
+
+
+def r5_mean(check: dict) -> float:
+    return (check["i2t_R@5"] + check["t2i_R@5"]) / 2
+
+
+def equal_quality(sides: dict[str, dict[int, dict]]) -> list[dict[str, Any]]:
+    """Per seed where both sides scored the val split as they trained: the quality both reached
+    (the lower of the two final R@5 means) and each side's first check at or above it (step,
+    training seconds, the load at the run's start), with ours / open_clip of the seconds."""
+    found = []
+    for seed in sorted(set(sides.get("ours", {})) & set(sides.get("open_clip", {}))):
+        ours, peer = sides["ours"][seed], sides["open_clip"][seed]
+        if not ours.get("curve") or not peer.get("curve"):
+            continue
+        level = min(r5_mean(ours["curve"][-1]), r5_mean(peer["curve"][-1]))
+        hit = {side: next(c for c in run["curve"] if r5_mean(c) >= level)
+               for side, run in (("ours", ours), ("open_clip", peer))}
+        found.append({"seed": seed, "quality": round(level, 4),
+                      **{f"{side}_{k}": hit[side][k] for side in hit for k in ("step", "train_s")},
+                      "ours_load_1m": ours["load_avg_1m"], "open_clip_load_1m": peer["load_avg_1m"],
+                      "ours_over_open_clip_s": round(hit["ours"]["train_s"]
+                                                     / hit["open_clip"]["train_s"], 3)})
+    return found
+
+
+def equal_quality_table(found: list[dict[str, Any]]) -> list[str]:
+    lines = [f"| seed | quality ({QUALITY}) | ours: step | s | open_clip: step | s | ours / "
+             "open_clip, s | load 1m ours / open_clip |", "|---" * 8 + "|"]
+    for f in found:
+        lines.append(f"| {f['seed']} | {f['quality']:.3f} | {f['ours_step']} | "
+                     f"{f['ours_train_s']:.0f} | {f['open_clip_step']} | "
+                     f"{f['open_clip_train_s']:.0f} | {f['ours_over_open_clip_s']:.2f} | "
+                     f"{f['ours_load_1m']} / {f['open_clip_load_1m']} |")
+    ratios = [f["ours_over_open_clip_s"] for f in found]
+    if len(ratios) > 1:
+        lines.append(f"| mean +- sd | | | | | | {_mean_sd(ratios)} | |")
+    return lines
+
+
+def _mean_sd_pair(values: list[float]) -> list[float]:
+    return [statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0]
 
 
 def _mean_sd(values: list[float]) -> str:
@@ -315,11 +420,11 @@ def paired(a: dict[int, float], b: dict[int, float]) -> tuple[list[int], float, 
 
 
 def arms(rows: list[dict]) -> dict[tuple, dict[str, dict[int, dict]]]:
-    """(preset, wd rule, steps, lr, batch) -> arm ("ours, init X" or "open_clip") -> seed -> row
-    (the last run of each counts)."""
+    """`setting` -> arm ("ours, init X" or "open_clip") -> seed -> row (the last run of each
+    counts)."""
     found: dict[tuple, dict[str, dict[int, dict]]] = {}
     for row in rows:
-        key = (row["preset"], row["wd_rule"], row["steps"], row["lr"], row["batch_size"])
+        key = setting(row)
         arm = "open_clip" if row["side"] == "open_clip" else f"ours, init {row.get('init', 'own')}"
         found.setdefault(key, {}).setdefault(arm, {})[row["seed"]] = row
     return found

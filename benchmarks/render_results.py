@@ -252,13 +252,22 @@ def default_run(record: Record) -> str:
     return table(["figure", *[f"train.seed {s[-1]}" for s in seeds]], rows, right=len(seeds))
 
 
+def time_to_quality(record: Record) -> str:
+    """The benchmark's own tables (benchmarks/time_to_quality.py `table`): one owner of their
+    layout for the terminal and this document."""
+    import time_to_quality as ttq  # benchmarks/time_to_quality.py, beside this file
+
+    return "\n".join(ttq.tables(record["results"])) + "\n"
+
+
 RENDERERS: dict[str, Callable[[Record], str]] = {
     "speed_vs_openclip": speed_vs_openclip, "loader": loader, "retrieval": retrieval,
     "data_dedupe": data_dedupe, "data_shard": data_shard, "data_download": data_download,
     "data_urlguard": data_urlguard, "checkpoint": checkpoint,
     "export_fp16_parity": export_fp16_parity, "mutation": mutation,
     "mutation_tiers": mutation_tiers, "serving": serving,
-    "default_run": default_run,
+    "default_run": default_run, "time_to_quality": time_to_quality,
+    "time_to_quality_seed1": time_to_quality,
 }
 
 

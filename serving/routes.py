@@ -206,9 +206,7 @@ async def rank(request: Request) -> Response:
         image_rows, text_rows = await asyncio.gather(engine.image.submit(arrays),
                                                      engine.text.submit(body.texts))
         scores = np.asarray(text_rows) @ np.asarray(image_rows[0])
-        logits = engine.encoder.logit_scale * scores
-        probabilities = np.exp(logits - logits.max())
-        probabilities /= probabilities.sum()
+        probabilities = engine.encoder.match_probabilities(scores)  # softmax, or SigLIP's sigmoid
         return json_response({"model": engine.info.public(), "scores": scores.round(6).tolist(),
                               "probabilities": probabilities.round(6).tolist()})
 

@@ -2,10 +2,10 @@
 metrics/train.json, plots/train.csv (checkpoints in models/checkpoints, kept across runs).
 
 `python -m stages.train`; reads the `train` and `runtime` sections. The model is a preset with
-optional overrides; its vocabulary size and context length always come from the tokenizer, its
-image size sets the preprocessing. `distributed.workers: N > 1` runs N data-parallel processes
-via msrun. To add metric sinks (MLflow), append objects with `on_step_end`/`on_train_end` to
-`callbacks()`.
+optional overrides, laid over `train.loss`'s initial temperature and bias; its vocabulary size
+and context length always come from the tokenizer, its image size sets the preprocessing.
+`distributed.workers: N > 1` runs N data-parallel processes via msrun. To add metric sinks
+(MLflow), append objects with `on_step_end`/`on_train_end` to `callbacks()`.
 
 `init_from` is a checkpoint path, or a registered version (`models:/clip@champion`): a warm start.
 Its checkpoint is fetched here (registry.carryover: same tokenizer and architecture, or the stage
@@ -23,10 +23,10 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from clipms.model.config import DEFAULT_PRESET, resolve_model
+from clipms.model.config import DEFAULT_PRESET, CLIPConfig, resolve_model
 from clipms.runtime import RuntimeConfig, for_precision, prepare_import
 from clipms.schema import Section
-from clipms.train.config import TrainSettings
+from clipms.train.config import LOSS_INIT, TrainSettings, check_loss_fits
 from pipeline.params import ParamsError, load_section
 from registry.versions import is_model_uri
 from stages import paths
@@ -79,10 +79,17 @@ class TrainParams(TrainSettings):
     @classmethod
     def _buildable(cls, overrides: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         """The preset with these overrides must be a valid architecture (patch size divides the
-        image size, widths and layer counts positive, heads divide widths); the ValueError
-        names the key."""
-        resolve_model(info.data.get("preset", DEFAULT_PRESET), overrides)
+        image size, widths and layer counts positive, heads divide widths) that `loss` can
+        train; the ValueError names the key."""
+        loss = info.data.get("loss", "clip")
+        check_loss_fits(loss, model_for(info.data.get("preset", DEFAULT_PRESET), loss, overrides))
         return overrides
+
+
+def model_for(preset: str, loss: str, overrides: dict[str, Any]) -> CLIPConfig:
+    """The preset with `train.model`'s overrides laid over `loss`'s initial temperature and bias
+    (SigLIP's; clipms.train.config.LOSS_INIT)."""
+    return resolve_model(preset, {**LOSS_INIT[loss], **overrides})
 
 
 def callbacks() -> list[Any]:
@@ -123,7 +130,7 @@ def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
 
 def resolved_model(params: TrainParams, tokenizer: Any) -> Any:
     """The CLIPConfig trained: the preset, its overrides, the tokenizer's vocabulary and context."""
-    model = resolve_model(params.preset, params.model)
+    model = model_for(params.preset, params.loss, params.model)
     return dataclasses.replace(model, text=dataclasses.replace(
         model.text, vocab_size=tokenizer.vocab_size, context_length=tokenizer.context_length))
 

@@ -23,6 +23,7 @@ from clipms.model.convert import (
     clip_params,
     load_clipms,
     load_openclip,
+    openclip_shapes,
     openclip_to_clipms,
     save_clipms,
     save_openclip,
@@ -170,3 +171,59 @@ def test_cli_converts_both_ways_and_reports_bad_weights(tmp_path):
     assert done.returncode == 2
     assert "tensor visual.proj has shape (64, 31), expected (64, 32)" in done.stderr
     assert not (tmp_path / "x.ckpt").exists()
+
+
+def _siglip_openclip(tmp_path: Path) -> tuple[Path, Path, dict[str, np.ndarray]]:
+    """micro_gelu as a SigLIP model: its config with open_clip's --siglip initialisation, its
+    weights with a learned-looking logit_bias (not the init, so a dropped bias shows)."""
+    config = json.loads(_paths("micro_gelu")[0].read_text())
+    config.update(init_logit_scale=float(np.log(10)), init_logit_bias=-10.0)
+    state = load_file(str(_paths("micro_gelu")[1]))
+    state["logit_bias"] = np.asarray(-7.25, np.float32)
+    (tmp_path / "siglip.json").write_text(json.dumps(config))
+    save_file(state, str(tmp_path / "siglip.safetensors"))
+    return tmp_path / "siglip.json", tmp_path / "siglip.safetensors", state
+
+
+def test_a_siglip_models_logit_bias_converts_both_ways_exactly(tmp_path):
+    """open_clip's SigLIP CLIP holds `logit_bias` beside `logit_scale` (the names of
+    tests/data/openclip/siglip.npz's state_keys); from and to open_clip, bit-exact."""
+    golden = np.load(GOLDEN / "siglip.npz")
+    config, weights, state = _siglip_openclip(tmp_path)
+    cfg = CLIPConfig.from_openclip(config)
+    assert (cfg.init_logit_bias, cfg.init_logit_scale) == (-10.0, float(np.log(10)))
+    assert sorted(openclip_shapes(cfg)) == sorted(golden["state_keys"].tolist())
+    net = load_openclip(config, weights)
+    assert float(net.logit_bias.asnumpy()) == -7.25
+    save_clipms(net, tmp_path / "m.ckpt")
+    save_openclip(load_clipms(tmp_path / "m.ckpt"), tmp_path / "w.safetensors")
+    exported = load_file(str(tmp_path / "w.safetensors"))
+    assert sorted(exported) == sorted(state)
+    for name, value in state.items():
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
+    assert json.loads((tmp_path / "w.json").read_text()) == json.loads(config.read_text())
+    del state["logit_bias"]  # a SigLIP config without its bias tensor is named, not guessed
+    with pytest.raises(ConversionError, match="missing tensor logit_bias"):
+        openclip_to_clipms(state, cfg)
+
+
+def test_a_model_trained_with_patch_dropout_converts_without_its_draw_counter(tmp_path):
+    """The draw counter is training state: to-openclip leaves it out; the config keeps the
+    patch_dropout share (open_clip's vision_cfg.patch_dropout)."""
+    import dataclasses
+
+    from clipms.model.convert import build_clip
+    from clipms.model.patch_dropout import start_patch_dropout
+
+    config, weights = _paths("micro_gelu")
+    plain = load_openclip(config, weights)
+    cfg = dataclasses.replace(plain.config, vision=dataclasses.replace(plain.config.vision,
+                                                                       patch_dropout=0.5))
+    net = build_clip(cfg, clip_params(plain))
+    start_patch_dropout(net, seed=0)
+    assert "visual.patch_dropout.draws" in dict(net.parameters_and_names())
+    save_openclip(net, tmp_path / "w.safetensors")
+    assert sorted(load_file(str(tmp_path / "w.safetensors"))) == sorted(load_file(str(weights)))
+    written = json.loads((tmp_path / "w.json").read_text())
+    assert written["vision_cfg"]["patch_dropout"] == 0.5
+    assert CLIPConfig.from_openclip(written) == cfg

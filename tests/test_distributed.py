@@ -44,17 +44,22 @@ SCRIPT = textwrap.dedent("""
     import mindspore as ms
     from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
     from clipms.parallel.comm import init_distributed
+    from clipms.train.config import LOSS_INIT
     from clipms.train.loop import RandomBatches, TrainConfig, save_model, train
 
     out, mode = sys.argv[1], sys.argv[2]
+    loss = sys.argv[3] if len(sys.argv) > 3 else "clip"  # siglip: with patch dropout 0.5 too
     micro = CLIPConfig(
         embed_dim=16,
-        vision=VisionConfig(image_size=16, patch_size=8, width=32, layers=1, head_width=16),
-        text=TextConfig(context_length=8, vocab_size=40, width=32, heads=2, layers=1))
-    distributed = mode != "single"
+        vision=VisionConfig(image_size=16, patch_size=8, width=32, layers=1, head_width=16,
+                            patch_dropout=0.5 if loss == "siglip" else 0.0),
+        text=TextConfig(context_length=8, vocab_size=40, width=32, heads=2, layers=1),
+        **LOSS_INIT[loss])
+    distributed = not mode.startswith("single")
     rank, size = init_distributed() if distributed else (0, 1)
     per_rank = 4 if distributed else 8
-    cfg = TrainConfig(model=micro, batch_size=per_rank, max_steps=2, lr=1e-3, warmup_steps=1)
+    cfg = TrainConfig(model=micro, batch_size=per_rank, max_steps=2, lr=1e-3, warmup_steps=1,
+                      loss=loss)
     source = RandomBatches(micro, per_rank, 4, seed=5, rank=rank, group_size=size)
     # rank 0 writes checkpoints; in "split" the ranks see different folders, as hosts without a
     # shared filesystem would: rank 0 the finished dp run's, the others an empty one
@@ -82,9 +87,9 @@ AS_OTHER_HOST = (
     "sys.exit(main())\n")
 
 
-def _msrun(cluster: Cluster, out: Path, mode: str) -> subprocess.Popen:
+def _msrun(cluster: Cluster, out: Path, mode: str, loss: str = "clip") -> subprocess.Popen:
     log_dir = out / f"logs-{mode}-node{cluster.node_rank}"
-    cmd = msrun_command(cluster, log_dir, out / "dp_train.py", [str(out), mode])
+    cmd = msrun_command(cluster, log_dir, out / "dp_train.py", [str(out), mode, loss])
     if cluster.node_rank > 0:
         cmd = [sys.executable, "-c", AS_OTHER_HOST, *cmd[1:]]
     return subprocess.Popen(cmd, cwd=PROJECT, env=_env(), stdout=subprocess.PIPE,
@@ -115,28 +120,54 @@ def single_node(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def siglip_node(single_node):
+    """The same pair with train.loss siglip and patch dropout 0.5 (2 of the 4 patches kept)."""
+    out = single_node
+    single = subprocess.Popen([sys.executable, str(out / "dp_train.py"), str(out),
+                               "single-siglip", "siglip"], cwd=PROJECT, env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    dp = _msrun(Cluster(workers=2), out, "dp-siglip", "siglip")
+    _finish(dp, out / "logs-dp-siglip-node0")
+    _finish(single, out)
+    return out
+
+
 def _losses(out: Path, mode: str, rank: int) -> list[float]:
     return json.loads((out / f"{mode}-rank{rank}.json").read_text())
 
 
-@pytest.mark.slow
-def test_two_msrun_workers_match_each_other_and_the_single_process_loss(single_node):
-    out = single_node
-    rank0 = checkpoint_arrays(out / "dp-rank0.ckpt")
-    rank1 = checkpoint_arrays(out / "dp-rank1.ckpt")
+def _ranks_match_each_other_and_the_single_process(out: Path, dp: str, single: str) -> None:
+    rank0 = checkpoint_arrays(out / f"{dp}-rank0.ckpt")
+    rank1 = checkpoint_arrays(out / f"{dp}-rank1.ckpt")
     assert rank0.keys() == rank1.keys() and len(rank0) > 10
     for name in rank0:
         np.testing.assert_array_equal(rank0[name], rank1[name], err_msg=name)
 
-    dp_losses, single_losses = _losses(out, "dp", 0), _losses(out, "single", 0)
-    assert _losses(out, "dp", 1) == dp_losses
+    dp_losses, single_losses = _losses(out, dp, 0), _losses(out, single, 0)
+    assert _losses(out, dp, 1) == dp_losses
     assert dp_losses[0] == pytest.approx(single_losses[0], rel=1e-5)
     # the gradients averaged over ranks are the global batch's: step 2 agrees too
     assert dp_losses[1] == pytest.approx(single_losses[1], rel=1e-3)
-    single_weights = checkpoint_arrays(out / "single-rank0.ckpt")
+    single_weights = checkpoint_arrays(out / f"{single}-rank0.ckpt")
     for name in rank0:
         np.testing.assert_allclose(rank0[name], single_weights[name], rtol=1e-3, atol=1e-5,
                                    err_msg=name)
+
+
+@pytest.mark.slow
+def test_two_msrun_workers_match_each_other_and_the_single_process_loss(single_node):
+    _ranks_match_each_other_and_the_single_process(single_node, "dp", "single")
+
+
+@pytest.mark.slow
+def test_siglip_with_patch_dropout_on_two_workers_is_the_single_process_run(siglip_node):
+    """Each rank scores its images against the all-gathered texts and drops the patches one
+    process of the global batch would drop: the same losses and weights, the same draw count."""
+    _ranks_match_each_other_and_the_single_process(siglip_node, "dp-siglip", "single-siglip")
+    weights = checkpoint_arrays(siglip_node / "dp-siglip-rank0.ckpt")
+    assert int(weights["visual.patch_dropout.draws"]) == 2
+    assert float(weights["logit_bias"]) != -10.0  # the bias trained
 
 
 @pytest.mark.slow

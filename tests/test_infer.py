@@ -67,6 +67,47 @@ def test_encoder_texts_match_the_checkpoint(bundle):
     assert encoder.logit_scale == pytest.approx(1 / 0.07, rel=1e-5)
 
 
+def test_match_probabilities_are_clips_softmax_or_siglips_sigmoid():
+    from clipms.deploy.infer import match_probabilities
+
+    cosines = np.array([0.3, 0.1, -0.2])
+    softmax = np.exp(14.0 * cosines) / np.exp(14.0 * cosines).sum()
+    np.testing.assert_allclose(match_probabilities(cosines, 14.0), softmax, rtol=1e-12)
+    np.testing.assert_allclose(match_probabilities(cosines, 14.0, -3.0),
+                               1 / (1 + np.exp(-(14.0 * cosines - 3.0))), rtol=1e-12)
+    assert match_probabilities(np.array([1.0, 1.0]), 100.0, 0.0).tolist() == pytest.approx(
+        [1.0, 1.0], abs=1e-40)  # each pair alone: both can be certain matches
+
+
+def test_a_siglip_bundle_carries_its_bias_and_the_pyfunc_embeds_it_as_any(tmp_path):
+    """A SigLIP model's bundle: version 2 with `logit_bias` (a version-1 reader would silently
+    drop the bias); the Encoder reads it; the MLflow pyfunc's embeddings are the Encoder's."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from clipms.deploy.export import export_bundle
+    from clipms.deploy.infer import Encoder
+    from registry.pyfunc_model import ClipEmbeddingModel
+
+    paths = write_trained(tmp_path / "trained", logit_bias=-4.0)
+    run = RunConfig.read(paths["config"])
+    out = tmp_path / "bundle"
+    bundle = export_bundle(load_clip(paths["checkpoint"], run.model), run.preprocess,
+                           paths["tokenizer"], out)
+    assert bundle["version"] == 2 and bundle["logit_bias"] == -4.0
+    encoder = Encoder(out)
+    assert encoder.logit_bias == -4.0
+    cosines = np.array([0.5, -0.5])
+    np.testing.assert_allclose(encoder.match_probabilities(cosines),
+                               1 / (1 + np.exp(-(encoder.logit_scale * cosines - 4.0))))
+    model = ClipEmbeddingModel()
+    model.load_context(SimpleNamespace(artifacts={"bundle": str(out)}))
+    answer = model.predict(None, pd.DataFrame({"text": CAPTIONS[:3]}))
+    np.testing.assert_allclose(np.stack(answer["text_embedding"]),
+                               encoder.encode_texts(CAPTIONS[:3]), atol=1e-6)
+
+
 def test_encoder_errors_name_the_problem(bundle, tmp_path):
     from clipms.deploy.infer import BundleError, Encoder
 
@@ -83,6 +124,14 @@ def test_encoder_errors_name_the_problem(bundle, tmp_path):
         encoder.encode_images([EPS])
     with pytest.raises(BundleError, match="no bundle.json"):
         Encoder(tmp_path)
+    meta = json.loads((bundle["dir"] / "bundle.json").read_text())
+    future = tmp_path / "future"
+    future.mkdir()
+    for path in bundle["dir"].iterdir():
+        (future / path.name).write_bytes(path.read_bytes())
+    (future / "bundle.json").write_text(json.dumps({**meta, "version": 3}))
+    with pytest.raises(BundleError, match=r"version 3 is not a supported .* \(1, 2\)"):
+        Encoder(future)
 
 
 def write_shard(path, images, captions, first_key=0):

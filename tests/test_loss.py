@@ -1,7 +1,9 @@
-"""clipms.train.loss: InfoNCE against numpy; the rank-split (gathered) loss equals the global
-one."""
+"""clipms.train.loss: InfoNCE and SigLIP against numpy, SigLIP (and its gradients) against
+open_clip's golden vectors; the rank-split (gathered) losses equal the global ones."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import clipms  # noqa: F401  (sets MindSpore's environment before mindspore is i
 # isort: split
 import mindspore as ms
 
-from clipms.train.loss import ClipLoss, contrastive_loss
+from clipms.train.loss import ClipLoss, SigLipLoss, build_loss, contrastive_loss, sigmoid_loss
 
 
 def _features(n: int, d: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -119,3 +121,93 @@ def test_gather_without_communication_says_what_to_do():
         ClipLoss(gather=True)
     assert str(err.value) == ("ClipLoss(gather=True) needs mindspore.communication.init() first "
                               "(launch the script with msrun)")
+
+
+# ---- SigLIP -------------------------------------------------------------------------------------
+
+GOLDEN = Path(__file__).parent / "data" / "openclip" / "siglip.npz"
+
+
+def _numpy_siglip_loss(image: np.ndarray, text: np.ndarray, scale: float, bias: float) -> float:
+    """The SigLIP paper's pseudo-code (Algorithm 1), in float64."""
+    logits = scale * image.astype(np.float64) @ text.astype(np.float64).T + bias
+    labels = 2 * np.eye(len(image)) - 1
+    return float(np.sum(np.logaddexp(0, -labels * logits)) / len(image))
+
+
+@pytest.mark.parametrize(("scale", "bias"), [(10.0, -10.0), (1 / 0.07, -3.0), (100.0, 0.0)])
+def test_siglip_loss_matches_numpy_reference(mode, scale, bias):
+    image, text = _features(16, 32, seed=3)
+    loss = SigLipLoss()(ms.Tensor(image), ms.Tensor(text), ms.Tensor(np.float32(scale)),
+                        ms.Tensor(np.float32(bias)))
+    assert loss.shape == () and loss.dtype == ms.float32
+    np.testing.assert_allclose(float(loss.asnumpy()), _numpy_siglip_loss(image, text, scale, bias),
+                               rtol=1e-5)
+
+
+class _SigLipOfLogScale(ms.nn.Cell):
+    """SigLipLoss of exp(log_scale), as the model hands the loss its scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loss = SigLipLoss()
+
+    def construct(self, image, text, log_scale, bias):
+        return self.loss(image, text, ms.ops.exp(log_scale), bias)
+
+
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_siglip_loss_and_gradients_equal_open_clips(mode, case):
+    """open_clip's SigLipLoss and its autograd gradients (tests/data/openclip/siglip.npz): the
+    loss and the gradient of every input (features, log scale, bias) agree."""
+    golden = np.load(GOLDEN)
+    names = ("image", "text", "log_scale", "bias")
+    inputs = [ms.Tensor(golden[f"case{case}_{name}"]) for name in names]
+    net = _SigLipOfLogScale()
+    loss = net(*inputs)
+    np.testing.assert_allclose(float(loss.asnumpy()), float(golden[f"case{case}_loss"]),
+                               rtol=2e-6)
+    grads = ms.ops.GradOperation(get_all=True)(net)(*inputs)
+    for name, grad in zip(names, grads, strict=True):
+        want = golden[f"case{case}_grad_{name}"]  # fp32 rounding, scaled by up to logit scale 100
+        np.testing.assert_allclose(grad.asnumpy(), want, rtol=1e-4,
+                                   atol=1e-5 * max(1.0, float(np.abs(want).max())), err_msg=name)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_gathered_siglip_loss_equals_single_process_loss(mode, ranks):
+    """Each simulated rank scores its images against the all-gathered texts; the mean over ranks
+    is the single-process loss of the whole batch (what averaged gradients optimise)."""
+    image, text = _features(16, 24, seed=4)
+    scale, bias = ms.Tensor(np.float32(10.0)), ms.Tensor(np.float32(-10.0))
+    all_text = ms.Tensor(text)
+    single = float(SigLipLoss()(ms.Tensor(image), all_text, scale, bias).asnumpy())
+    n = len(image) // ranks
+    per_rank = [float(sigmoid_loss(ms.Tensor(image[r * n:(r + 1) * n]), all_text, scale, bias,
+                                   r).asnumpy()) for r in range(ranks)]
+    np.testing.assert_allclose(np.mean(per_rank), single, rtol=1e-6)
+    wrong = float(sigmoid_loss(ms.Tensor(image[n:2 * n]), all_text, scale, bias, 0).asnumpy())
+    assert abs(wrong - per_rank[1]) > 0.1  # another rank's offset scores other pairs
+
+
+def test_siglip_gather_without_communication_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="SigLipLoss.*communication.init"):
+        SigLipLoss(gather=True)
+    with pytest.raises(ValueError, match="train.loss='focal' is not one of"):
+        build_loss("focal")
+
+
+def test_the_siglip_loss_does_not_depend_on_how_often_its_graph_has_run():
+    """As for the softmax loss above: a resumed run logs bitwise the uninterrupted run's losses."""
+    previous = ms.get_context("mode")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        batches = [(*map(ms.Tensor, _features(4, 16, seed=s)), ms.Tensor(np.float32(14.3)),
+                    ms.Tensor(np.float32(-7.0))) for s in range(30)]
+        forward, backward = SigLipLoss(), SigLipLoss()
+        ahead = [forward(*batch).asnumpy() for batch in batches]
+        behind = [backward(*batch).asnumpy() for batch in reversed(batches)][::-1]
+    finally:
+        ms.set_context(mode=previous)
+    assert [i for i, (a, b) in enumerate(zip(ahead, behind, strict=True))
+            if not np.array_equal(a, b)] == []

@@ -79,3 +79,40 @@ def test_table_compares_every_arm_over_its_seeds(bench, tmp_path, capsys):
             assert cells[4] == f"{common[0]}-{common[-1]}"
             assert cells[6] == f"{paired.statistic:+.2f}"
     assert not any(k.startswith("open_clip - ") for k in lines), "open_clip is the reference only"
+
+
+def curve(points: list[tuple[int, float, float]]) -> list[dict]:
+    """Checks (step, train_s, R@5 of both directions)."""
+    return [{"step": step, "train_s": seconds, "i2t_R@5": r5, "t2i_R@5": r5}
+            for step, seconds, r5 in points]
+
+
+def test_time_to_equal_quality_is_each_sides_first_check_at_the_quality_both_reached(
+        bench, tmp_path, capsys):
+    """Per seed: the lower final R@5 of the two sides is the quality; each side's time is its
+    first check at or above it. Settings (loss, patch dropout) are compared apart."""
+    siglip = {"loss": "siglip", "patch_dropout": 0.5, "eval_every": 20}
+    rows = [
+        {**row("ours", 0, 0.30), **siglip, "curve": curve([(20, 10.0, 0.10), (40, 20.0, 0.25),
+                                                          (60, 30.0, 0.30)])},
+        {**row("open_clip", 0, 0.28), **siglip, "curve": curve([(20, 40.0, 0.20),
+                                                               (40, 80.0, 0.26),
+                                                               (60, 120.0, 0.28)])},
+        {**row("ours", 1, 0.20), **siglip, "curve": curve([(20, 12.0, 0.20), (40, 24.0, 0.21)])},
+        {**row("open_clip", 1, 0.40), **siglip, "curve": curve([(20, 30.0, 0.19),
+                                                               (40, 60.0, 0.40)])},
+        row("ours", 0, 0.5),  # the softmax loss without dropout: another setting
+    ]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bench.table(argparse.Namespace(work=tmp_path, json_out=tmp_path / "out.json"))
+    out = capsys.readouterr().out
+    assert "loss siglip, patch dropout 0.5" in out and "loss clip, patch dropout 0;" in out
+    found = json.loads((tmp_path / "out.json").read_text())["settings"]
+    timed = next(s for s in found if "siglip" in s["setting"])["equal_quality"]
+    # seed 0: quality 0.28 (open_clip's end); ours first at 0.30 (step 60, 30 s), open_clip at
+    # its step 60 (120 s). Seed 1: quality 0.21 (ours); ours at step 40, open_clip at step 40.
+    assert [(t["seed"], t["quality"], t["ours_step"], t["ours_train_s"], t["open_clip_step"],
+             t["open_clip_train_s"]) for t in timed] == [(0, 0.28, 60, 30.0, 60, 120.0),
+                                                          (1, 0.21, 40, 24.0, 40, 60.0)]
+    assert [t["ours_over_open_clip_s"] for t in timed] == [0.25, 0.4]
+    assert "| 0 | 0.280 | 60 | 30 | 60 | 120 | 0.25 |" in out

@@ -240,6 +240,38 @@ def hostile_bodies(root: Path) -> dict[str, tuple[str, dict, int, str]]:
     }
 
 
+def test_a_siglip_models_rank_gives_each_texts_own_sigmoid(tmp_path) -> None:
+    """A model trained with the sigmoid loss scores each (image, text) pair on its own: /v1/rank
+    answers sigmoid(scale * cosine + bias) per text (open_clip's SigLIP zero-shot), not a
+    softmax over the texts."""
+    from clipms.deploy.index import Item, build_index, bundle_digest
+    from clipms.deploy.infer import Encoder
+    from clipms.deploy.search import SearchOptions
+    from tests.tiny_model import export_tiny_bundle
+
+    bundle = export_tiny_bundle(tmp_path, logit_bias=-1.5)
+    encoder = Encoder(bundle, kernel_fusion=False)
+    assert json.loads((bundle / "bundle.json").read_text())["logit_bias"] == -1.5
+    images = [jpeg_bytes(im) for im in random_images(3, seed=5)]
+    build_index(encoder, [Item(f"k{i}", data, "c", "val") for i, data in enumerate(images)],
+                tmp_path / "index", bundle_digest(bundle), SearchOptions(), thumbnail_size=24)
+    (tmp_path / "params.yaml").write_text(RUNTIME_SECTION)
+    server = ServingServer(tmp_path, ["--model", str(bundle), "--index",
+                                      str(tmp_path / "index")]).start()
+    try:
+        texts = ["a red circle", "a blue square", "a green star"]
+        status, body = post_json(f"{server.url}/v1/rank", {"image": b64(images[1]),
+                                                          "texts": texts})
+    finally:
+        server.stop()
+    scores = encoder.encode_texts(texts) @ encoder.encode_images([images[1]])[0]
+    want = 1 / (1 + np.exp(-(encoder.logit_scale * scores - 1.5)))
+    assert status == 200
+    np.testing.assert_allclose(body["scores"], scores, atol=1e-5)
+    np.testing.assert_allclose(body["probabilities"], want, atol=1e-5)
+    assert abs(sum(body["probabilities"]) - 1.0) > 0.1  # independent decisions, no softmax
+
+
 def test_hostile_inputs_are_client_errors_and_the_service_goes_on(world) -> None:
     url = world["url"]
     for name, (path, body, want_status, want) in hostile_bodies(world["root"]).items():

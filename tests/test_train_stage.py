@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 
 import pytest
@@ -35,6 +36,29 @@ def test_params_reject_unknown_keys_and_bad_values():
 def test_model_overrides_that_cannot_be_built_are_params_errors(overrides, message):
     with pytest.raises(ParamsError, match=r"train\.model = .*" + re.escape(message)):
         validate_section("train", TrainParams, {"preset": "tiny", "model": overrides})
+
+
+def test_the_loss_chooses_the_models_initial_temperature_and_bias_under_the_overrides():
+    """train.loss: siglip starts from open_clip_train's --siglip init (logit scale log 10, bias
+    -10) unless train.model says otherwise; a bias the softmax loss cannot train is refused."""
+    from stages.train import model_for
+
+    clip = validate_section("train", TrainParams, {})
+    assert model_for(clip.preset, clip.loss, clip.model).init_logit_bias is None
+    siglip = validate_section("train", TrainParams, {"loss": "siglip"})
+    model = model_for(siglip.preset, siglip.loss, siglip.model)
+    assert (model.init_logit_scale, model.init_logit_bias) == (math.log(10), -10.0)
+    mine = validate_section("train", TrainParams, {"loss": "siglip",
+                                                   "model": {"init_logit_bias": -5.0}})
+    model = model_for(mine.preset, mine.loss, mine.model)
+    assert (model.init_logit_scale, model.init_logit_bias) == (math.log(10), -5.0)
+    with pytest.raises(ParamsError, match=r"train.model = .*train.loss='clip' but the model has "
+                                          r"init_logit_bias=-5.0"):
+        validate_section("train", TrainParams, {"model": {"init_logit_bias": -5.0}})
+    with pytest.raises(ParamsError, match=r"train.loss = 'focal'"):
+        validate_section("train", TrainParams, {"loss": "focal"})
+    with pytest.raises(ParamsError, match=r"vision.patch_dropout=1 must be a share in \[0, 1\)"):
+        validate_section("train", TrainParams, {"model": {"vision": {"patch_dropout": 1}}})
 
 
 def test_a_train_split_smaller_than_one_global_batch_stops_before_any_work(tmp_path, monkeypatch):

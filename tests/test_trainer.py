@@ -4,6 +4,7 @@ tower locking, amp on CPU, checkpoints of another configuration set aside, the o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import mindspore as ms
@@ -15,7 +16,7 @@ from clipms.model.clip import CLIP
 from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
 from clipms.runtime import RuntimeConfig
 from clipms.train import checkpoint, schedule
-from clipms.train.config import TrainConfig, TrainSettings
+from clipms.train.config import LOSS_INIT, TrainConfig, TrainSettings
 from clipms.train.feed import HostFeed, sink_dataset
 from clipms.train.loop import NonFiniteLossError, RandomBatches, Training, train
 
@@ -24,6 +25,9 @@ MICRO = CLIPConfig(
     vision=VisionConfig(image_size=16, patch_size=8, width=32, layers=1, head_width=16),
     text=TextConfig(context_length=8, vocab_size=40, width=32, heads=2, layers=1),
 )
+# SigLIP's loss and initialisation, and patch dropout (2 of the 4 patches kept)
+MICRO_SIGLIP_PD = dataclasses.replace(
+    MICRO, vision=dataclasses.replace(MICRO.vision, patch_dropout=0.5), **LOSS_INIT["siglip"])
 
 
 class HostSchedule(nn.Cell):
@@ -121,20 +125,58 @@ class DiesAt(RandomBatches):
 
 
 @pytest.mark.slow  # trains: compiles a training step
-def test_a_run_resumed_from_a_checkpoint_ends_bitwise_where_an_uninterrupted_one_does(tmp_path):
-    cfg = TrainConfig(model=MICRO, batch_size=4, max_steps=6, lr=2e-3, warmup_steps=2,
-                      checkpoint_every=3, log_every=4, accum_steps=2)
-    whole = train(cfg, RandomBatches(MICRO, 4, 12, seed=2), tmp_path / "whole")
+@pytest.mark.parametrize(("model", "loss"), [(MICRO, "clip"), (MICRO_SIGLIP_PD, "siglip")],
+                         ids=["clip", "siglip-patch-dropout"])
+def test_a_run_resumed_from_a_checkpoint_ends_bitwise_where_an_uninterrupted_one_does(
+        tmp_path, model, loss):
+    cfg = TrainConfig(model=model, batch_size=4, max_steps=6, lr=2e-3, warmup_steps=2,
+                      checkpoint_every=3, log_every=4, accum_steps=2, loss=loss)
+    whole = train(cfg, RandomBatches(model, 4, 12, seed=2), tmp_path / "whole")
     folder = tmp_path / "resumed"
     with pytest.raises(RuntimeError, match="went away"):  # during step 5 (micro-batches 8, 9)
-        train(cfg, DiesAt(MICRO, 4, 12, seed=2, dies=8), folder)
+        train(cfg, DiesAt(model, 4, 12, seed=2, dies=8), folder)
     assert checkpoint.load_latest(folder).meta["step"] == 3
-    resumed = train(cfg, RandomBatches(MICRO, 4, 12, seed=2), folder)
+    resumed = train(cfg, RandomBatches(model, 4, 12, seed=2), folder)
     assert [r["step"] for r in resumed.history] == list(range(1, 7))
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in whole.history]
     want = dict(whole.model.parameters_and_names())
     for name, param in resumed.model.parameters_and_names():
         np.testing.assert_array_equal(param.asnumpy(), want[name].asnumpy(), err_msg=name)
+    if model.vision.patch_dropout:  # one draw per micro-batch forward, counted across the resume
+        assert int(want["visual.patch_dropout.draws"].asnumpy()) == 12
+        assert whole.summary["logit_bias"] != -10.0  # SigLIP's bias trains
+
+
+def test_patch_dropout_draws_once_per_forward_and_the_loss_is_the_gradients_loss():
+    """MindSpore runs the step's forward once (the loss it returns and the gradient share the
+    draw): one step, one draw; and that loss is what the same draw's forward gives."""
+    from clipms.model.patch_dropout import start_patch_dropout
+    from clipms.train.loss import SigLipLoss
+    from clipms.train.step import ClipWithLoss
+
+    cfg = TrainConfig(model=MICRO_SIGLIP_PD, batch_size=4, max_steps=1, loss="siglip", lr=0.0,
+                      warmup_steps=1)
+    ms.set_seed(0)
+    run = Training.build(cfg, 1)
+    images, tokens = next(iter(RandomBatches(MICRO_SIGLIP_PD, 4, 1).stream(0, 1)))
+    images = Tensor(images.astype(np.float32) / 255)
+    loss, *_ = run.step_cell(images, Tensor(tokens), True)
+    assert int(run.model.visual.patch_dropout.draws.asnumpy()) == 1
+    ms.set_seed(0)
+    again = CLIP(MICRO_SIGLIP_PD)  # the same initial weights; lr 0 left the trained ones there
+    start_patch_dropout(again, seed=cfg.seed)
+    forward = ClipWithLoss(again, SigLipLoss()).set_train(True)
+    assert float(forward(images, Tensor(tokens)).asnumpy()) == float(loss.asnumpy())
+    unseen = float(forward(images, Tensor(tokens)).asnumpy())  # draw 1: other patches
+    assert unseen != float(loss.asnumpy())
+
+
+def test_the_loss_and_the_models_logit_bias_must_agree():
+    with pytest.raises(ValueError, match="train.loss='siglip' needs a model with a logit bias"):
+        TrainConfig(model=MICRO, loss="siglip")
+    with pytest.raises(ValueError, match="train.loss='clip' but the model has init_logit_bias"):
+        TrainConfig(model=MICRO_SIGLIP_PD)
+    assert TrainConfig(model=MICRO_SIGLIP_PD, loss="siglip").model.init_logit_bias == -10.0
 
 
 @pytest.mark.slow  # trains: compiles a training step
@@ -203,7 +245,7 @@ def test_the_fingerprint_covers_every_setting_but_the_cadence_ones():
               "lr": 1e-3, "warmup_steps": 1, "weight_decay": 0.1, "decay_embeddings": False,
               "betas": (0.8, 0.9), "eps": 1e-8, "grad_clip_norm": 2.0, "loss_scale": 8.0,
               "loss_scale_window": 3, "seed": 1, "augment": True, "decode": "cpu",
-              "group_by": ("colour",), "group_fraction": 0.25,
+              "group_by": ("colour",), "group_fraction": 0.25, "loss": "siglip",
               "lock_image": True, "lock_text": True, "init_from": "x.ckpt",
               "workers": 7, "checkpoint_every": 1, "keep_checkpoints": 9, "log_every": 1}
     assert set(values) == set(TrainSettings.model_fields)  # every setting of the schema is here

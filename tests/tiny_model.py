@@ -35,8 +35,10 @@ def tiny_config(vocab_size: int, context_length: int = 16) -> CLIPConfig:
     return dataclasses.replace(base, embed_dim=32, vision=vision, text=text)
 
 
-def write_trained(folder: Path, seed: int = 0) -> dict[str, Path]:
-    """clip.ckpt / clip.json / tokenizer.json of a random-init tiny model (weights from seed)."""
+def write_trained(folder: Path, seed: int = 0,
+                  logit_bias: float | None = None) -> dict[str, Path]:
+    """clip.ckpt / clip.json / tokenizer.json of a random-init tiny model (weights from seed);
+    with `logit_bias`, a SigLIP model (init_logit_bias set) whose bias has that value."""
     import mindspore as ms
 
     from clipms.model.clip import CLIP
@@ -44,6 +46,8 @@ def write_trained(folder: Path, seed: int = 0) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.train(CAPTIONS * 4, vocab_size=600, context_length=16)
     cfg = tiny_config(tokenizer.vocab_size)
+    if logit_bias is not None:
+        cfg = dataclasses.replace(cfg, init_logit_bias=logit_bias)
     ms.set_seed(seed)
     net = CLIP(cfg)
     paths = {"checkpoint": folder / "clip.ckpt", "config": folder / "clip.json",
@@ -57,12 +61,13 @@ def write_trained(folder: Path, seed: int = 0) -> dict[str, Path]:
 
 
 
-def export_tiny_bundle(root: Path, seed: int = 0) -> Path:
-    """A real export bundle (two MindIR graphs) of a random-init tiny model, in root/bundle."""
+def export_tiny_bundle(root: Path, seed: int = 0, logit_bias: float | None = None) -> Path:
+    """A real export bundle (two MindIR graphs) of a random-init tiny model, in root/bundle
+    (a SigLIP model's with `logit_bias`)."""
     from clipms.deploy.export import export_bundle
     from clipms.train.trained import RunConfig, load_clip
 
-    paths = write_trained(root / "trained", seed=seed)
+    paths = write_trained(root / "trained", seed=seed, logit_bias=logit_bias)
     run = RunConfig.read(paths["config"])
     out = root / "bundle"
     export_bundle(load_clip(paths["checkpoint"], run.model), run.preprocess, paths["tokenizer"],

@@ -46,6 +46,9 @@ from clipms.utils.jsonio import write_json
 
 BUNDLE_FORMAT = "clipms-mindir-bundle"
 BUNDLE_VERSION = 1
+# A bundle with a `logit_bias` (a SigLIP model) is version 2: a version-1 reader would ignore the
+# bias and turn its scores into softmax probabilities, so it must refuse such a bundle instead.
+BIAS_BUNDLE_VERSION = 2
 IMAGE_ENCODER = "image_encoder.mindir"
 TEXT_ENCODER = "text_encoder.mindir"
 TOKENIZER = "tokenizer.json"
@@ -113,13 +116,14 @@ def to_fp16(net: CLIP) -> CLIP:
 
 
 def describe_bundle(model: CLIPConfig, preprocess: PreprocessConfig, logit_scale: float,
-                    precision: str = "fp32") -> dict[str, Any]:
+                    precision: str = "fp32", logit_bias: float | None = None) -> dict[str, Any]:
     """bundle.json: what each file is and how to feed it (None = the dynamic batch dimension)."""
     size, ctx, dim = preprocess.image_size, model.text.context_length, model.embed_dim
     features = {"shape": [None, dim], "dtype": "float32", "l2_normalized": False}
+    bias = {} if logit_bias is None else {"logit_bias": logit_bias}  # added to the logits
     return {
         "format": BUNDLE_FORMAT,
-        "version": BUNDLE_VERSION,
+        "version": BUNDLE_VERSION if logit_bias is None else BIAS_BUNDLE_VERSION,
         "embed_dim": dim,
         "precision": precision,  # of the computation; inputs and outputs are float32 either way
         "parity": {"metric": PARITY[precision].metric,
@@ -138,6 +142,7 @@ def describe_bundle(model: CLIPConfig, preprocess: PreprocessConfig, logit_scale
         },
         "preprocess": preprocess.to_dict(),
         "logit_scale": logit_scale,  # exp(learned log scale): multiplies cosines into logits
+        **bias,
         "model": model.to_dict(),
         "mindspore_version": ms.__version__,
     }
@@ -162,6 +167,7 @@ def export_bundle(net: CLIP, preprocess: PreprocessConfig, tokenizer_path: Path 
     out.mkdir(parents=True)
     net.set_train(False)
     logit_scale = float(np.exp(net.logit_scale.asnumpy()))  # before any fp16 rounding
+    logit_bias = None if net.logit_bias is None else float(net.logit_bias.asnumpy())
     image, text = ImageEncoder(net), TextEncoder(net)
     if precision == "fp16":
         to_fp16(net)
@@ -171,7 +177,7 @@ def export_bundle(net: CLIP, preprocess: PreprocessConfig, tokenizer_path: Path 
     _export_graph(text, ms.Tensor(shape=[None, ctx], dtype=ms.int32), out / TEXT_ENCODER)
     shutil.copyfile(tokenizer_path, out / TOKENIZER)
     write_json(out / PREPROCESS, preprocess.to_dict())
-    bundle = describe_bundle(cfg, preprocess, logit_scale, precision)
+    bundle = describe_bundle(cfg, preprocess, logit_scale, precision, logit_bias)
     for tower, file in (("image_encoder", IMAGE_ENCODER), ("text_encoder", TEXT_ENCODER)):
         bundle[tower]["input"]["graph_name"] = graph_input_name(out / file)
     write_json(out / BUNDLE, bundle)

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 # as clipms.deploy.export writes it (no MindSpore import here)
 BUNDLE_FORMAT = "clipms-mindir-bundle"
-SUPPORTED_VERSIONS = (1,)
+SUPPORTED_VERSIONS = (1, 2)  # 2: the bundle has a logit_bias (SigLIP)
 
 ImageInput = str | Path | bytes | Image.Image
 # One MindIR call at a time per process, whichever Encoder makes it: concurrent graph runs (and a
@@ -77,6 +77,16 @@ def read_bundle(bundle_dir: Path | str) -> dict[str, Any]:
     if missing:
         raise BundleError(f"{bundle_dir}: bundle files missing: {missing}")
     return bundle
+
+
+def match_probabilities(cosines: np.ndarray, logit_scale: float,
+                        logit_bias: float | None = None) -> np.ndarray:
+    """`Encoder.match_probabilities` for a given scale and bias (float64)."""
+    logits = logit_scale * np.asarray(cosines, np.float64)
+    if logit_bias is not None:  # SigLIP: every pair is its own binary decision
+        return 1.0 / (1.0 + np.exp(-(logits + logit_bias)))
+    weights = np.exp(logits - logits.max())
+    return weights / weights.sum()
 
 
 class Encoder:
@@ -120,8 +130,20 @@ class Encoder:
 
     @property
     def logit_scale(self) -> float:
-        """exp(learned log scale): `logit_scale * cosine` are the model's logits."""
+        """exp(learned log scale): `logit_scale * cosine (+ logit_bias)` are the model's logits."""
         return float(self.bundle["logit_scale"])
+
+    @property
+    def logit_bias(self) -> float | None:
+        """SigLIP's learned bias added to every logit; None for a CLIP (softmax-trained) model."""
+        bias = self.bundle.get("logit_bias")
+        return None if bias is None else float(bias)
+
+    def match_probabilities(self, cosines: np.ndarray) -> np.ndarray:
+        """Probabilities of candidate matches from their cosines, as the model was trained to
+        give them: CLIP's softmax over the candidates (they sum to 1), or SigLIP's sigmoid of each
+        pair's logit on its own (each in [0, 1], no sum)."""
+        return match_probabilities(cosines, self.logit_scale, self.logit_bias)
 
     def preprocess_images(self, images: Sequence[ImageInput]) -> np.ndarray:
         """(N, 3, S, S) float32 model input from paths, PIL images or encoded bytes."""

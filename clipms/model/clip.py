@@ -22,6 +22,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Initializer, Normal, Uniform, initializer
 
 from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
+from clipms.model.patch_dropout import PatchDropout
 
 # Added to masked attention scores. Finite (not -inf) so that Ascend kernels never see inf - inf,
 # and within fp16's range (max 65504): under mixed precision the mask constant is cast to fp16,
@@ -231,6 +232,9 @@ class VisionTransformer(nn.Cell):
                                         weight_init=torch_uniform(3 * p * p))
         self.class_embedding = _normal((width,), scale)
         self.positional_embedding = _normal((cfg.num_tokens, width), scale)
+        # training forwards only, once the trainer seeds it (clipms.model.patch_dropout)
+        self.patch_dropout = (PatchDropout(cfg.patch_dropout, cfg.grid_size**2)
+                              if cfg.patch_dropout > 0 else None)
         self.ln_pre = LayerNorm(width)
         self.transformer = Transformer(width, cfg.layers, cfg.heads, cfg.mlp_ratio, quick_gelu,
                                        paper_init=False)
@@ -243,6 +247,8 @@ class VisionTransformer(nn.Cell):
         cls = ops.broadcast_to(cast(self.class_embedding, x.dtype).reshape(1, 1, -1),
                                (n, 1, self.width))
         x = ops.cat((cls, x), axis=1) + cast(self.positional_embedding, x.dtype)  # (N, L, D)
+        if self.patch_dropout is not None:
+            x = self.patch_dropout(x)  # (N, 1 + kept, D) in training
         x = self.transformer(self.ln_pre(x))  # (N, L, D)
         pooled = self.ln_post(x[:, 0])  # (N, D); per-token LN, so pooling first is the same
         return ops.matmul(pooled, cast(self.proj, pooled.dtype))  # (N, E)
@@ -291,7 +297,10 @@ def l2_normalize(x: Tensor) -> Tensor:
 
 
 class CLIP(nn.Cell):
-    """open_clip's CLIP ViT. `logit_scale` holds log(1/temperature); construct returns its exp."""
+    """open_clip's CLIP ViT. `logit_scale` holds log(1/temperature); construct returns its exp.
+    `logit_bias` (None unless `init_logit_bias` is set) is SigLIP's learned bias, open_clip's
+    `logit_bias`: the loss reads it (clipms.train.step.ClipWithLoss), as does a bundle's
+    `/v1/rank`."""
 
     def __init__(self, cfg: CLIPConfig):
         super().__init__()
@@ -299,6 +308,8 @@ class CLIP(nn.Cell):
         self.visual = VisionTransformer(cfg.vision, cfg.embed_dim, cfg.quick_gelu)
         self.text = TextTransformer(cfg.text, cfg.embed_dim, cfg.quick_gelu)
         self.logit_scale = Parameter(Tensor(cfg.init_logit_scale, ms.float32))
+        self.logit_bias = (None if cfg.init_logit_bias is None else  # SigLIP's learned bias
+                           Parameter(Tensor(cfg.init_logit_bias, ms.float32)))
 
     def encode_image(self, image: Tensor, normalize: bool = False) -> Tensor:
         features = self.visual(image)  # (N, E)

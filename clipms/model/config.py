@@ -30,6 +30,10 @@ class VisionConfig:
     # log2(patch_size) stride-2 3x3 convolutions + a 1x1 one (Xiao et al. 2021, "Early
     # Convolutions Help Transformers See Better"), the same token grid; not an open_clip tower.
     stem: str = "patch"
+    # Share of the patch tokens dropped at random per sample in every training forward (open_clip's
+    # PatchDropout, FLIP: Li et al. 2023; the class token is always kept). Never in evaluation or
+    # export. 0 = off. clipms.model.patch_dropout says how the draws are seeded.
+    patch_dropout: float = 0.0
 
     @property
     def heads(self) -> int:
@@ -63,6 +67,11 @@ class VisionConfig:
             raise ValueError(
                 f"vision.width={self.width} is not a multiple of "
                 f"vision.head_width={self.head_width}"
+            )
+        if isinstance(self.patch_dropout, bool) or not 0 <= self.patch_dropout < 1:
+            raise ValueError(
+                f"vision.patch_dropout={self.patch_dropout!r} must be a share in [0, 1) "
+                "(0 = off; open_clip recommends 0.5-0.75 for large models)"
             )
         if self.stem not in STEMS:
             raise ValueError(f"vision.stem={self.stem!r} is not one of {list(STEMS)}")
@@ -106,6 +115,9 @@ class CLIPConfig:
     text: TextConfig = field(default_factory=TextConfig)
     quick_gelu: bool = False  # x*sigmoid(1.702x) as OpenAI's released weights; else exact GELU
     init_logit_scale: float = math.log(1 / 0.07)  # CLIP paper's temperature 0.07
+    # A learned scalar added to every logit (SigLIP's bias; open_clip's `init_logit_bias`); None =
+    # no such parameter (CLIP). The SigLIP loss needs it (clipms.train.loss.LOSS_INIT).
+    init_logit_bias: float | None = None
 
     def __post_init__(self) -> None:
         _positive("model", embed_dim=self.embed_dim)
@@ -150,6 +162,7 @@ class CLIPConfig:
                 "layers": v.layers,
                 "head_width": v.head_width,
                 "mlp_ratio": v.mlp_ratio,
+                **({"patch_dropout": v.patch_dropout} if v.patch_dropout else {}),
             },
             "text_cfg": {
                 "context_length": t.context_length,
@@ -160,6 +173,11 @@ class CLIPConfig:
                 "mlp_ratio": t.mlp_ratio,
             },
             "quick_gelu": self.quick_gelu,
+            # only where they are not open_clip's defaults (a SigLIP model's), as its configs do
+            **({"init_logit_scale": self.init_logit_scale}
+               if self.init_logit_scale != _TopLevel.init_logit_scale else {}),
+            **({"init_logit_bias": self.init_logit_bias}
+               if self.init_logit_bias is not None else {}),
         }
 
 
@@ -190,6 +208,7 @@ class _TopLevel:
     embed_dim: int = 512
     quick_gelu: bool = False
     init_logit_scale: float = math.log(1 / 0.07)
+    init_logit_bias: float | None = None
 
 
 def _build(kind: type, d: dict[str, Any], where: str) -> Any:
@@ -204,7 +223,6 @@ def _build(kind: type, d: dict[str, Any], where: str) -> Any:
 # key -> allowed values (the first is open_clip's default).
 _VISION_FIXED: dict[str, tuple[Any, ...]] = {
     "ls_init_value": (None,),
-    "patch_dropout": (0.0, 0),  # training-time only in open_clip; not implemented here
     "attentional_pool": (False,),
     "no_ln_pre": (False,),
     "pos_embed_type": ("learnable",),
@@ -234,7 +252,9 @@ _IGNORED = {"output_tokens", "hf_tokenizer_name", "tokenizer_kwargs", "timm_mode
             "hf_model_pretrained", "attn_pooler_queries", "attn_pooler_heads", "timm_pool",
             "timm_proj", "timm_proj_bias", "timm_drop", "timm_drop_path", "hf_proj_type",
             "hf_pooler_type", "n_queries"}
-_TOP_IGNORED = {"custom_text", "cast_dtype", "init_logit_bias", "output_dict"}
+_TOP_IGNORED = {"custom_text", "cast_dtype", "output_dict"}
+_TOP_KEYS = {"embed_dim", "vision_cfg", "text_cfg", "quick_gelu", "init_logit_scale",
+             "init_logit_bias"}
 
 
 def _check_fixed(section: str, cfg: dict[str, Any], fixed: dict[str, tuple[Any, ...]]) -> None:
@@ -258,11 +278,9 @@ def _from_openclip(cfg: dict[str, Any]) -> CLIPConfig:
     for key in ("embed_dim", "vision_cfg", "text_cfg"):
         if key not in cfg:
             raise ValueError(f"open_clip model config has no {key!r}")
-    extra = sorted(set(cfg) - {"embed_dim", "vision_cfg", "text_cfg", "quick_gelu"} - _TOP_IGNORED)
+    extra = sorted(set(cfg) - _TOP_KEYS - _TOP_IGNORED)
     if extra:
         raise ValueError(f"unsupported open_clip model config key(s) {extra}")
-    if cfg.get("init_logit_bias") is not None:
-        raise ValueError("open_clip init_logit_bias (SigLIP) is not supported")
     vcfg = dict(cfg["vision_cfg"])
     if not isinstance(vcfg.get("layers", 12), int):
         raise ValueError("open_clip vision_cfg.layers is a list: ResNet towers are not supported")
@@ -270,11 +288,14 @@ def _from_openclip(cfg: dict[str, Any]) -> CLIPConfig:
     t_names = {f.name for f in dataclasses.fields(TextConfig)}
     vision = VisionConfig(**_pick("vision_cfg", vcfg, v_names, _VISION_FIXED))
     text = TextConfig(**_pick("text_cfg", dict(cfg["text_cfg"]), t_names, _TEXT_FIXED))
+    bias = cfg.get("init_logit_bias")
     return CLIPConfig(
         embed_dim=int(cfg["embed_dim"]),
         vision=vision,
         text=text,
         quick_gelu=bool(cfg.get("quick_gelu", False)),
+        init_logit_scale=float(cfg.get("init_logit_scale", _TopLevel.init_logit_scale)),
+        init_logit_bias=None if bias is None else float(bias),
     )
 
 

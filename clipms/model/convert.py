@@ -14,6 +14,7 @@ Name/layout mapping (open_clip -> clipms), everything else is a rename only:
   *.ln_*.weight / .bias                  -> *.ln_*.gamma / .beta
   token_embedding.weight                 -> text.token_embedding.embedding_table
   positional_embedding, transformer.*, ln_final.*, text_projection -> text.<same>
+  logit_scale, logit_bias (SigLIP models: `init_logit_bias` in the config) -> the same names
 A model with `vision.stem: conv` (clipms's convolutional stem) has no open_clip counterpart and
 is refused both ways.
 """
@@ -37,6 +38,9 @@ OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 
 # Buffers some open_clip versions save that carry no learned weights (the causal mask).
 _IGNORED_OPENCLIP_KEYS = {"attn_mask", "visual.attn_mask"}
+# What a model that trained with patch dropout holds besides its weights: the count of its draws
+# (clipms.model.patch_dropout). open_clip's PatchDropout draws from torch's generator: no tensor.
+_PATCH_DROPOUT_STATE = "patch_dropout.draws"
 
 
 class ConversionError(ValueError):
@@ -87,6 +91,8 @@ def openclip_shapes(cfg: CLIPConfig) -> dict[str, tuple[int, ...]]:
         "ln_final.bias": (t.width,),
         "text_projection": (t.width, e),
     }
+    if cfg.init_logit_bias is not None:  # SigLIP's learned bias, same name on both sides
+        shapes["logit_bias"] = ()
     for i in range(v.layers):
         shapes |= _block_shapes(f"visual.transformer.resblocks.{i}", v.width,
                                 int(v.width * v.mlp_ratio))
@@ -163,6 +169,8 @@ def clipms_to_openclip(params: dict[str, np.ndarray], cfg: CLIPConfig) -> dict[s
     out: dict[str, np.ndarray] = {}
     pending_qkv: dict[str, dict[str, np.ndarray]] = {}
     for name, value in params.items():
+        if name.endswith(_PATCH_DROPOUT_STATE):  # a trainer's draw counter, not a weight
+            continue
         value = np.asarray(value, dtype=np.float32)
         match = re.match(r"^(.*\.attn)\.([qkv])_proj\.(weight|bias)$", name)
         if name == "visual.patch_embed.weight":

@@ -12,13 +12,35 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from clipms.model.config import CLIPConfig
 from clipms.runtime import RuntimeConfig
 from clipms.schema import Section, cadence, weights_view
+
+# The model initialisation each `train.loss` trains from (open_clip_train's main.py: `--siglip`
+# sets init_logit_scale log(10) and init_logit_bias -10; CLIP keeps the model's own, no bias).
+# The train stage lays these under `train.model`'s overrides.
+LOSS_INIT: dict[str, dict[str, float]] = {
+    "clip": {},
+    "siglip": {"init_logit_scale": math.log(10), "init_logit_bias": -10.0},
+}
+
+
+def check_loss_fits(loss: str, model: CLIPConfig) -> None:
+    """SigLIP trains the model's logit bias; the softmax loss has no use for one (ValueError)."""
+    bias = model.init_logit_bias
+    if loss == "siglip" and bias is None:
+        raise ValueError("train.loss='siglip' needs a model with a logit bias "
+                         "(model.init_logit_bias; the train stage sets SigLIP's "
+                         f"{LOSS_INIT['siglip']} unless train.model sets them)")
+    if loss == "clip" and bias is not None:
+        raise ValueError(f"train.loss='clip' but the model has init_logit_bias={bias} (a "
+                         "SigLIP model's bias, which the softmax loss never trains): set "
+                         "train.loss: siglip, or leave init_logit_bias unset")
 
 
 class TrainSettings(Section):
@@ -27,6 +49,9 @@ class TrainSettings(Section):
     model_config = ConfigDict(frozen=True)
 
     precision: Literal["fp32", "amp"] = "fp32"
+    # clip: open_clip's ClipLoss (softmax over the batch) | siglip: its SigLipLoss (pairwise
+    # sigmoid with a learned bias; the model needs init_logit_bias: LOSS_INIT)
+    loss: Literal["clip", "siglip"] = "clip"
     batch_size: int = Field(64, ge=1)  # per device and micro-batch
     accum_steps: int = Field(1, ge=1)  # micro-batches per optimizer step
     epochs: int = Field(8, ge=1)
@@ -76,6 +101,11 @@ class TrainConfig(TrainSettings):
     @classmethod
     def _model(cls, value: Any) -> Any:
         return CLIPConfig.from_dict(value) if isinstance(value, dict) else value
+
+    @model_validator(mode="after")
+    def _loss_fits_model(self) -> TrainConfig:
+        check_loss_fits(self.loss, self.model)
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -62,6 +62,10 @@ class NonFiniteLossError(RuntimeError):
 
 
 class Callback(Protocol):
+    """Rank 0's view of the run. A callback may also define `on_train_begin(run: Training)`,
+    called once the model and its step are built (and resumed), before the first step: what a
+    callback that evaluates the model as it trains holds on to (benchmarks/time_to_quality.py)."""
+
     def on_step_end(self, step: int, metrics: dict[str, float]) -> None: ...
 
     def on_train_end(self, summary: dict[str, float]) -> None: ...
@@ -118,6 +122,7 @@ class Training:
                 trainable.append((name, param))
         if cfg.precision == "amp":
             to_mixed_precision(model)  # O2 in place: the parameter names stay CLIP's own
+        _start_patch_dropout(model, cfg, distributed)  # after `trainable`: its counter is state
         preprocess = preprocess or PreprocessConfig(image_size=cfg.model.vision.image_size)
         step_cell = _build_step(cfg, model, trainable, total_steps, preprocess,
                                 group_size if distributed else 1)
@@ -260,12 +265,16 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
              "step %d", total, per_epoch, cfg.batch_size * cfg.accum_steps * group_size, rank,
              group_size, run.step)
     started = time.perf_counter()
+    for callback in callbacks if rank == 0 else ():
+        if hasattr(callback, "on_train_begin"):
+            callback.on_train_begin(run)
     try:
         timed = _loop(run, source, total, writer, callbacks if rank == 0 else ())
     finally:
         if writer:
             writer.close()  # the last (good) checkpoint is on disk; a failed write raises here
     samples, seconds = timed
+    run.model.set_train(False)  # trained: from here on it evaluates (no patch dropout)
     summary = {
         "final_loss": run.history[-1]["loss"] if run.history else float("nan"),
         "steps": float(run.step),
@@ -274,6 +283,8 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
         "wall_time_s": time.perf_counter() - started,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
     }
+    if run.model.logit_bias is not None:  # SigLIP's learned bias, as trained
+        summary["logit_bias"] = float(run.model.logit_bias.asnumpy())
     if rank == 0:
         for callback in callbacks:
             callback.on_train_end(summary)
@@ -386,11 +397,11 @@ def _init_from(model: Any, path: str) -> None:
 
 def _build_step(cfg: TrainConfig, model: Any, trainable: list[tuple[str, Any]], total_steps: int,
                 preprocess: PreprocessConfig, group_size: int) -> Any:
-    from clipms.train.loss import ClipLoss
+    from clipms.train.loss import build_loss
     from clipms.train.optim import Schedule, build_adamw
     from clipms.train.step import ClipWithLoss, PixelNormalize, TrainStep, use_cpu_safe_gather
 
-    loss = use_cpu_safe_gather(ClipLoss(gather=group_size > 1))
+    loss = use_cpu_safe_gather(build_loss(cfg.loss, gather=group_size > 1))
     net_with_loss = ClipWithLoss(model, loss, PixelNormalize(preprocess.mean, preprocess.std))
     optimizer = build_adamw(trainable, cfg.betas, cfg.decay_embeddings)
     schedule = Schedule(cfg.lr, cfg.warmup_steps, total_steps, cfg.betas, cfg.eps,
@@ -400,4 +411,17 @@ def _build_step(cfg: TrainConfig, model: Any, trainable: list[tuple[str, Any]], 
         max_grad_norm=cfg.grad_clip_norm or 0.0,
         loss_scale=cfg.loss_scale if cfg.precision == "amp" else None,
         loss_scale_window=cfg.loss_scale_window, logit_scale=model.logit_scale,
-        max_logit_scale=MAX_LOGIT_SCALE, group_size=group_size)
+        max_logit_scale=MAX_LOGIT_SCALE, group_size=group_size).set_train(True)
+
+
+def _start_patch_dropout(model: Any, cfg: TrainConfig, distributed: bool) -> None:
+    """Seed the model's patch dropout (if any) with the run's seed; this rank's rows are samples
+    rank * batch_size.. of each global batch (clipms.model.patch_dropout)."""
+    from clipms.model.patch_dropout import start_patch_dropout
+
+    rank = 0
+    if distributed:
+        from mindspore.communication import get_rank
+
+        rank = get_rank()
+    start_patch_dropout(model, cfg.seed, rank * cfg.batch_size)

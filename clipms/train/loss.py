@@ -1,4 +1,7 @@
-"""Symmetric contrastive (InfoNCE) loss, as open_clip's ClipLoss.
+"""The contrastive losses: `ClipLoss`, the symmetric InfoNCE of open_clip's ClipLoss, and
+`SigLipLoss`, the pairwise sigmoid loss of open_clip's SigLipLoss (Zhai et al. 2023);
+`build_loss` makes the one `train.loss` names (clipms.train.config.LOSS_INIT: what each one's
+model starts from).
 
 With data parallelism each rank sees only its own batch. `gather=True` all-gathers the features of
 every rank (AllGather's gradient is a reduce-scatter, so gradients flow back to the rank that made
@@ -77,3 +80,74 @@ class ClipLoss(nn.Cell):
         return contrastive_loss(
             image_features, text_features, all_image, all_text, logit_scale, self.rank
         )
+
+
+# ---- SigLIP ------------------------------------------------------------------------------------
+
+def sigmoid_loss(image_features: Tensor, all_text_features: Tensor, logit_scale: Tensor,
+                 logit_bias: Tensor, rank: int = 0) -> Tensor:
+    """SigLIP's loss of one rank's n images against the global batch's R*n texts: every pair
+    (i, j) is a binary problem, label +1 for the positive pair (global column rank*n + i) and -1
+    for the rest, `-sum log sigmoid(label * (scale * <i, j> + bias)) / n`. With rank=0 and the
+    local texts as all texts this is open_clip's SigLipLoss of one process.
+
+    Texts are the only features that need gathering: each pair is counted once, on the rank that
+    holds its image. Summed over ranks, the pairs are exactly the global batch's, and the mean of
+    the ranks' losses (what averaging their gradients optimises) is the single-process loss of the
+    global batch, as for `contrastive_loss`.
+    """
+    n = image_features.shape[0]
+    logits = logit_scale * ops.matmul(image_features, all_text_features.T) + logit_bias  # (n, Rn)
+    columns = ops.arange(logits.shape[1], dtype=ms.int32).reshape(1, -1)
+    positives = (ops.arange(n, dtype=ms.int32) + rank * n).reshape(n, 1)
+    labels = ops.select(columns == positives, ops.ones_like(logits), -ops.ones_like(logits))
+    return -ops.sum(_log_sigmoid(labels * logits)) / n
+
+
+def _log_sigmoid(x: Tensor) -> Tensor:
+    """log(sigmoid(x)) = min(x, 0) - log1p(exp(-|x|)), finite for every x (as F.logsigmoid)."""
+    return ops.minimum(x, 0.0) - ops.log1p(ops.exp(-ops.abs(x)))
+
+
+class SigLipLoss(nn.Cell):
+    """`construct(image_features, text_features, logit_scale, logit_bias) -> scalar loss`.
+
+    Data parallel (`gather=True`): each rank all-gathers the texts and scores its images against
+    all of them, open_clip's `dist_impl="gather"`. open_clip's default (`bidir`) passes texts
+    between neighbouring ranks instead, R-1 point-to-point rounds that never hold more than three
+    ranks' texts, which matters at thousands of ranks. MindSpore 2.10's CPU backend has graph
+    kernels for AllGather and AllReduce only (no Send/Receive, no ReduceScatter: why
+    `clipms.train.step.AllGatherSumGrad` exists), so the exchange could not run here, while the
+    all-gather is one collective on every backend, reuses the softmax loss's tested gather and
+    gradient, and moves half of what that loss moves (texts only). The (n, R*n) logits it builds
+    are small at the rank counts a MindSpore job uses. Loss and gradients are the same either way.
+    """
+
+    def __init__(self, gather: bool = False):
+        super().__init__()
+        self.gather = gather
+        self.rank = 0
+        if gather:
+            from mindspore.communication import GlobalComm, get_rank
+
+            if not GlobalComm.INITED:
+                raise RuntimeError(
+                    "SigLipLoss(gather=True) needs mindspore.communication.init() first "
+                    "(launch the script with msrun)"
+                )
+            self.rank = get_rank()
+            self.all_gather = ops.AllGather()
+
+    def construct(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor,
+                  logit_bias: Tensor):
+        all_text = self.all_gather(text_features) if self.gather else text_features
+        return sigmoid_loss(image_features, all_text, logit_scale, logit_bias, self.rank)
+
+
+def build_loss(kind: str, gather: bool = False) -> nn.Cell:
+    """The loss `train.loss` names."""
+    if kind == "clip":
+        return ClipLoss(gather=gather)
+    if kind == "siglip":
+        return SigLipLoss(gather=gather)
+    raise ValueError(f"train.loss={kind!r} is not one of ['clip', 'siglip']")

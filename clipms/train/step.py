@@ -37,28 +37,33 @@ class PixelNormalize(nn.Cell):
 
 class ClipWithLoss(nn.Cell):
     """CLIP + loss as one Cell: (images, tokens) -> scalar loss, the loss always in fp32 (under
-    amp CLIP already returns fp32 features and scale: `clipms.model.clip.to_mixed_precision`)."""
+    amp CLIP already returns fp32 features and scale: `clipms.model.clip.to_mixed_precision`). A
+    model with a `logit_bias` (SigLIP) hands it to the loss as its fourth argument."""
 
     def __init__(self, model: nn.Cell, loss: nn.Cell, normalize: nn.Cell | None = None) -> None:
         super().__init__()
         self.model = model
         self.loss = loss
         self.normalize = normalize  # PixelNormalize for uint8 batches
+        self.with_bias = getattr(model, "logit_bias", None) is not None
 
     def construct(self, images: Tensor, tokens: Tensor) -> Tensor:
         if self.normalize is not None:
             images = self.normalize(images)
         image_features, text_features, logit_scale = self.model(images, tokens)
-        return self.loss(cast(image_features, ms.float32), cast(text_features, ms.float32),
-                         cast(logit_scale, ms.float32))
+        features = (cast(image_features, ms.float32), cast(text_features, ms.float32),
+                    cast(logit_scale, ms.float32))
+        if self.with_bias:
+            return self.loss(*features, cast(self.model.logit_bias, ms.float32))
+        return self.loss(*features)
 
 
 class AllGatherSumGrad(nn.Cell):
     """AllGather along axis 0 whose gradient is AllReduce(sum) + this rank's slice.
 
     That is exactly AllGather's own gradient (a ReduceScatter), which MindSpore has no CPU kernel
-    for; AllReduce has one on every backend. `clipms.train.loss.ClipLoss(gather=True)` gets this
-    Cell as its `all_gather` in `use_cpu_safe_gather`.
+    for; AllReduce has one on every backend. `clipms.train.loss.ClipLoss(gather=True)` and
+    `SigLipLoss(gather=True)` get this Cell as their `all_gather` in `use_cpu_safe_gather`.
     """
 
     def __init__(self, rank: int) -> None:
@@ -77,8 +82,8 @@ class AllGatherSumGrad(nn.Cell):
 
 
 def use_cpu_safe_gather(loss: nn.Cell) -> nn.Cell:
-    """Swap the gather of a `ClipLoss(gather=True)` for `AllGatherSumGrad` (same forward, same
-    gradient, runs on CPU too)."""
+    """Swap the gather of a `ClipLoss(gather=True)` or `SigLipLoss(gather=True)` for
+    `AllGatherSumGrad` (same forward, same gradient, runs on CPU too)."""
     if getattr(loss, "gather", False):
         loss.all_gather = AllGatherSumGrad(loss.rank)
     return loss
