@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from clipms.prep import remote
 from clipms.prep.engines import EngineSettings, engine_session
 from clipms.prep.urlguard import FetchPolicy, precheck, refusal_counts
-from clipms.utils.redact import redact_url
+from clipms.utils.redact import redact_text, redact_url
 
 # Not *.json: img2dataset counts every *.json in the folder as a finished shard.
 FINGERPRINT_FILE = "clipms_input.sha256"
@@ -179,8 +179,9 @@ def summarise(output: str, rows: int, refused: dict[str, int],
         stats = json.loads(fs.cat_file(stats_file))
         for name in ("count", "successes", "failed_to_download", "failed_to_resize"):
             totals[name] += int(stats.get(name, 0))
-        status = stats.get("status_dict", {})
-        reasons.update({k: int(v) for k, v in status.items() if k != "success"})
+        for reason, count in stats.get("status_dict", {}).items():
+            if reason != "success":  # img2dataset's error texts: no URL secret into the metrics
+                reasons[redact_text(reason)] += int(count)
     return {
         "rows_in": rows + sum(refused.values()),
         "refused": refused,
