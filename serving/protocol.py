@@ -69,13 +69,14 @@ def bounded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             super().__init__(*args, **kwargs)
             self._head_bytes = 0
             self._head_timer: asyncio.TimerHandle | None = None
+            self._refused = False
 
         # -- connections
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) >= limits.max_connections and not self._evict_one():
+                self._refused, self.transport = True, transport
                 transport.write(BUSY)
                 transport.close()
-                self.transport = transport
                 return
             super().connection_made(transport)
             self._await_head()
@@ -85,14 +86,16 @@ def bounded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             """Close the connection waiting longest for a request head; False when none is."""
             oldest = next(iter(waiting), None)
             if oldest is not None:
+                # It stops counting now, not when its transport reports the close (a loop
+                # iteration later): uvicorn's limit_concurrency counts the same set.
+                oldest.connections.discard(oldest)
                 oldest._close()
             return oldest is not None
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._head_done()
-            if self not in self.connections:  # refused in connection_made: nothing to undo
-                return
-            super().connection_lost(exc)
+            if not self._refused:  # refused in connection_made: nothing of uvicorn's to undo
+                super().connection_lost(exc)
 
         def _close(self) -> None:
             self._head_done()
