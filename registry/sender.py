@@ -15,7 +15,7 @@ from typing import Any
 
 from clipms.utils.redact import redact_text
 from registry import journal
-from registry.journal import CreateRun, LogMetrics, Record, SetStatus
+from registry.journal import CreateRun, EndAbandoned, LogMetrics, Record, SetStatus, SetTags
 from registry.settings import absolute_tracking_uri, client, ensure_experiment
 
 CLOSE_TIMEOUT_S = 15.0  # how long a stage's end waits for a server that has stopped answering
@@ -174,6 +174,9 @@ class RecordSender:
             self.run_id = self._create(mlflow_client, record)
             self._run_ready()
             return
+        if isinstance(record, EndAbandoned):
+            self._end_abandoned(mlflow_client, record)
+            return
         if self.run_id is None:
             raise TrackingUnavailable("the MLflow run has not been created yet")
         try:
@@ -186,13 +189,31 @@ class RecordSender:
         if isinstance(record, SetStatus) and record.status == "RUNNING":
             self._run_ready()
 
+    def _end_abandoned(self, mlflow_client: Any, record: EndAbandoned) -> None:
+        run_id = record.run_id or self._find(mlflow_client, record.experiment, record.run_key)
+        if run_id is None:  # it never reached the server: nothing is left running there
+            return
+        if mlflow_client.get_run(run_id).info.status != "RUNNING":
+            return
+        journal.send(SetTags({"error.type": "Interrupted", "error.message": record.reason,
+                              "mlflow.note.content": f"Failed: {record.reason}"}),
+                     mlflow_client, run_id)
+        mlflow_client.set_terminated(run_id, "FAILED")
+
+    @staticmethod
+    def _find(mlflow_client: Any, experiment: str, run_key: str) -> str | None:
+        """The id of the run tagged with `run_key` in `experiment`, None when there is none."""
+        experiment_id = ensure_experiment(mlflow_client, experiment)
+        found = mlflow_client.search_runs([experiment_id],
+                                          filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
+                                          max_results=1)
+        return str(found[0].info.run_id) if found else None
+
     def _create(self, mlflow_client: Any, record: CreateRun) -> str:
         """Create the run, or find it when an earlier attempt did but its answer was lost."""
+        found = self._find(mlflow_client, self.experiment, self.run_key)
+        if found is not None:
+            return found
         experiment_id = ensure_experiment(mlflow_client, self.experiment)
-        found = mlflow_client.search_runs(
-            [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'",
-            max_results=1)
-        if found:
-            return str(found[0].info.run_id)
         run = mlflow_client.create_run(experiment_id, tags=record.tags, run_name=record.run_name)
         return str(run.info.run_id)
