@@ -43,8 +43,7 @@ BODY_MARGIN = 65536  # bytes of JSON around the texts and images that --max-byte
 
 
 def create_app(state: ServiceState, limits: RequestLimits, token: str | None = None,
-               lifespan: Any = None, hosts: HostPolicy | None = None,
-               body_timeout_s: float = 30.0) -> Guard:
+               lifespan: Any = None, hosts: HostPolicy | None = None) -> Guard:
     """The service's ASGI app: serving.guard's Guard in front of the Starlette app (`.app`).
     `token`: the bearer token every protected request needs (the guard checks it), None for
     none; `hosts`: the Host and Origin names it answers (default: a 127.0.0.1 bind's). POST
@@ -62,4 +61,4 @@ def create_app(state: ServiceState, limits: RequestLimits, token: str | None = N
     app.state.auth_required = token is not None
     return Guard(app, state=state, max_body=limits.max_bytes + BODY_MARGIN, token=token,
                  direct={"/v1/embeddings": functools.partial(direct_embeddings, state, limits)},
-                 hosts=hosts, body_timeout_s=body_timeout_s)
+                 hosts=hosts)

@@ -194,8 +194,7 @@ def build(args: argparse.Namespace) -> Any:
             await state.close()
 
     return create_app(state, limits, token, lifespan=lifespan,
-                      hosts=HostPolicy.for_bind(args.host, tuple(args.allowed_host)),
-                      body_timeout_s=args.body_timeout_s)
+                      hosts=HostPolicy.for_bind(args.host, tuple(args.allowed_host)))
 
 
 def server_config(app: Any, args: argparse.Namespace, limits: ConnectionLimits) -> Any:

@@ -9,13 +9,15 @@ runs out of file descriptors. `bounded_protocol(limits)` is the httptools protoc
   counted as the bytes arrive, so a huge header is never held);
 - `head_timeout_s` for a request line and headers to arrive, from the moment the connection is
   opened or its last answer went (the connection is closed when it passes, however slowly bytes
-  trickle in);
+  trickle in), and `body_timeout_s` for a request's body, from the end of its headers (408, and
+  the connection closed; the app's request sees the client gone);
 - at most `max_connections` open: a new connection beyond it closes the connection that has been
   waiting longest for a request head (idle keep-alive connections and slow heads first; never
   one whose request is being answered), or, when every connection is busy, is answered 503 and
   closed. A flood of idle connections therefore cannot keep a new client out.
 uvicorn's own `timeout_keep_alive` still closes a quiet keep-alive connection sooner
-(`keep_alive_s`), and serving.guard bounds the time a body may take (`body_timeout_s`).
+(`keep_alive_s`). Timers here are loop timers armed and cancelled per request, not tasks: the
+checks cost the hot path a few microseconds.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n
         b'{"error": "too many connections; retry later"}')
 TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
              b"content-length: %d\r\nconnection: close\r\n\r\n%s")
+LATE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%s")
 FILES_KEPT = 64  # descriptors left for the model, the index, logs and the registry client
 
 
@@ -69,6 +73,7 @@ def bounded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             super().__init__(*args, **kwargs)
             self._head_bytes = 0
             self._head_timer: asyncio.TimerHandle | None = None
+            self._body_timer: asyncio.TimerHandle | None = None
             self._refused = False
 
         # -- connections
@@ -94,6 +99,7 @@ def bounded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._head_done()
+            self._body_done()
             if not self._refused:  # refused in connection_made: nothing of uvicorn's to undo
                 super().connection_lost(exc)
 
@@ -131,6 +137,31 @@ def bounded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
         def on_headers_complete(self) -> None:
             self._head_done()
             super().on_headers_complete()
+            if _has_body(self.headers):
+                self._body_timer = self.loop.call_later(limits.body_timeout_s, self._late_body)
+
+        def on_message_complete(self) -> None:
+            self._body_done()
+            super().on_message_complete()
+
+        def _body_done(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
+        def _late_body(self) -> None:
+            """The body did not arrive in time: 408 (unless an answer has started), then the
+            connection closes; the app's request sees its client gone."""
+            self._body_timer = None
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_started:
+                message = (b'{"error": "the request body did not arrive within %g s"}'
+                           % limits.body_timeout_s)
+                self.transport.write(LATE % (len(message), message))
+            if cycle is not None:
+                cycle.disconnected = True  # the app's send() writes nothing from now on
+                cycle.message_event.set()
+            self._close()
 
         def on_response_complete(self) -> None:
             pipelined = bool(self.pipeline)
@@ -139,3 +170,11 @@ def bounded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
                 self._await_head()  # idle again, until its next request head is complete
 
     return BoundedHttpTools
+
+
+def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        if (name == b"content-length" and value.strip() not in (b"", b"0")) or (
+                name == b"transfer-encoding"):
+            return True
+    return False

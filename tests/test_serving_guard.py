@@ -22,11 +22,11 @@ JSON = [(b"content-type", b"application/json"), (b"host", b"127.0.0.1:8000")]
 
 
 class Client:
-    """The server side of one request: its body in `chunks` (then, optionally, a disconnect, or
-    nothing more for `stall` seconds), every receive() counted, every message sent recorded."""
+    """The server side of one request: its body in `chunks` (then, optionally, a disconnect),
+    every receive() counted, every message sent recorded."""
 
-    def __init__(self, chunks: list[bytes], disconnect: bool = False, stall: float = 0.0) -> None:
-        self.chunks, self.disconnect, self.stall = list(chunks), disconnect, stall
+    def __init__(self, chunks: list[bytes], disconnect: bool = False) -> None:
+        self.chunks, self.disconnect = list(chunks), disconnect
         self.receives = 0
         self.bytes_read = 0
         self.sent: list[dict[str, Any]] = []
@@ -38,9 +38,7 @@ class Client:
             chunk = self.chunks.pop(0)
             self.bytes_read += len(chunk)
             return {"type": "http.request", "body": chunk, "more_body": bool(self.chunks)
-                    or self.disconnect or self.stall > 0}
-        if self.stall:
-            await asyncio.sleep(self.stall)
+                    or self.disconnect}
         if self.disconnect:
             return {"type": "http.disconnect"}
         await self.gone.wait()  # after the body: the client leaving, or the answer complete
@@ -166,7 +164,7 @@ def test_a_client_that_leaves_mid_body_is_not_answered_and_counted_499() -> None
 
 def test_a_client_that_leaves_while_answered_has_its_request_cancelled() -> None:
     app = App(delay=30.0)
-    gate = guard(app)
+    gate = guard(app, watch_after_s=0.05)
     client = Client([b'{"text": "a"}'])
 
     async def leave_soon() -> None:
@@ -187,11 +185,3 @@ def test_an_answer_that_completes_is_not_cancelled_by_the_end_of_its_connection(
     client = served(gate, scope(), Client([b"{}"]))
     assert (client.status, app.cancelled) == (200, False)
     assert counted(gate, 200) == 1 and counted(gate, CLIENT_GONE) == 0
-
-
-def test_a_body_that_does_not_arrive_in_time_is_answered_408() -> None:
-    app = App()
-    gate = guard(app, body_timeout_s=0.3)
-    client = served(gate, scope(), Client([b'{"te'], stall=5.0))
-    assert (client.status, app.calls) == (408, 0)
-    assert client.error == "the request body did not arrive within 0.3 s"
