@@ -149,12 +149,12 @@ def dvc_status(checkout: Path) -> dict[str, Any]:
         return {"unreadable": proc.stdout[-2000:] + proc.stderr[-2000:]}
 
 
-def dvc_locks(checkout: Path) -> dict[str, Any]:
-    """DVC's own lock files: the repo lock and the read/write lock of the outputs in use."""
-    tmp = checkout / ".dvc" / "tmp"
-    rwlock = tmp / "rwlock"
-    return {"lock_file": (tmp / "lock").exists(),
-            "rwlock": json.loads(rwlock.read_text() or "{}") if rwlock.exists() else None}
+def dvc_rwlock(checkout: Path) -> dict[str, Any] | None:
+    """DVC's read/write lock of the outputs in use (entries of a dead pid are DVC's to drop:
+    it removes them, with a warning, when it next runs). The repo lock (`.dvc/tmp/lock`) is an
+    flock, released by the kernel when its holder dies, so its file says nothing."""
+    rwlock = checkout / ".dvc" / "tmp" / "rwlock"
+    return json.loads(rwlock.read_text() or "{}") if rwlock.exists() else None
 
 
 def query(checkout: Path, sql: str) -> list[tuple]:
@@ -199,7 +199,7 @@ def registry(checkout: Path) -> list[dict[str, Any]]:
 def left_behind(checkout: Path) -> dict[str, Any]:
     """What a killed run left: stages DVC would rerun, locks, temp files, runs, versions."""
     status = dvc_status(checkout)
-    return {"stages_to_rerun": sorted(status), "dvc_locks": dvc_locks(checkout),
+    return {"stages_to_rerun": sorted(status), "dvc_rwlock": dvc_rwlock(checkout),
             "temp_files": temp_files(checkout), "mlflow_runs": mlflow_runs(checkout),
             "registry": registry(checkout),
             "checkpoints": sorted(p.name for p in (checkout / "models" / "checkpoints").glob("*"))
