@@ -37,7 +37,9 @@ def redact_url(url: str) -> str:
         parts = urlsplit(url)
         host = parts.hostname
         port = parts.port
-    except ValueError:  # e.g. a port that is not a number: keep nothing after the scheme
+    except ValueError:  # e.g. a port that is not a number: keep nothing after the scheme,
+        if not any(mark in url for mark in "@?#"):  # unless there is no place for a secret
+            return url
         return f"{url.split('://', 1)[0]}://{MARK}" if "://" in url else url
     if not parts.scheme or not parts.netloc:
         return url
