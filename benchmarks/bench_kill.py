@@ -13,8 +13,9 @@ images, a one-layer model, a few training steps, the whole pipeline from metadat
    the job or a lost machine ends it - at a random moment of the next stage on the plan (a uniform
    fraction of its reference duration after its "Running stage" line). The plan has one kill per
    stage, in pipeline order, then `--extra-kills` more at stages drawn in proportion to their
-   duration; the seed fixes it. After each kill the checkout is inspected (what was left behind);
-   then a last `dvc repro` runs to the end, with nothing cleaned by hand.
+   duration; the seed fixes it. A planned kill whose stage is already done (an earlier kill
+   landed a stage later) is skipped. After each kill the checkout is inspected (what was left
+   behind); then a last `dvc repro` runs to the end, with nothing cleaned by hand.
 
 Checked at the end: `metrics/eval.json` equals the reference's exactly; `dvc status` reports
 nothing to do; no writer's temp file is left; no MLflow run is RUNNING; every registry alias
@@ -283,13 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     killed = make_workspace(workdir / "killed")
     kills = []
     for stage, delay in plan:
+        if stage not in dvc_status(killed):  # an earlier kill landed past it: it is done
+            kills.append({"planned": {"stage": stage, "after_s": delay}, "skipped": "done"})
+            continue
         run = run_repro(killed, kill=(stage, delay))
         kills.append({"planned": {"stage": stage, "after_s": delay},
                       "killed_in": run.killed_in, "killed_after_s": run.killed_after_s,
                       "exit": run.returncode, "stages_run": [s for s, _ in run.stages],
                       "seconds": run.seconds,
                       "left_behind": left_behind(killed) if run.killed_in else None})
-        print(f"kill {len(kills)}/{len(plan)}: planned {stage} +{delay:.1f} s -> "
+        print(f"attempt {len(kills)}/{len(plan)}: planned {stage} +{delay:.1f} s -> "
               f"{'killed in ' + str(run.killed_in) if run.killed_in else 'finished first'} "
               f"(exit {run.returncode})", flush=True)
     final = run_repro(killed)
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "reference": {"seconds": ref_run.seconds, "stage_seconds": durations},
         "plan": [{"stage": s, "after_s": d} for s, d in plan],
         "kills": kills,
-        "stages_killed": sorted({k["killed_in"] for k in kills if k["killed_in"]}),
+        "stages_killed": sorted({k["killed_in"] for k in kills if k.get("killed_in")}),
         "final": {"exit": final.returncode, "seconds": final.seconds,
                   "stages_run": [s for s, _ in final.stages], "tail": final.tail},
         "checks": checks(reference, killed, final),
