@@ -5,10 +5,13 @@ file. Every writer -- JSON, parquet, CSV, checkpoints -- goes through `atomic_wr
 one temp-naming scheme: `.<name>.tmp-<pid>-<random><suffix>` in the target's folder. The pid lets
 a later process tell a dead writer's leftovers (`dead_writers_temps`) from a live writer's file;
 the suffix is the target's own, because some writers (MindSpore's `save_checkpoint`) insist on it.
+A writer killed mid-write (SIGKILL runs no cleanup) leaves its temp file; the next write of the
+same target removes it, so a rerun after a kill leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import secrets
 from collections.abc import Iterator
@@ -28,6 +31,9 @@ def atomic_write(path: Path | str, durable: bool = False) -> Iterator[Path]:
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{glob.escape(target.name)}{_TMP_MARK}*"):
+        if _dead_writers(stale):  # this target's temp of a killed writer
+            stale.unlink(missing_ok=True)
     tmp = target.with_name(
         f".{target.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}{target.suffix}")
     try:
@@ -62,12 +68,13 @@ def fsync(path: Path | str) -> None:
 
 def dead_writers_temps(folder: Path | str) -> list[Path]:
     """Temp files in `folder` left by `atomic_write` in processes that no longer run."""
-    found = []
-    for tmp in Path(folder).glob(f".*{_TMP_MARK}*"):
-        pid = tmp.name.rsplit(_TMP_MARK, 1)[1].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            found.append(tmp)
-    return found
+    return [tmp for tmp in Path(folder).glob(f".*{_TMP_MARK}*") if _dead_writers(tmp)]
+
+
+def _dead_writers(tmp: Path) -> bool:
+    """Whether temp file `tmp` was written by a process that no longer runs."""
+    pid = tmp.name.rsplit(_TMP_MARK, 1)[1].split("-", 1)[0]
+    return pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid))
 
 
 def _alive(pid: int) -> bool:
