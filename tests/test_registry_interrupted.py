@@ -1,12 +1,22 @@
-"""A training killed before its first checkpoint leaves its MLflow run RUNNING; the next training
-starts over in a new run and ends the abandoned one as FAILED, saying why (registry.run's
-`_abandon`, registry.journal's `EndAbandoned`). A real MLflow SQLite store in a temporary folder;
-the kill is a run that is never closed and whose sender stops, as a SIGKILL leaves it (the
-process-level kill is benchmarks/bench_kill.py's, and tests/test_kill_recovery.py's).
+"""What a kill leaves in MLflow, and how the next stage recovers from it, on a real MLflow
+SQLite store in a temporary folder.
+
+- A training killed before its first checkpoint leaves its run RUNNING; the next training starts
+  over in a new run and ends the abandoned one as FAILED, saying why (registry.run's `_abandon`,
+  registry.journal's `EndAbandoned`). The kill is a run never closed whose sender stops, as a
+  SIGKILL leaves it.
+- A process killed while MLflow creates a new SQLite store (its schema migrations) left a store
+  no stage could open again; the store is now created whole or not at all
+  (registry.settings.prepare_local_store). The kill is a real SIGKILL, in the middle.
+
+The process-level kills of a whole pipeline are benchmarks/bench_kill.py's (and
+tests/test_kill_recovery.py's).
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,3 +89,33 @@ def test_a_resumed_run_is_continued_and_a_finished_one_left_alone(files: Trackin
     later.resolve(resumed=False)  # the earlier run ended well: nothing to mark
     assert later.close() is True
     assert status(first.run_id)[0] == "FINISHED"
+
+
+HALF_CREATED = """
+import os, signal, sys
+import mlflow.store.db.utils as db_utils
+from registry import settings
+
+def half_of_the_migrations(engine):  # one table, then the kill: as a SIGKILL mid-way leaves it
+    with engine.begin() as connection:
+        connection.exec_driver_sql("CREATE TABLE experiments (experiment_id INTEGER)")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+db_utils._initialize_tables = half_of_the_migrations
+settings.client(sys.argv[1])
+"""
+
+
+def test_a_store_killed_while_being_created_is_created_again_whole(tmp_path: Path) -> None:
+    from registry.settings import client
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    killed = subprocess.run([sys.executable, "-c", HALF_CREATED, uri], capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    left = [p.name for p in tmp_path.iterdir()]
+    assert "mlflow.db" not in left and len(left) == 1 and ".tmp-" in left[0], left
+    store = client(uri)  # the next stage: a whole store, the killed one's temp file gone
+    experiment = store.create_experiment("after-the-kill")
+    assert store.get_experiment(experiment).name == "after-the-kill"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow.db"]

@@ -47,6 +47,32 @@ def atomic_write(path: Path | str, durable: bool = False) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+@contextmanager
+def atomic_create(path: Path | str) -> Iterator[tuple[Path, list[bool]]]:
+    """Yield (temp path, [created]) to build a new file that may not exist yet: when the block
+    ends, the temp file becomes `path` only if no other process made `path` meanwhile (a hard
+    link, which fails when the name is taken; `os.replace` would overwrite what another process
+    may already be using), and `created[0]` says whether it did. The temp file goes either way;
+    a killed writer's is removed by the next attempt, as `atomic_write`'s."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{glob.escape(target.name)}{_TMP_MARK}*"):
+        if _dead_writers(stale):
+            stale.unlink(missing_ok=True)
+    tmp = target.with_name(
+        f".{target.name}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}{target.suffix}")
+    created = [False]
+    try:
+        yield tmp, created
+        try:
+            os.link(tmp, target)
+            created[0] = True
+        except FileExistsError:  # another process made it first: theirs stands
+            pass
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_text(path: Path | str, text: str, durable: bool = False) -> None:
     with atomic_write(path, durable) as tmp:
         tmp.write_text(text)
