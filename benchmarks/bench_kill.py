@@ -270,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
                         "temporary folder, removed afterwards)")
     args = parser.parse_args(argv)
 
+    if shutil.which("dvc", path=repro_env()["PATH"]) is None:
+        print("bench_kill: no `dvc` on PATH: run it with the project's environment "
+              "(source .venv/bin/activate)", file=sys.stderr)
+        return 1
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="clipms-kill-"))
     started, load_start = time.time(), load()
     reference = make_workspace(workdir / "reference")
