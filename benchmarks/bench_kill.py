@@ -46,6 +46,8 @@ from typing import Any
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
 
+import record  # noqa: E402 - benchmarks/record.py, beside this script
+
 from tests.workspace import make_workspace, tool_env  # noqa: E402  (the tests' tiny world)
 
 STAGE_LINE = re.compile(r"^Running stage '([^']+)':")
@@ -154,12 +156,30 @@ def dvc_status(checkout: Path) -> dict[str, Any]:
         return {"unreadable": proc.stdout[-2000:] + proc.stderr[-2000:]}
 
 
-def dvc_rwlock(checkout: Path) -> dict[str, Any] | None:
-    """DVC's read/write lock of the outputs in use (entries of a dead pid are DVC's to drop:
+def dvc_rwlock(checkout: Path) -> dict[str, int] | None:
+    """DVC's read/write lock of the outputs in use, summarised: how many paths each mode holds
+    and by how many processes, how many of them alive (entries of a dead pid are DVC's to drop:
     it removes them, with a warning, when it next runs). The repo lock (`.dvc/tmp/lock`) is an
     flock, released by the kernel when its holder dies, so its file says nothing."""
     rwlock = checkout / ".dvc" / "tmp" / "rwlock"
-    return json.loads(rwlock.read_text() or "{}") if rwlock.exists() else None
+    if not rwlock.exists():
+        return None
+    held = json.loads(rwlock.read_text() or "{}")
+    holders = {entry["pid"] for mode in ("read", "write")
+               for entries in held.get(mode, {}).values()
+               for entry in (entries if isinstance(entries, list) else [entries])}
+    return {"read_paths": len(held.get("read", {})), "write_paths": len(held.get("write", {})),
+            "holders": len(holders), "holders_alive": sum(map(alive, holders))}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def query(checkout: Path, sql: str) -> list[tuple]:
@@ -252,15 +272,6 @@ def passed(result: dict[str, Any]) -> bool:
             and "RUNNING" not in result["mlflow_runs"] and result["aliases_on_complete_versions"])
 
 
-def load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=PROJECT_ROOT,
-                          capture_output=True, text=True).stdout.strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -278,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_kill: no `dvc` on PATH: run it with the project's environment "
               "(source .venv/bin/activate)", file=sys.stderr)
         return 1
+    recording = record.start("kill_recovery", sys.argv if argv is None else
+                             ["benchmarks/bench_kill.py", *argv])
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="clipms-kill-"))
-    started, load_start = time.time(), load()
+    started = time.time()
     reference = make_workspace(workdir / "reference")
     ref_run = run_repro(reference)
     if ref_run.returncode != 0:
@@ -306,22 +319,20 @@ def main(argv: list[str] | None = None) -> int:
               f"(exit {run.returncode})", flush=True)
     final = run_repro(killed)
     result = {
-        "bench": "kill_recovery", "seed": args.seed, "extra_kills": args.extra_kills,
-        "commit": commit(), "machine": {"cpus": os.cpu_count(), "load_start": load_start,
-                                        "load_end": load(), "shared": True},
+        "seed": args.seed, "extra_kills": args.extra_kills,
         "world": "tests/workspace.py TINY_PARAMS",
         "reference": {"seconds": ref_run.seconds, "stage_seconds": durations},
         "plan": [{"stage": s, "after_s": d} for s, d in plan],
         "kills": kills,
         "stages_killed": sorted({k["killed_in"] for k in kills if k.get("killed_in")}),
         "final": {"exit": final.returncode, "seconds": final.seconds,
-                  "stages_run": [s for s, _ in final.stages], "tail": final.tail},
+                  "stages_run": [s for s, _ in final.stages],
+                  "tail": final.tail if final.returncode else None},
         "checks": checks(reference, killed, final),
         "wall_s": round(time.time() - started, 1),
     }
     result["passed"] = passed(result["checks"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    recording.write(result, args.out)
     print(json.dumps({k: result[k] for k in ("passed", "stages_killed", "wall_s")}))
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
