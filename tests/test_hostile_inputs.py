@@ -220,6 +220,20 @@ def test_a_request_head_sent_a_byte_at_a_time_is_cut_off(service) -> None:
     assert closed and seconds < HEAD_TIMEOUT + 1, seconds
 
 
+def test_a_keep_alive_connection_left_quiet_after_its_answer_is_closed(service) -> None:
+    """The head timeout starts again when an answer has gone: a client that keeps its
+    connection and sends nothing more holds it no longer than a new one may idle."""
+    sock = connect(service.port)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    sock.settimeout(10)
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+    started = time.monotonic()
+    closed = closed_by_server(sock, HEAD_TIMEOUT + 1.5)
+    sock.close()
+    assert closed, "a quiet keep-alive connection outlived the header timeout"
+    assert time.monotonic() - started > HEAD_TIMEOUT - 0.3  # closed by the timer, not at once
+
+
 def test_a_body_that_does_not_arrive_is_answered_408(service) -> None:
     sock = connect(service.port)
     sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
