@@ -204,6 +204,34 @@ def test_idle_connections_are_closed_and_never_keep_a_client_out(service) -> Non
             sock.close()
 
 
+def test_a_new_connection_when_every_one_is_busy_is_answered_503_at_once(service) -> None:
+    """With no idle connection to close for it, a connection past --max-connections is told so
+    and closed (uvicorn's limit_concurrency would let it in and queue it); the busy ones are
+    answered."""
+    state = service.state
+    body = json.dumps({"texts": ["x"]}).encode()
+    head = (b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body))
+    release = threading.Event()
+    state.model_thread.submit(release.wait, 60)  # the model is busy: every request waits
+    busy = [connect(service.port) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for sock in busy:
+            sock.sendall(head + body)
+        _wait(lambda: state.engine.text.depth >= MAX_CONNECTIONS - 2, "every request queued")
+        newcomer = connect(service.port)
+        newcomer.settimeout(5)
+        answer = _read_quietly(newcomer)
+        newcomer.close()
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"too many connections" in answer
+    finally:
+        release.set()
+    for sock in busy:
+        sock.settimeout(30)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        sock.close()
+
+
 def test_a_request_head_sent_a_byte_at_a_time_is_cut_off(service) -> None:
     """uvicorn's keep-alive timer stops at the first byte: a head trickling in stayed open."""
     sock = connect(service.port)
