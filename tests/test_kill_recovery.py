@@ -19,6 +19,7 @@ from tests.workspace import PROJECT_ROOT, tool_env
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.timeout(5400)  # two whole pipelines and four more repros: 15+ min under load
 def test_dvc_repro_killed_in_download_train_and_register_recovers_exactly(tmp_path) -> None:
     out = tmp_path / "kill.json"
     proc = subprocess.run(
