@@ -260,6 +260,55 @@ def time_to_quality(record: Record) -> str:
     return "\n".join(ttq.tables(record["results"])) + "\n"
 
 
+def kill_recovery(record: Record) -> str:
+    """Each planned kill: where it landed and what it left; then the checks after the last
+    `dvc repro`, against the uninterrupted reference."""
+    res = record["results"]
+    rows = [_kill_row(n, kill) for n, kill in enumerate(res["kills"], 1)]
+    text = table(["#", "planned: stage + s", "landed: stage + s", "exit", "stages to rerun",
+                  "MLflow runs", "registry versions (aliased)", "rwlock holders (alive)",
+                  "temp files", "files in models/checkpoints"], rows,
+                 right=7)
+    checks, final = res["checks"], res["final"]
+    others = sorted(k for keys in checks["other_metrics_differing_keys"].values() for k in keys)
+    facts = [
+        ["uninterrupted reference `dvc repro`, s", res["reference"]["seconds"]],
+        ["last `dvc repro` after the kills: exit, s, stages it ran",
+         f"{final['exit']}, {cell(final['seconds'])}, {', '.join(final['stages_run']) or 'none'}"],
+        ["`metrics/eval.json` equal to the reference's",
+         f"{cell(checks['eval_json_equal'])} ({checks['eval_json_keys']} keys)"],
+        ["other metrics' keys that differ", ", ".join(sorted(set(others))) or "none"],
+        ["`dvc status` after", "clean" if checks["dvc_status"] == {} else
+         ", ".join(sorted(checks["dvc_status"]))],
+        ["writers' temp files left", len(checks["temp_files"])],
+        ["MLflow runs by status (reference)", f"{_runs(checks['mlflow_runs'])} "
+                                              f"({_runs(checks['reference_mlflow_runs'])})"],
+        ["every alias on a complete version", checks["aliases_on_complete_versions"]],
+        ["all checks passed", res["passed"]],
+    ]
+    return text + "\n" + table(["after the kills", "value"], facts)
+
+
+def _kill_row(n: int, kill: dict[str, Any]) -> list[Any]:
+    planned = f"{kill['planned']['stage']} +{kill['planned']['after_s']:.1f}"
+    if kill.get("skipped"):
+        return [n, planned, f"skipped: stage {kill['skipped']}", *["-"] * 7]
+    if not kill.get("killed_in"):
+        return [n, planned, "finished first", kill["exit"], *["-"] * 6]
+    left = kill["left_behind"]
+    lock = left.get("dvc_rwlock")
+    versions = left.get("registry", [])
+    return [n, planned, f"{kill['killed_in']} +{kill['killed_after_s']:.1f}", kill["exit"],
+            len(left["stages_to_rerun"]), _runs(left["mlflow_runs"]) or "none",
+            f"{len(versions)} ({sum(bool(v['aliases']) for v in versions)})",
+            f"{lock['holders']} ({lock['holders_alive']})" if lock else "-",
+            len(left["temp_files"]), len(left["checkpoints"])]
+
+
+def _runs(counts: dict[str, int]) -> str:
+    return ", ".join(f"{status} {n}" for status, n in sorted(counts.items()))
+
+
 RENDERERS: dict[str, Callable[[Record], str]] = {
     "speed_vs_openclip": speed_vs_openclip, "loader": loader, "retrieval": retrieval,
     "data_dedupe": data_dedupe, "data_shard": data_shard, "data_download": data_download,
@@ -268,6 +317,7 @@ RENDERERS: dict[str, Callable[[Record], str]] = {
     "mutation_tiers": mutation_tiers, "serving": serving,
     "default_run": default_run, "time_to_quality": time_to_quality,
     "time_to_quality_seed1": time_to_quality,
+    "kill_recovery": kill_recovery,
 }
 
 

@@ -9,6 +9,7 @@ fail with an error that names the key, the bad value and what is allowed, before
 
 from __future__ import annotations
 
+import reprlib
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,6 +20,12 @@ from clipms.schema import Section
 from clipms.utils.redact import redact_text
 
 PARAMS_FILE = Path("params.yaml")
+SHOWN_CHARS = 120  # of an offending value, in an error message
+# A repr that stops early at every level: a YAML alias bomb (a few lines whose nested aliases
+# stand for 10^8 strings) quoted in full made a 312 MB message.
+_PREVIEW = reprlib.Repr()
+_PREVIEW.maxlevel = 3
+_PREVIEW.maxstring = _PREVIEW.maxother = 40
 
 
 S = TypeVar("S", bound=Section)
@@ -48,7 +55,7 @@ def load_section(name: str, model: type[S], path: Path | str = PARAMS_FILE) -> S
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ParamsError(f"{path}: section '{name}' must be a mapping, got {raw!r}")
+        raise ParamsError(f"{path}: section '{name}' must be a mapping, got {preview(raw)}")
     return validate_section(name, model, raw, source=str(path))
 
 
@@ -69,7 +76,21 @@ def _describe(section: str, model: type[BaseModel], error: dict[str, Any]) -> st
         return f"{key}: unknown key (allowed keys here: {allowed})"
     if error["type"] == "missing":
         return f"{key}: required but missing"
-    return f"{key} = {redact_text(repr(error.get('input')))}: {error['msg']}"  # a URL's token
+    return f"{key} = {preview(error.get('input'))}: {error['msg']}"
+
+
+def preview(value: Any) -> str:
+    """A short repr of a bad value for an error message: at most SHOWN_CHARS characters (a
+    longer one is cut, and says so), computed in bounded time whatever the value holds, with
+    URL secrets and user-info redacted."""
+    if isinstance(value, str):  # its start, redacted before the cut (a secret cut in two
+        head = value[:SHOWN_CHARS * 8]  # might no longer look like one)
+        shown = redact_text(repr(head) + ("..." if len(value) > len(head) else ""))
+    else:
+        shown = redact_text(_PREVIEW.repr(value))
+    if len(shown) > SHOWN_CHARS:
+        shown = shown[:SHOWN_CHARS] + "...(cut)"
+    return shown
 
 
 def _allowed_keys(model: type[BaseModel], parent: tuple[Any, ...]) -> list[str]:

@@ -1,10 +1,10 @@
 """The tracking journal: typed records of what a pipeline run sends to MLflow, and their file.
 
 Every write of the tracking layer is a record (`CreateRun`, `LogParams`, `SetTags`, `LogMetrics`,
-`LogArtifact`, `LogDataset`, `SetStatus`) queued in memory and sent in order. What could not be sent
-is saved as one JSON file per pipeline run in the journal folder (`models/mlflow-journal/
-<run_key>.json`) and replayed by the next stage that reaches the server; a file is deleted only
-once every record in it was sent.
+`LogArtifact`, `LogDataset`, `SetStatus`, `EndAbandoned`) queued in memory and sent in order. What
+could not be sent is saved as one JSON file per pipeline run in the journal folder
+(`models/mlflow-journal/<run_key>.json`) and replayed by the next stage that reaches the server; a
+file is deleted only once every record in it was sent.
 
 Records may be sent more than once (a send that timed out may still have reached the server, and
 the journal then holds it too), so each is idempotent on the server: metrics and tags are keyed by
@@ -104,9 +104,24 @@ class SetStatus:
     end_time: int | None = None
 
 
-Record = CreateRun | LogParams | SetTags | LogMetrics | LogArtifact | LogDataset | SetStatus
+@dataclass
+class EndAbandoned:
+    """End another run of this checkout as FAILED, if it is still RUNNING: a training that was
+    killed before it wrote a checkpoint to resume from, superseded by the run this record is
+    queued in. Found by its id, or by its `run_key` tag when it never learnt its id. A run that
+    has ended already is left as it is, so sending this twice is harmless."""
+
+    kind: ClassVar[str] = "end_abandoned"
+    run_key: str
+    run_id: str | None
+    experiment: str
+    reason: str
+
+
+Record = (CreateRun | LogParams | SetTags | LogMetrics | LogArtifact | LogDataset | SetStatus
+          | EndAbandoned)
 RECORD_TYPES: dict[str, type[Any]] = {t.kind: t for t in (
-    CreateRun, LogParams, SetTags, LogMetrics, LogArtifact, LogDataset, SetStatus)}
+    CreateRun, LogParams, SetTags, LogMetrics, LogArtifact, LogDataset, SetStatus, EndAbandoned)}
 
 
 def record_to_json(record: Record) -> dict[str, Any]:

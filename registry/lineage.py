@@ -47,10 +47,8 @@ def safe_params(params: Mapping[str, str]) -> dict[str, str]:
     out = {}
     for key, value in params.items():
         leaf = key.rsplit(".", 1)[-1]
-        if SECRET_KEY.search(leaf):
-            value = "<redacted>"
-        elif "://" in value:
-            value = redact_text(value)
+        # a secret-looking key's value whole; URLs and host strings (user:password@host) in part
+        value = "<redacted>" if SECRET_KEY.search(leaf) else redact_text(value)
         if home not in ("", "/") and home in value:
             value = value.replace(home, "~")
         out[key] = value[:MAX_PARAM_CHARS]
@@ -58,11 +56,12 @@ def safe_params(params: Mapping[str, str]) -> dict[str, str]:
 
 
 def _git(*args: str) -> str | None:
+    """git's output, unstripped (a status line may start with a space), or None on failure."""
     try:
         proc = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return proc.stdout.strip() if proc.returncode == 0 else None
+    return proc.stdout if proc.returncode == 0 else None
 
 
 def read_lock(path: Path) -> dict[str, Any]:
@@ -117,7 +116,7 @@ def lineage(lock: Mapping[str, Any], manifest: Path) -> dict[str, str]:
     source = str(meta.get("source", "unknown"))
     where = {"mscoco": meta.get("url"), "local": meta.get("path")}.get(source)
     tags = {
-        "lineage.git_commit": _git("rev-parse", "HEAD"),
+        "lineage.git_commit": (_git("rev-parse", "HEAD") or "").strip() or None,
         "lineage.git_dirty": _dirty(lock),
         "lineage.data_shards_md5": lock_hash(lock, "data/shards"),
         "lineage.tokenizer_md5": lock_hash(lock, "models/tokenizer.json"),
@@ -158,13 +157,31 @@ _LINEAGE_NAMES = ("params.yaml", "dvc.yaml", "pyproject.toml")
 _LINEAGE_DIRS = ("clipms/",)
 
 
-def changed_code_and_params(porcelain: str, lock: Mapping[str, Any]) -> list[str]:
-    """The paths of `git status --porcelain` output that change code or params (the pipeline's
-    outputs, as dvc.lock records them, never count)."""
+def status_paths(status: str) -> list[str]:
+    """Every path named by `git status --porcelain -z` output: each entry is `XY path` (X and Y
+    the index and work-tree states, a space for "unchanged": ` M params.yaml` is an unstaged
+    edit), and a rename or copy is followed by its source path as an entry of its own. NUL
+    separated and never quoted, so any file name reads back as it is."""
+    entries = status.split("\0")
+    paths, i = [], 0
+    while i < len(entries):
+        entry = entries[i]
+        i += 1
+        if len(entry) < 4:
+            continue
+        paths.append(entry[3:])
+        if entry[0] in "RC":  # the source of a rename or copy changed too
+            paths.append(entries[i])
+            i += 1
+    return paths
+
+
+def changed_code_and_params(status: str, lock: Mapping[str, Any]) -> list[str]:
+    """The paths of `git status --porcelain -z` output that change code or params (the
+    pipeline's outputs, as dvc.lock records them, never count)."""
     outputs = {out.get("path", "") for stage in lock.values() for out in stage.get("outs", [])}
     changed = []
-    for line in porcelain.splitlines():
-        path = line[3:].split(" -> ")[-1].strip().strip('"')
+    for path in status_paths(status):
         if not path or path == "dvc.lock" or any(
                 path == o or path.startswith(o.rstrip("/") + "/") for o in outputs if o):
             continue
@@ -175,7 +192,7 @@ def changed_code_and_params(porcelain: str, lock: Mapping[str, Any]) -> list[str
 
 
 def _dirty(lock: Mapping[str, Any]) -> str | None:
-    status = _git("status", "--porcelain", "--untracked-files=all")
+    status = _git("status", "--porcelain", "-z", "--untracked-files=all")
     return None if status is None else str(bool(changed_code_and_params(status, lock))).lower()
 
 

@@ -35,6 +35,7 @@ from clipms.utils.jsonio import read_json, write_json
 from clipms.utils.redact import redact_text, redact_url
 from registry.journal import (
     CreateRun,
+    EndAbandoned,
     Journal,
     JournalError,
     LogArtifact,
@@ -128,6 +129,8 @@ class PipelineRun(RecordSender):
             run._earlier = read_json(resume_record)
             run._held = True  # until the first training step says whether it resumed
         else:
+            if run.owns_run_file:  # its key on disk before it exists on the server: a kill
+                run.save()         # right after it is created still leaves it findable
             run.flush(OPEN_TIMEOUT_S)
         if run.owns_run_file and not run._held:
             run.save()
@@ -157,6 +160,8 @@ class PipelineRun(RecordSender):
             earlier, self._earlier, self._held = self._earlier, None, False
             if resumed and earlier and earlier.get("run_key"):
                 self._continue(earlier)
+            elif earlier and earlier.get("run_key") not in (None, self.run_key):
+                self._abandon(earlier)
         if self.owns_run_file:
             self.save()
         self.flush(timeout=0)
@@ -175,6 +180,15 @@ class PipelineRun(RecordSender):
                     for r in self.pending if isinstance(r, CreateRun)]
         self.pending = [*head, SetStatus("RUNNING"), *mine,
                         SetTags({"pipeline.resumed": "true"})]
+
+    def _abandon(self, earlier: dict[str, Any]) -> None:
+        """The earlier run is not continued (no checkpoint of it to resume): if its training was
+        killed, it would stay RUNNING for ever; end it as FAILED, naming this run."""
+        self.pending.append(EndAbandoned(
+            str(earlier["run_key"]), earlier.get("run_id"),
+            str(earlier.get("experiment") or self.experiment),
+            f"interrupted before a checkpoint it could resume from; training started over in "
+            f"the run tagged {RUN_KEY_TAG}={self.run_key}"))
 
     # -- queueing ----------------------------------------------------------------------------
 

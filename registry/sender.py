@@ -15,7 +15,7 @@ from typing import Any
 
 from clipms.utils.redact import redact_text
 from registry import journal
-from registry.journal import CreateRun, LogMetrics, Record, SetStatus
+from registry.journal import CreateRun, EndAbandoned, LogMetrics, Record, SetStatus, SetTags
 from registry.settings import absolute_tracking_uri, client, ensure_experiment
 
 CLOSE_TIMEOUT_S = 15.0  # how long a stage's end waits for a server that has stopped answering
@@ -174,10 +174,13 @@ class RecordSender:
             self.run_id = self._create(mlflow_client, record)
             self._run_ready()
             return
+        if isinstance(record, EndAbandoned):
+            self._end_abandoned(mlflow_client, record)
+            return
         if self.run_id is None:
             # Created by an earlier stage whose answer came too late to be recorded (a slow
             # server): the run carries its key, so find it rather than never sending again.
-            self.run_id = self._find(mlflow_client)
+            self.run_id = self._find(mlflow_client, self.experiment, self.run_key)
         if self.run_id is None:
             raise TrackingUnavailable("the MLflow run has not been created yet")
         try:
@@ -190,23 +193,34 @@ class RecordSender:
         if isinstance(record, SetStatus) and record.status == "RUNNING":
             self._run_ready()
 
+    def _end_abandoned(self, mlflow_client: Any, record: EndAbandoned) -> None:
+        run_id = record.run_id or self._find(mlflow_client, record.experiment, record.run_key)
+        if run_id is None:  # it never reached the server: nothing is left running there
+            return
+        if mlflow_client.get_run(run_id).info.status != "RUNNING":
+            return
+        journal.send(SetTags({"error.type": "Interrupted", "error.message": record.reason,
+                              "mlflow.note.content": f"Failed: {record.reason}"}),
+                     mlflow_client, run_id)
+        mlflow_client.set_terminated(run_id, "FAILED")
+
+    @staticmethod
+    def _find(mlflow_client: Any, experiment: str, run_key: str) -> str | None:
+        """The id of the run tagged with `run_key` in `experiment`, None when there is none (a
+        lookup: it creates no experiment)."""
+        found_experiment = mlflow_client.get_experiment_by_name(experiment)
+        if found_experiment is None:
+            return None
+        found = mlflow_client.search_runs([found_experiment.experiment_id],
+                                          filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'",
+                                          max_results=1)
+        return str(found[0].info.run_id) if found else None
+
     def _create(self, mlflow_client: Any, record: CreateRun) -> str:
         """Create the run, or find it when an earlier attempt did but its answer was lost."""
-        experiment_id = ensure_experiment(mlflow_client, self.experiment)
-        found = self._search(mlflow_client, experiment_id)
-        if found:
+        found = self._find(mlflow_client, self.experiment, self.run_key)
+        if found is not None:
             return found
+        experiment_id = ensure_experiment(mlflow_client, self.experiment)
         run = mlflow_client.create_run(experiment_id, tags=record.tags, run_name=record.run_name)
         return str(run.info.run_id)
-
-    def _find(self, mlflow_client: Any) -> str | None:
-        """The id of this run if the server has it (by its key), else None."""
-        experiment = mlflow_client.get_experiment_by_name(self.experiment)
-        return None if experiment is None else self._search(mlflow_client,
-                                                             experiment.experiment_id)
-
-    def _search(self, mlflow_client: Any, experiment_id: str) -> str | None:
-        found = mlflow_client.search_runs(
-            [experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'",
-            max_results=1)
-        return str(found[0].info.run_id) if found else None

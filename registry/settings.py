@@ -80,11 +80,33 @@ def absolute_tracking_uri() -> str:
 
 def client(uri: str | None = None) -> Any:
     """An MlflowClient for `uri`, by default the tracking URI (the registry lives in the same
-    store)."""
+    store); a local SQLite store is created whole first, if it does not exist yet."""
     from mlflow import MlflowClient
 
     uri = uri or tracking_uri()
+    prepare_local_store(uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def prepare_local_store(uri: str) -> bool:
+    """Create the SQLite store of `uri` whole, if it does not exist yet; True when this call
+    made it. MLflow creates a new database by running its schema migrations in place, and a
+    process killed in the middle of them (a training killed seconds after it opened its run)
+    left a database with the tables of a later migration under an earlier version stamp:
+    every later open tried to create those tables again ("table span_metrics already exists"),
+    and no stage reached the store again. Here the migrations run on a temp file beside it,
+    which becomes the store only when complete (clipms.utils.atomic.atomic_create)."""
+    from clipms.utils.atomic import atomic_create
+
+    db = sqlite_path(uri)
+    if db is None or db.exists():
+        return False
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    with atomic_create(db) as (tmp, created):
+        store = SqlAlchemyStore(f"sqlite:///{tmp}", local_artifact_location(uri))
+        store.engine.dispose()  # no connection of this process keeps the temp name
+    return created[0]
 
 
 def is_local_store(uri: str) -> bool:

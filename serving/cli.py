@@ -5,6 +5,9 @@
 
 Binds 127.0.0.1 by default; any other address is refused unless a bearer token is configured
 (CLIPMS_SERVE_TOKEN in the environment, or --token-file), because the API has no other protection.
+Requests must name the service in `Host` (its bind address, or an --allowed-host name) and come
+from its own page when they carry an `Origin` (serving.hosts); connections, request heads and
+bodies are bounded in number, size and time (serving.protocol, serving.guard).
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from clipms.deploy.inputs import RequestLimits
+from serving.protocol import ConnectionLimits
 
 TOKEN_VARIABLE = "CLIPMS_SERVE_TOKEN"
 log = logging.getLogger("clipms.serving")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    limits = RequestLimits()
+    limits, connections = RequestLimits(), ConnectionLimits()
     p = argparse.ArgumentParser(prog="clipms-serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="models:/NAME@ALIAS, models:/NAME/VERSION or an export bundle "
@@ -43,6 +47,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--token-file", type=Path, help=f"file holding the bearer token (else "
                    f"${TOKEN_VARIABLE}); required to bind a non-loopback address")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a host name clients (or a reverse proxy) use to reach the service, "
+                   "accepted in Host and Origin besides the bind address (repeatable)")
+    p.add_argument("--max-connections", type=int, default=connections.max_connections,
+                   help="open connections; beyond, the longest-idle one is closed (503 when "
+                   "none is idle)")
+    p.add_argument("--max-header-bytes", type=int, default=connections.max_header_bytes,
+                   help="request line + headers (431 beyond)")
+    p.add_argument("--header-timeout-s", type=float, default=connections.head_timeout_s,
+                   help="seconds for a request line + headers to arrive")
+    p.add_argument("--keep-alive-s", type=int, default=connections.keep_alive_s,
+                   help="seconds an idle keep-alive connection stays open")
+    p.add_argument("--body-timeout-s", type=float, default=connections.body_timeout_s,
+                   help="seconds for a request body to arrive (408 beyond)")
     p.add_argument("--max-batch", type=int, default=32, help="items per model call")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long a batch waits for more items")
@@ -133,10 +151,24 @@ def model_source(args: argparse.Namespace) -> tuple[Any, Any]:
     return first, source if args.follow else None
 
 
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    try:
+        limits = ConnectionLimits(args.max_connections, args.max_header_bytes,
+                                  args.header_timeout_s, args.keep_alive_s, args.body_timeout_s)
+    except ValueError as err:
+        raise SystemExit(f"clipms-serve: {err}") from None
+    bounded = limits.within_open_files()
+    if bounded != limits:
+        log.warning("--max-connections %d lowered to %d: the process may open only that many "
+                    "more files (ulimit -n)", limits.max_connections, bounded.max_connections)
+    return bounded
+
+
 def build(args: argparse.Namespace) -> Any:
     from clipms.runtime import configure
     from serving.app import create_app
     from serving.engine import BatchSettings
+    from serving.hosts import HostPolicy
     from serving.metrics import ServiceMetrics
     from serving.state import ServiceState
 
@@ -161,7 +193,24 @@ def build(args: argparse.Namespace) -> Any:
                 follower.cancel()
             await state.close()
 
-    return create_app(state, limits, token, lifespan=lifespan)
+    return create_app(state, limits, token, lifespan=lifespan,
+                      hosts=HostPolicy.for_bind(args.host, tuple(args.allowed_host)))
+
+
+def server_config(app: Any, args: argparse.Namespace, limits: ConnectionLimits) -> Any:
+    """uvicorn's Config for `app` under `limits`: the bounded httptools protocol
+    (serving.protocol), uvicorn's keep-alive timeout, and its limit_concurrency (503 past it) one
+    above the protocol's connection bound: the protocol keeps open connections within that
+    bound by closing idle ones first, and uvicorn counts idle connections too, so at the bound
+    itself it would refuse requests that a closed idle connection made room for."""
+    import uvicorn
+
+    from serving.protocol import bounded_protocol
+
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          access_log=False, timeout_graceful_shutdown=5,
+                          http=bounded_protocol(limits), limit_concurrency=limits.max_connections
+                          + 1, timeout_keep_alive=limits.keep_alive_s)
 
 
 def sequential_tokenizer() -> None:
@@ -179,10 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     sequential_tokenizer()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    limits = connection_limits(args)
     app = build(args)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            access_log=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(server_config(app, args, limits))
     server.run()
     return 0 if server.started else 1
 

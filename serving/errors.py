@@ -1,5 +1,5 @@
 """What an error answers: one mapping from an exception to (status, message, headers), used by the
-FastAPI app's exception handlers (serving.app) and by the direct /v1/embeddings path
+Starlette app's exception handlers (serving.app) and by the direct /v1/embeddings path
 (serving.routes.direct_embeddings), so both answer a mistake with the same status and words.
 
 4xx for client mistakes, 503 when overloaded or not ready, 500 with no detail (logged with its
@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from clipms.data.preprocess import PreprocessError
@@ -32,6 +31,13 @@ class ClientError(ValueError):
         self.status = status
 
 
+class InvalidBody(ClientError):
+    """A body that is not JSON, or not what the endpoint takes: pydantic's errors in one line."""
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        super().__init__(validation_message(errors))
+
+
 def validation_message(errors: list[dict[str, Any]]) -> str:
     """One line from pydantic's errors: where and what, at most five of them."""
     problems = []
@@ -46,8 +52,6 @@ def validation_message(errors: list[dict[str, Any]]) -> str:
 
 def error_answer(err: Exception) -> tuple[int, str, dict[str, str]]:
     """(HTTP status, message, extra headers) of `err`; an unexpected error is logged here."""
-    if isinstance(err, RequestValidationError):
-        return 400, validation_message(list(err.errors())), {}
     if isinstance(err, HTTPException):
         return err.status_code, str(err.detail), {}
     if isinstance(err, ClientError):
@@ -63,5 +67,5 @@ def error_answer(err: Exception) -> tuple[int, str, dict[str, str]]:
 
 
 # The exceptions error_answer() tells apart (the app registers a handler for each).
-HANDLED = (RequestValidationError, HTTPException, ClientError, InputError, PreprocessError,
-           Overloaded, NotReady, Exception)
+HANDLED = (HTTPException, ClientError, InputError, PreprocessError, Overloaded, NotReady,
+           Exception)

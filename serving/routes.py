@@ -1,14 +1,17 @@
-"""The routes of the service (ROUTES; serving.app builds the FastAPI app around them), and
-POST /v1/embeddings (`direct_embeddings`), which serving.guard answers itself, in front of FastAPI.
+"""The routes of the service (ROUTES; serving.app builds the Starlette app around them), and
+POST /v1/embeddings (`direct_embeddings`), which serving.guard answers itself, in front of the app.
 
-The handlers are plain Starlette routes (`handler(request) -> Response`): they take no injected
-parameters, so FastAPI's per-request dependency solving (query, cookies, a sub-response) would be
-pure overhead on the hot path. Each handler reads the service from `request.app.state`
-(`service`: the ServiceState, `limits`: the RequestLimits, `auth_required`). Request bodies are
-parsed and validated in one step by pydantic from the raw bytes (`model_validate_json`), and JSON
-answers are written by orjson, which writes numpy arrays itself: an embedding row goes from the
-model's float32 array to JSON with no Python float per value. A float32 is written as the
-shortest decimal that reads back as the same float32 (`0.1`, not `0.10000000149011612`).
+The handlers are plain Starlette routes (`handler(request) -> Response`). Each reads the service
+from `request.app.state` (`service`: the ServiceState, `limits`: the RequestLimits,
+`auth_required`). A request body's shape is bounded on its bytes first (`check_shape`: at most
+as many JSON values as `max_rows` rows can need) and its lists' lengths checked against
+`max_rows` (`check_rows`), so no parser or validator ever builds an object or an error per item
+of a huge list: pydantic builds one error per bad element, and 2 million of them took seconds of
+the event loop. Then the body is parsed and validated in one step by pydantic from the raw bytes
+(`model_validate_json`), and JSON answers are written by orjson, which writes numpy arrays
+itself: an embedding row goes from the model's float32 array to JSON with no Python float per
+value. A float32 is written as the shortest decimal that reads back as the same float32 (`0.1`,
+not `0.10000000149011612`).
 
 /v1/embeddings, the hot path, skips pydantic too when it can: `embeddings_body` takes a body that
 orjson reads as what EmbeddingsBody plainly allows, and gives any other to pydantic, so what is
@@ -19,23 +22,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import quote
 
 import numpy as np
 import orjson
-from fastapi import Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, Response
-from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import FileResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from clipms.data.preprocess import preprocess_image
-from clipms.deploy.inputs import RequestLimits, image_bytes
+from clipms.deploy.inputs import InputError, RequestLimits, image_bytes
 from serving.engine import Engine
-from serving.errors import ClientError, error_answer
+from serving.errors import ClientError, InvalidBody, error_answer
 from serving.guard import BODY_SCOPE_KEY, MODEL_SCOPE_KEY, Headers, Scope
 from serving.state import ServiceState
 
@@ -70,17 +73,69 @@ class RankBody(Strict):
 Body = TypeVar("Body", bound=BaseModel)
 
 
+# The JSON values a body may hold beyond one per row: the object, its lists, its other fields.
+SHAPE_MARGIN = 16
+JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def _separators(data: bytes) -> int:
+    """Commas, list and object openers: one per JSON value, give or take the first of each."""
+    return data.count(b",") + data.count(b"[") + data.count(b"{")
+
+
+def check_shape(body: bytes, limits: RequestLimits) -> None:
+    """InputError when the body holds more JSON values than a request of `max_rows` rows needs,
+    decided on the bytes, before a parser builds an object per value (a 16 MiB body of `[]`s is
+    5 million lists). Separators counted over the raw bytes bound the values from above (strings
+    may hold commas too); only when that bound is passed are the strings (a bounded number of
+    them) blanked out and the separators counted again."""
+    allowed = limits.max_rows + SHAPE_MARGIN
+    if _separators(body) <= allowed:
+        return
+    quotes = body.count(b'"') - body.count(b'\\"')
+    if quotes > 4 * allowed or _separators(JSON_STRING.sub(b'""', body)) > allowed:
+        raise InputError(f"the request body holds more JSON values than a request of at most "
+                         f"{limits.max_rows} rows can (the limit on rows per request)")
+
+
+def check_rows(data: Any, limits: RequestLimits) -> None:
+    """InputError when the lists of a parsed body hold more than `max_rows` items together, in
+    the row limit's own words (RequestLimits.check counts the exact rows after validation)."""
+    if type(data) is dict:
+        rows = sum(len(value) for value in data.values() if type(value) is list)
+        if rows > limits.max_rows:
+            raise InputError(f"{rows} rows in one request, over the limit of {limits.max_rows}")
+
+
+def read_json(body: bytes, limits: RequestLimits) -> Any:
+    """The body as orjson reads it (None when it is not JSON), its shape and rows bounded."""
+    check_shape(body, limits)
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    check_rows(data, limits)
+    return data
+
+
 async def parse(request: Request, model: type[Body]) -> Body:
-    """The request body as `model`, parsed and checked by pydantic in one pass (400 otherwise)."""
+    """The request body as `model`, bounded (`read_json`), then parsed and checked by pydantic
+    in one pass (400 otherwise)."""
     body = request.scope.get(BODY_SCOPE_KEY)  # serving.guard read it
-    return validated(model, await request.body() if body is None else body)
+    return validated(model, await request.body() if body is None else body,
+                     request.app.state.limits)
 
 
-def validated(model: type[Body], body: bytes) -> Body:
+def validated(model: type[Body], body: bytes, limits: RequestLimits) -> Body:
+    read_json(body, limits)
+    return _pydantic(model, body)
+
+
+def _pydantic(model: type[Body], body: bytes) -> Body:
     try:
         return model.model_validate_json(body)
     except ValidationError as err:
-        raise RequestValidationError(err.errors(include_url=False)) from None
+        raise InvalidBody(err.errors(include_url=False)) from None
 
 
 EMBEDDINGS_FIELDS = frozenset(EmbeddingsBody.model_fields)
@@ -90,21 +145,19 @@ def _strings(value: Any) -> bool:
     return value is None or (type(value) is list and all(type(v) is str for v in value))
 
 
-def embeddings_body(body: bytes) -> tuple[list[str], list[str], str]:
-    """(texts, images, encoding_format) of a /v1/embeddings body. A body orjson reads as what
-    EmbeddingsBody plainly allows (an object of those fields only, lists of strings, a known
-    format) is taken as it is; any other goes to pydantic, which accepts it as EmbeddingsBody
-    would or says what is wrong (400): the same answers, without pydantic on the common path."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        data = None
+def embeddings_body(body: bytes, limits: RequestLimits) -> tuple[list[str], list[str], str]:
+    """(texts, images, encoding_format) of a /v1/embeddings body, bounded (`read_json`). A body
+    orjson reads as what EmbeddingsBody plainly allows (an object of those fields only, lists of
+    strings, a known format) is taken as it is; any other goes to pydantic, which accepts it as
+    EmbeddingsBody would or says what is wrong (400): the same answers, without pydantic on the
+    common path."""
+    data = read_json(body, limits)
     if type(data) is dict and data.keys() <= EMBEDDINGS_FIELDS and _strings(
             data.get("texts")) and _strings(data.get("images")) and data.get(
             "encoding_format", "float") in ("float", "base64"):
         return data.get("texts") or [], data.get("images") or [], data.get("encoding_format",
                                                                            "float")
-    parsed = validated(EmbeddingsBody, body)
+    parsed = _pydantic(EmbeddingsBody, body)
     return parsed.texts or [], parsed.images or [], parsed.encoding_format
 
 
@@ -152,7 +205,7 @@ def service(request: Request) -> ServiceState:
 
 async def embed(state: ServiceState, limits: RequestLimits, scope: Scope, body: bytes) -> bytes:
     """The JSON answer of a /v1/embeddings body (ClientError, InputError... for a bad one)."""
-    texts, images, encoding = embeddings_body(body)
+    texts, images, encoding = embeddings_body(body, limits)
     if not texts and not images:
         raise ClientError("give 'texts' and/or 'images' (base64), at least one item")
     limits.check(texts, images)

@@ -65,11 +65,9 @@ class RegistrySource:
         self.cache_dir = Path(cache_dir) if cache_dir else None
 
     def _client(self):  # noqa: ANN202 - mlflow is imported lazily
-        from mlflow import MlflowClient
+        from registry.settings import client
 
-        from registry.settings import tracking_uri
-
-        return MlflowClient(tracking_uri=self.tracking_uri or tracking_uri())
+        return client(self.tracking_uri)
 
     def current(self) -> tuple[str, str | None]:
         """(version, run_id) the URI names now (the alias may have moved since the last call)."""

@@ -42,6 +42,8 @@ class MetadataParams(Section):
     # mscoco/local: Karpathy's dataset_coco.json (a path or an http(s) URL); its 5k test images
     # become the val split (clipms/prep/karpathy.py)
     karpathy_split: str | None = Field(None, min_length=1)
+    # mscoco/local: a parquet of more rows is refused before it is read (~1 GB per million rows)
+    max_rows: int = Field(5_000_000, ge=1)
 
     @field_validator("sha256")
     @classmethod

@@ -36,6 +36,13 @@ def png_header_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
             + png_chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + png_chunk(b"IEND", b""))
 
 
+def png_sliver(width: int = 1, height: int = 100_000) -> bytes:
+    """A valid 1-bit PNG of 1 x 100,000 black pixels (under 300 bytes): within any pixel limit,
+    but a resize of its short side to a model's image size asks for that size squared x 100,000
+    pixels (5 x 10^9 for 224)."""
+    return png_bomb(width, height)
+
+
 EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n"
        b"newpath 0 0 moveto 10 10 lineto stroke\nshowpage\n%%EOF\n")
 

@@ -23,6 +23,8 @@ from harness import processes
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 SLOW_SECONDS = 2.5       # the slow URL answers after this; the download timeout is 1 s
+DRIP_SECONDS = 0.2       # /drip.jpg sends one byte of its body per this, for at most DRIP_MAX_S
+DRIP_MAX_S = 120.0
 COLOURS = [(200, 30, 30), (30, 160, 60), (40, 60, 220), (230, 200, 40), (140, 50, 180),
            (240, 130, 20), (20, 20, 20)]
 
@@ -36,7 +38,9 @@ def jpeg(colour: tuple[int, int, int], size: tuple[int, int] = (96, 80)) -> byte
 class Site:
     """A loopback HTTP server: `/good/<i>.jpg`, `/missing.jpg` (404), `/truncated.jpg`,
     `/text.jpg` (plain text), `/slow.jpg` (answers after SLOW_SECONDS), `/redirect.jpg` (302 to
-    `redirect_to`), `/stall/<i>.jpg` (waits until `stall` is set, at most 60 s), plus any path of
+    `redirect_to`), `/stall/<i>.jpg` (waits until `stall` is set, at most 60 s), `/drip.jpg` (a
+    JPEG's headers at once, then its body a byte every DRIP_SECONDS: each read of the client is
+    quick, the whole never ends), plus any path of
     `files` (its bytes), of `unsized` (its bytes, no Content-Length) and of `redirects` (302 to
     its value)."""
 
@@ -58,6 +62,9 @@ class Site:
                     self.send_response(302)
                     self.send_header("Location", site.redirects[self.path])
                     self.end_headers()
+                    return
+                if self.path == "/drip.jpg":
+                    site.drip(self)
                     return
                 if self.path in site.unsized:
                     self.send_response(200)
@@ -83,6 +90,21 @@ class Site:
         self.server.daemon_threads = True
         self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def drip(self, handler: BaseHTTPRequestHandler) -> None:
+        body = jpeg((90, 90, 90))
+        handler.send_response(200)
+        handler.send_header("Content-Type", "image/jpeg")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        started = time.monotonic()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            for i in range(len(body)):
+                if time.monotonic() - started > DRIP_MAX_S:
+                    return
+                handler.wfile.write(body[i:i + 1])
+                handler.wfile.flush()
+                time.sleep(DRIP_SECONDS)
 
     def body(self, path: str) -> bytes | None:
         if path in self.files:

@@ -34,3 +34,20 @@ def test_temp_files_of_dead_writers_are_found_and_live_ones_are_not(tmp_path):
     with atomic_write(tmp_path / "b.ckpt") as mine:
         mine.write_bytes(b"\0")
         assert dead_writers_temps(tmp_path) == [stale]
+
+
+def test_a_write_removes_the_temp_file_a_killed_writer_left_for_the_same_target(tmp_path):
+    """SIGKILL runs no `finally`: a writer killed mid-write leaves its temp file beside the
+    target; the next write of that target (the rerun) removes it, and only it."""
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import os, signal, sys; from clipms.utils.atomic import atomic_write\n"
+        f"with atomic_write({str(tmp_path / 'eval.json')!r}) as tmp:\n"
+        "    tmp.write_text('half'); os.kill(os.getpid(), signal.SIGKILL)")])
+    writer.wait()
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".eval.json.tmp-")
+    other = tmp_path / f".other.json.tmp-{writer.pid}-00c0ffee.json"
+    other.write_text("another target's")
+    write_text(tmp_path / "eval.json", "whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.name, "eval.json"]
+    assert (tmp_path / "eval.json").read_text() == "whole"

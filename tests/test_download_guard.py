@@ -51,6 +51,15 @@ def test_address_rule(address, reason):
     assert address_problem(address) == reason
 
 
+@pytest.mark.parametrize("ipv4", ["127.0.0.1", "127.8.9.10", "10.1.2.3", "169.254.169.254",
+                                  "224.0.0.1", "100.64.0.1", "0.0.0.0", "8.8.8.8", PUBLIC])
+def test_an_ipv4_mapped_address_gets_the_rule_of_its_ipv4_address(ipv4):
+    """::ffff:a.b.c.d reaches a.b.c.d: the IPv4 rule, reason included, not what `ipaddress`
+    says of the IPv6 form (::ffff:127.0.0.1 is "private" there, not loopback, so a rule that
+    forgot the mapping still refused it, by accident; and ::ffff:8.8.8.8 "reserved")."""
+    assert address_problem(f"::ffff:{ipv4}") == address_problem(ipv4)
+
+
 def fake_dns(answers: dict[str, list[str]]):
     """getaddrinfo for the names in `answers` (a stand-in for DNS, see the module docstring);
     IP literals and localhost resolve for real. A list of several answers is served in turn."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -118,6 +119,25 @@ def test_a_different_checkpoint_fails_the_parity_check(exported, trained):
     assert report["image_max_abs_error"] > 1e-3 and report["text_max_abs_error"] > 1e-3
     with pytest.raises(ParityError, match="image_max_abs_error_b1"):
         assert_parity(report)
+
+
+def test_a_graph_below_its_checkpoint_everywhere_fails_the_parity_check(exported, trained):
+    """The errors are absolute: a reference that is the bundle's own output plus 0.5 everywhere
+    is 0.5 off (without `abs`, the max of got - want was -0.5, and it passed; a reference that
+    differs both ways, as another checkpoint does, could not tell)."""
+    from clipms.deploy.export import IMAGE_ENCODER, TEXT_ENCODER, load_graph, parity_report
+
+    out, _, run = exported
+    images, tokens = sample_inputs(run, trained["a"]["tokenizer"])
+    image, text = load_graph(out / IMAGE_ENCODER), load_graph(out / TEXT_ENCODER)
+    shifted = SimpleNamespace(encode_image=lambda x: image(x) + 0.5,
+                              encode_text=lambda x: text(x) + 0.5)
+    report = parity_report(shifted, out, images, tokens, (1, 3), tolerance=1e-5)
+    for tower in ("image", "text"):
+        for batch in (1, 3):
+            assert report[f"{tower}_max_abs_error_b{batch}"] == pytest.approx(0.5, abs=1e-5)
+        assert report[f"{tower}_max_abs_error_normalized"] > 1e-3
+    assert report["passed"] is False
 
 
 @pytest.mark.slow  # exports MindIR

@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from clipms.data.preprocess import (
+    DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_PIXELS,
     OPENAI_MEAN,
     OPENAI_STD,
@@ -17,7 +18,7 @@ from clipms.data.preprocess import (
     open_image,
     preprocess_image,
 )
-from tests.hostile_images import EPS, encoded, png_bomb, png_header_bomb
+from tests.hostile_images import EPS, encoded, png_bomb, png_header_bomb, png_sliver
 
 
 def column_image(width: int, height: int) -> Image.Image:
@@ -130,6 +131,26 @@ def test_pixel_limit_is_a_field_of_the_spec() -> None:
         PreprocessConfig(image_size=16, max_pixels=255)
     with pytest.raises(PreprocessError, match="over the pixel limit"):
         preprocess_image(Image.new("RGB", (30, 30)), PreprocessConfig(16, max_pixels=256))
+
+
+def test_a_sliver_is_refused_from_its_header_by_the_spec_s_aspect_ratio_limit() -> None:
+    """A 274-byte 1 x 100,000 PNG passes any pixel limit, and its resize (short side to
+    image_size) asked for image_size^2 x 100,000 pixels: refused before a pixel is decoded, by
+    the limit the spec (so the bundle's preprocess.json) carries."""
+    sliver = png_sliver()
+    with pytest.raises(PreprocessError, match="upload: 1x100000 has an aspect ratio over the "
+                                              "limit of 10 "):
+        preprocess_image(sliver, PreprocessConfig(16), name="upload")
+    with pytest.raises(PreprocessError, match="aspect ratio over the limit"):
+        preprocess_image(Image.new("RGB", (200, 16)), PreprocessConfig(16))  # decoded: the same
+    wide = PreprocessConfig(16, max_aspect_ratio=12.5)
+    assert preprocess_image(Image.new("RGB", (200, 16)), wide).shape == (3, 16, 16)
+    assert PreprocessConfig.from_dict(wide.to_dict()) == wide
+    older = {k: v for k, v in wide.to_dict().items() if k != "max_aspect_ratio"}
+    assert PreprocessConfig.from_dict(older).max_aspect_ratio == DEFAULT_MAX_ASPECT_RATIO
+    for bad in (0.5, True, "10"):
+        with pytest.raises(PreprocessError, match="max_aspect_ratio must be a number >= 1"):
+            PreprocessConfig(16, max_aspect_ratio=bad)
 
 
 def test_data_cut_inside_the_pixels_is_an_error() -> None:

@@ -25,7 +25,7 @@ from PIL import Image
 
 from harness import processes
 from harness.processes import free_port
-from tests.hostile_images import EPS, encoded, png_bomb, png_header_bomb
+from tests.hostile_images import EPS, encoded, png_bomb, png_header_bomb, png_sliver
 from tests.mlflow_server import http_get
 
 pytestmark = pytest.mark.slow
@@ -122,6 +122,8 @@ def hostile_requests(root: Path) -> dict[str, tuple[list[str], list[list], str]]
                                            "over the pixel limit of 50000000"),
         "PNG header claiming 10^10 pixels": (["image"], [[b64(png_header_bomb())]],
                                              "over the pixel limit of 50000000"),
+        "PNG of 1 x 100000 pixels (274 bytes)": (["image"], [[b64(png_sliver())]],
+                                                 "1x100000 has an aspect ratio over the limit"),
         "EPS": (["image"], [[b64(EPS)]], "not a JPEG, PNG or WEBP image"),
         "GIF": (["image"], [[b64(encoded("GIF"))]], "not a JPEG, PNG or WEBP image"),
         "truncated PNG": (["image"], [[b64(noise_png(64)[:2000])]], "cannot decode image"),

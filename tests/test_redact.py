@@ -46,3 +46,21 @@ def test_redact_text_finds_every_url_in_a_message() -> None:
     assert redact_url(redact_url(PRESIGNED)) == redact_url(PRESIGNED)
     assert redact_text("x https://u:p@h/a?b#c y") \
         == "x https://<redacted>@h/a?<redacted>#<redacted> y"
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    ("<urlopen error [Errno -2] user:S3cret@mirror.example: not known>",
+     "<urlopen error [Errno -2] <redacted>@mirror.example: not known>"),
+    ("metadata.path = 'user:S3cret@mirror:/data/x.parquet': no such file",
+     "metadata.path = '<redacted>@mirror:/data/x.parquet': no such file"),
+    ("user:p@ss@word@host.example:22/x", "<redacted>@host.example:22/x"),  # '@' in a password
+    ("host (u:pw@10.0.0.1) refused", "host (<redacted>@10.0.0.1) refused"),
+    ("key=u:pw@h.example", "key=<redacted>@h.example"),
+    ("mail alice@example.com about it", "mail alice@example.com about it"),  # no password
+    ("ratio 1:2 @ 3", "ratio 1:2 @ 3"),
+])
+def test_redact_text_drops_the_user_info_of_host_strings_without_a_scheme(text, shown) -> None:
+    """urllib and http.client quote a request's host as `user:password@host` in their errors,
+    and an scp-style path has one: no `://` for a URL rule to find."""
+    assert redact_text(text) == shown
+    assert redact_text(shown) == shown

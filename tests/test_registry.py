@@ -253,7 +253,7 @@ def test_lineage_reads_git_dvc_lock_and_manifest(tmp_path: Path, monkeypatch) ->
         (tmp_path / changed).write_text("x: 1\n")
         assert lineage.lineage(lineage.read_lock(LOCK), MANIFEST)["lineage.git_dirty"] == "true"
         (tmp_path / changed).unlink()
-    porcelain = " M dvc.lock\n M data/parts/manifest.json\n?? data/parts/val/x.tar\n M a.py\n"
+    porcelain = " M dvc.lock\0 M data/parts/manifest.json\0?? data/parts/val/x.tar\0 M a.py\0"
     assert lineage.changed_code_and_params(porcelain, lineage.read_lock(LOCK)) == ["a.py"]
     write_pipeline_state(tmp_path, val_sha="0" * 64)
     again = lineage.lineage(lineage.read_lock(LOCK), MANIFEST)

@@ -119,10 +119,10 @@ def metric(text: str, sample: str) -> float:
     return 0.0
 
 
-def test_embeddings_answered_in_front_of_fastapi_keep_the_contract(world) -> None:
+def test_embeddings_answered_in_front_of_the_app_keep_the_contract(world) -> None:
     """POST /v1/embeddings is answered by serving.guard itself (serving.routes.direct_embeddings),
-    not by FastAPI: over one keep-alive connection its answers, its errors (pydantic's words, no
-    trace), its headers and its metrics are those of every other endpoint."""
+    not by the Starlette app: over one keep-alive connection its answers, its errors (pydantic's
+    words, no trace), its headers and its metrics are those of every other endpoint."""
     import http.client
 
     url, encoder, images = world["url"], world["encoder"], world["images"]

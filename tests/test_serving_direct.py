@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.exceptions import RequestValidationError
 
-from serving.errors import validation_message
+from clipms.deploy.inputs import RequestLimits
+from serving.errors import InvalidBody
 from serving.routes import EmbeddingsBody, embeddings_body, validated
+
+LIMITS = RequestLimits()
 
 BODIES = [
     {"texts": ["a", "b"]}, {"images": ["aGVsbG8="]}, {"texts": ["x"], "images": ["eA=="]},
@@ -27,17 +29,17 @@ RAW = [b"{not json", b"", b'{"texts": ["a"]} trailing', b'{"texts": ["\\ud800"]}
 
 def pydantic(body: bytes) -> tuple[list[str], list[str], str] | str:
     try:
-        parsed = validated(EmbeddingsBody, body)
-    except RequestValidationError as err:
-        return validation_message(list(err.errors()))
+        parsed = validated(EmbeddingsBody, body, LIMITS)
+    except InvalidBody as err:
+        return str(err)
     return parsed.texts or [], parsed.images or [], parsed.encoding_format
 
 
 def ours(body: bytes) -> tuple[list[str], list[str], str] | str:
     try:
-        return embeddings_body(body)
-    except RequestValidationError as err:
-        return validation_message(list(err.errors()))
+        return embeddings_body(body, LIMITS)
+    except InvalidBody as err:
+        return str(err)
 
 
 @pytest.mark.parametrize("body", [json.dumps(b).encode() for b in BODIES] + RAW)

@@ -1,9 +1,9 @@
 """CLIP image preprocessing, one definition for training data, evaluation, export and inference.
 
 The transform is open_clip's evaluation transform (torchvision on PIL images), with PIL only:
-  1. decode (bytes; JPEG, PNG or WEBP only, at most `max_pixels` pixels, checked from the header
-     before any pixel is decoded) and convert to RGB (before resizing, so palette/alpha images
-     resize as RGB);
+  1. decode (bytes; JPEG, PNG or WEBP only, at most `max_pixels` pixels and a long side at most
+     `max_aspect_ratio` times the short one, both checked from the header before any pixel is
+     decoded) and convert to RGB (before resizing, so palette/alpha images resize as RGB);
   2. resize so that the SHORTER side equals `image_size` (the longer side becomes
      int(image_size * long / short), as torchvision computes it), PIL resampling `interpolation`
      (default bicubic, open_clip's choice; PIL filters antialias when shrinking, as torchvision does
@@ -33,6 +33,11 @@ ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP")
 # 50 megapixels: a 48 MP phone photo passes; its RGB copy is at most 150 MB. A decompression
 # bomb (a few KB claiming 10^10 pixels) is refused from its header, before any allocation.
 DEFAULT_MAX_PIXELS = 50_000_000
+# The resize makes the short side image_size, so its output holds image_size^2 x ratio pixels
+# whatever the input's pixel count: a 274-byte 1 x 100,000 PNG passes any pixel limit and asks
+# for a 224 x 22,400,000 image (5 x 10^9 pixels). At 10 (the download stage's own default,
+# download.max_aspect_ratio) the resize of a 224 model holds at most 224 x 2,240 pixels.
+DEFAULT_MAX_ASPECT_RATIO = 10.0
 
 
 class PreprocessError(ValueError):
@@ -41,6 +46,10 @@ class PreprocessError(ValueError):
 
 class PixelLimitError(PreprocessError):
     """An image over the pixel limit (so callers can count it apart from broken data)."""
+
+
+class AspectRatioError(PreprocessError):
+    """An image whose long side is over `max_aspect_ratio` times its short side."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,7 @@ class PreprocessConfig:
     std: tuple[float, float, float] = field(default=OPENAI_STD)
     interpolation: str = "bicubic"
     max_pixels: int = DEFAULT_MAX_PIXELS  # width x height limit of a decoded image
+    max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO  # long side / short side limit
 
     def __post_init__(self) -> None:
         if not isinstance(self.image_size, int) or self.image_size < 1:
@@ -59,6 +69,10 @@ class PreprocessConfig:
         if not isinstance(self.max_pixels, int) or self.max_pixels < self.image_size ** 2:
             raise PreprocessError(f"max_pixels must be an int >= image_size^2 "
                                   f"({self.image_size ** 2}), got {self.max_pixels!r}")
+        ratio = self.max_aspect_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio >= 1:
+            raise PreprocessError(f"max_aspect_ratio must be a number >= 1, got {ratio!r}")
+        object.__setattr__(self, "max_aspect_ratio", float(ratio))
         if self.interpolation not in INTERPOLATIONS:
             raise PreprocessError(f"interpolation {self.interpolation!r} not one of "
                                   f"{sorted(INTERPOLATIONS)}")
@@ -74,41 +88,44 @@ class PreprocessConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PreprocessConfig:
-        fields = ("image_size", "mean", "std", "interpolation", "max_pixels")
+        fields = ("image_size", "mean", "std", "interpolation", "max_pixels", "max_aspect_ratio")
         extra = set(data) - {*fields, "resize", "crop"}
         if extra:
             raise PreprocessError(f"unknown preprocessing keys {sorted(extra)}")
         resize, crop = data.get("resize", "shorter_side"), data.get("crop", "center")
         if (resize, crop) != ("shorter_side", "center"):
             raise PreprocessError(f"unsupported resize/crop {resize}/{crop}")
-        # A spec written before max_pixels existed gets the default limit, never none.
+        # A spec written before max_pixels or max_aspect_ratio existed gets the default limit,
+        # never none.
         kwargs = {k: data[k] for k in fields if k in data}
         return cls(**kwargs)
 
 
 def decode_image(image: Image.Image | bytes, name: str = "image",
-                 max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+                 max_pixels: int = DEFAULT_MAX_PIXELS,
+                 max_aspect_ratio: float | None = None) -> Image.Image:
     """A PIL RGB image from encoded bytes (see `open_image`) or a PIL image; a PreprocessError
     naming `name` for anything else."""
     if isinstance(image, Image.Image):
-        check_pixels(image.size, max_pixels, name)
+        check_pixels(image.size, max_pixels, name, max_aspect_ratio)
     else:
-        image = open_image(image, name, max_pixels)
+        image = open_image(image, name, max_pixels, max_aspect_ratio)
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def open_image(data: bytes, name: str = "image",
-               max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+def open_image(data: bytes, name: str = "image", max_pixels: int = DEFAULT_MAX_PIXELS,
+               max_aspect_ratio: float | None = None) -> Image.Image:
     """The fully decoded PIL image of encoded bytes, in its own mode, with its `format`.
 
-    Only JPEG, PNG and WEBP, at most `max_pixels` pixels: the size is read from the header, so a
-    decompression bomb (a few KB claiming billions of pixels) never allocates. Broken data, another
-    format or too many pixels is a PreprocessError naming `name`; never another exception type."""
+    Only JPEG, PNG and WEBP, at most `max_pixels` pixels (and `max_aspect_ratio`, when given): the
+    size is read from the header, so a decompression bomb (a few KB claiming billions of pixels)
+    never allocates. Broken data, another format or a size over a limit is a PreprocessError
+    naming `name`; never another exception type."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise PreprocessError(f"{name}: expected PIL.Image or bytes, got {type(data).__name__}")
     try:
         image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
-        check_pixels(image.size, max_pixels, name)  # header only: nothing decoded yet
+        check_pixels(image.size, max_pixels, name, max_aspect_ratio)  # header only: no decode
         image.load()  # the full decode, inside the try (truncated data fails here)
         return image
     except UnidentifiedImageError:
@@ -123,12 +140,17 @@ def open_image(data: bytes, name: str = "image",
                               f"{err})") from err
 
 
-def check_pixels(size: tuple[int, int], max_pixels: int, name: str = "image") -> None:
-    """PixelLimitError when width x height exceeds `max_pixels`."""
+def check_pixels(size: tuple[int, int], max_pixels: int, name: str = "image",
+                 max_aspect_ratio: float | None = None) -> None:
+    """PixelLimitError when width x height exceeds `max_pixels`; AspectRatioError when the long
+    side exceeds `max_aspect_ratio` (None: not checked) times the short side."""
     width, height = size
     if width * height > max_pixels:
         raise PixelLimitError(f"{name}: {width}x{height} = {width * height} pixels, over the "
                               f"pixel limit of {max_pixels}")
+    if max_aspect_ratio is not None and max(size) > max_aspect_ratio * max(1, min(size)):
+        raise AspectRatioError(f"{name}: {width}x{height} has an aspect ratio over the limit "
+                               f"of {max_aspect_ratio:g} (long side / short side)")
 
 
 def resize_shorter_side(image: Image.Image, size: int, interpolation: str) -> Image.Image:
@@ -159,6 +181,6 @@ def to_normalized_array(image: Image.Image, cfg: PreprocessConfig) -> np.ndarray
 def preprocess_image(image: Image.Image | bytes, cfg: PreprocessConfig,
                      name: str = "image") -> np.ndarray:
     """Decode + resize shorter side + centre crop + CLIP mean/std -> (3, size, size) float32."""
-    rgb = decode_image(image, name, cfg.max_pixels)
+    rgb = decode_image(image, name, cfg.max_pixels, cfg.max_aspect_ratio)
     resized = resize_shorter_side(rgb, cfg.image_size, cfg.interpolation)
     return to_normalized_array(center_crop(resized, cfg.image_size), cfg)

@@ -47,7 +47,7 @@ from clipms.prep.store import (
     store_id,
 )
 from clipms.prep.urlguard import FetchPolicy, precheck, refusal_counts
-from clipms.utils.redact import redact_url
+from clipms.utils.redact import redact_text, redact_url
 
 # Columns img2dataset copies into each sample's json. It reserves `key` for its own shard-local key,
 # so our stable key travels as `image_key`.
@@ -289,8 +289,9 @@ def summarise(frame: pd.DataFrame, refused: dict[str, int], fetch: Fetch, stats:
     for shard in stats:
         for name in ("count", "successes", "failed_to_download", "failed_to_resize"):
             totals[name] += int(shard.get(name, 0))
-        status = shard.get("status_dict", {})
-        reasons.update({k: int(v) for k, v in status.items() if k != "success"})
+        for reason, count in shard.get("status_dict", {}).items():
+            if reason != "success":  # img2dataset's error texts: no URL secret into the metrics
+                reasons[redact_text(reason)] += int(count)
     counts = frame["status"].value_counts()
     successes = int(counts.get("fetched", 0) + counts.get("reused", 0))
     rows = len(frame)

@@ -9,7 +9,10 @@ of a few hundred KB is decoded whole (432 MB, more with alpha) before being refu
 `GuardedDownloader` under that name for one call. The instance is built in the driver, carries the
 policy and limits, and is pickled to every worker with the shard; in the worker it
 - installs the policy's opener (`clipms.prep.urlguard.build_opener`) as urllib's global opener
-  before the shard's downloads start, so every `urlopen` of img2dataset goes through it;
+  before the shard's downloads start, so every `urlopen` of img2dataset goes through it, with
+  img2dataset's `timeout` as the deadline of each attempt: img2dataset gives urlopen its timeout,
+  which bounds each read of the socket, not their sum, so a server sending a byte a second held
+  an image (and its shard) for as long as it kept sending;
 - wraps the resizer: the image size is read from the header (PIL reads no pixel data to open a
   file) and an image over `max_image_area` or `max_aspect_ratio` is refused before cv2 decodes it.
 """
@@ -22,7 +25,7 @@ import urllib.request
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from img2dataset.downloader import Downloader
@@ -79,8 +82,12 @@ class GuardedDownloader(Downloader):
         self.policy, limits = _ACTIVE
         self.resizer = HeaderCheckedResizer(self.resizer, limits)
 
+    def opener(self) -> urllib.request.OpenerDirector:
+        """The policy's opener, each fetch (one attempt) ending within img2dataset's timeout."""
+        return build_opener(replace(self.policy, deadline_s=float(self.timeout)))
+
     def __call__(self, row: Any) -> Any:
-        urllib.request.install_opener(build_opener(self.policy))  # in this (worker) process
+        urllib.request.install_opener(self.opener())  # in this (worker) process
         return super().__call__(row)
 
 

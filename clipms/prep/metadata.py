@@ -65,6 +65,9 @@ class MetadataSpec:
     caption_col: str = "TEXT"
     id_col: str | None = None  # a source column naming each image (for dedupe.identity: id)
     karpathy_split: str | None = None  # mscoco/local: dataset_coco.json (path or http(s) URL)
+    # mscoco/local: a parquet with more rows is refused from its footer, before it is read (a
+    # few KB of dictionary-encoded parquet can hold 20 million rows; ~1 GB of memory per million)
+    max_rows: int = 5_000_000
 
 
 @dataclass(frozen=True)
@@ -193,10 +196,11 @@ def local_table(spec: MetadataSpec, work_dir: Path, policy: FetchPolicy,
                               backoff_seconds)
     path = Path(spec.path)
     if not path.is_file():
-        raise MetadataError(f"metadata.path = {spec.path!r}: no such file")
+        raise MetadataError(f"metadata.path = {redact_text(repr(spec.path))}: no such file")
     if spec.sha256:
         verify_sha256(path, spec.sha256)
-    return read_captions(path, spec.url_col, spec.caption_col, spec.id_col)
+    return read_captions(path, spec.url_col, spec.caption_col, spec.id_col,
+                         max_rows=spec.max_rows)
 
 
 def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, caption_col: str,
@@ -206,7 +210,8 @@ def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, c
         tmp = Path(scratch) / "download.parquet"
         download(url, tmp, policy=policy, timeout=spec.timeout, retries=spec.retries,
                  sha256=spec.sha256, backoff_seconds=backoff_seconds)
-        return read_captions(tmp, url_col, caption_col, spec.id_col, shown_name=redact_url(url))
+        return read_captions(tmp, url_col, caption_col, spec.id_col, shown_name=redact_url(url),
+                             max_rows=spec.max_rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,14 +302,20 @@ def verify_sha256(path: Path, expected: str) -> None:
 
 
 def read_captions(path: Path, url_col: str, caption_col: str, id_col: str | None = None,
-                  shown_name: str | None = None) -> pa.Table:
+                  shown_name: str | None = None, max_rows: int | None = None) -> pa.Table:
     """The URL/caption columns of a parquet as URL, TEXT (strings), LABELS (kept if present) and
-    ID (the `id_col` column, if one is named)."""
+    ID (the `id_col` column, if one is named); a file of more than `max_rows` rows is refused
+    from its footer, before a row is read."""
     name = shown_name or str(path)
     try:
-        schema = pq.read_schema(path)
+        footer = pq.read_metadata(path)
+        schema = footer.schema.to_arrow_schema()
     except (pa.ArrowException, OSError) as err:
         raise MetadataError(f"{name}: not a readable parquet file ({err})") from err
+    if max_rows is not None and footer.num_rows > max_rows:
+        raise MetadataError(f"{name}: {footer.num_rows:,} rows, over metadata.max_rows "
+                            f"({max_rows:,}); raise it if the file is meant (reading takes about "
+                            f"1 GB of memory per million rows)")
     named = {"URL": url_col, "TEXT": caption_col, "ID": id_col,
              "LABELS": "LABELS" if "LABELS" in schema.names else None}
     missing = [c for c in named.values() if c is not None and c not in schema.names]

@@ -9,7 +9,13 @@ pipeline reach the machine itself or its network. The rule (`FetchPolicy`):
   refused, IPv4-mapped IPv6 included;
 - a redirect may not change the scheme (one exception: the upgrade `http` -> `https`, which gains
   nothing) and is held to the same address rule;
-- a response body is read up to `max_bytes`, no further.
+- a response body is read up to `max_bytes`, no further;
+- a URL with user-info (`http://user:password@host/`) is refused: urllib sends no credentials from
+  a URL, and its host string (`user:password@host`) would be quoted in every error message;
+- with `deadline_s`, a whole fetch (connection, redirects, headers and body) ends by then,
+  however slowly the server sends (a socket timeout bounds each read, not their sum).
+
+Every message here shows URLs redacted (`clipms.utils.redact`): no user-info, query or fragment.
 
 `precheck` applies the scheme and address rules to a whole URL list (each host resolved once) and
 gives the reason per URL, so refusals are counted before an engine sees a URL. `build_opener`
@@ -23,9 +29,12 @@ where this check cannot see it).
 from __future__ import annotations
 
 import http.client
+import io
 import ipaddress
 import re
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
@@ -34,6 +43,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
+
+from clipms.utils.redact import redact_text, redact_url
 
 ADDRESS_REASONS = ("loopback_address", "private_address", "link_local_address",
                    "multicast_address", "reserved_address")
@@ -54,6 +65,7 @@ class FetchPolicy:
     # narrower than allow_private_addresses, which exempts every address.
     allowed_networks: tuple[str, ...] = ()
     max_bytes: int | None = 32 << 20  # a response body read past this is refused (None: no limit)
+    deadline_s: float | None = None  # seconds a whole fetch may take (None: per-read timeouts only)
 
     def address_problem(self, address: str) -> str | None:
         """Why `address` may not be connected to under this policy (None: it may)."""
@@ -86,6 +98,14 @@ class RefusedURL(OSError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"refused ({reason}): {message}")
         self.reason = reason
+
+
+class DeadlinePassed(TimeoutError):
+    """A fetch ran past the policy's `deadline_s` (one message wherever it happened, so
+    img2dataset counts one reason)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"download deadline of {seconds:g} s passed")
 
 
 # ---------------------------------------------------------------- the address rule
@@ -137,24 +157,39 @@ def url_scheme(url: str) -> str:
     return match.group("scheme").lower() if match else ""
 
 
+def _shown(url: str) -> str:
+    return repr(redact_url(url))
+
+
 def _host_port(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
     try:
         port = parts.port or DEFAULT_PORTS.get(parts.scheme.lower(), 80)
     except ValueError as err:
-        raise RefusedURL("bad_url", f"{url!r}: {err}") from err
+        raise RefusedURL("bad_url", f"{_shown(url)}: {redact_text(str(err))}") from err
     if not parts.hostname:
-        raise RefusedURL("bad_url", f"{url!r}: no host")
+        raise RefusedURL("bad_url", f"{_shown(url)}: no host")
     return parts.hostname, port
 
 
+def _check_userinfo(url: str) -> None:
+    try:
+        netloc = urlsplit(url).netloc
+    except ValueError:
+        return  # _host_port names what is wrong with it
+    if "@" in netloc:
+        raise RefusedURL("bad_url", f"{_shown(url)}: user-info (user:password@) in a URL is "
+                                    "not sent by the downloader; give the URL without it")
+
+
 def check_url(url: str, policy: FetchPolicy, resolver: Resolver | None = None) -> None:
-    """RefusedURL unless the URL's scheme is allowed and (for a URL with a host, when addresses
-    are checked) its host resolves to allowed addresses only."""
+    """RefusedURL unless the URL's scheme is allowed, it has no user-info, and (for a URL with a
+    host, when addresses are checked) its host resolves to allowed addresses only."""
     scheme = url_scheme(url)
     if scheme not in policy.allowed_schemes:
-        raise RefusedURL("disallowed_scheme", f"{url!r}: scheme {scheme!r} is not in "
+        raise RefusedURL("disallowed_scheme", f"{_shown(url)}: scheme {scheme!r} is not in "
                                               f"{sorted(policy.allowed_schemes)}")
+    _check_userinfo(url)
     if scheme != "file" and not policy.allow_private_addresses:
         resolve_checked(*_host_port(url), policy, resolver)
 
@@ -175,13 +210,13 @@ def precheck(urls: Sequence[str], policy: FetchPolicy, resolver: Resolver | None
         scheme = url_scheme(url)
         if scheme not in policy.allowed_schemes:
             targets[url] = "disallowed_scheme"
-        elif scheme == "file" or policy.allow_private_addresses:
-            targets[url] = None
-        else:
-            try:
-                targets[url] = _host_port(url)
-            except RefusedURL as err:
-                targets[url] = err.reason
+            continue
+        try:
+            _check_userinfo(url)
+            checked = scheme != "file" and not policy.allow_private_addresses
+            targets[url] = _host_port(url) if checked else None
+        except RefusedURL as err:
+            targets[url] = err.reason
     hosts = sorted({t for t in targets.values() if isinstance(t, tuple)})
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         found = dict(zip(hosts, pool.map(lambda hp: reason(
@@ -212,16 +247,102 @@ def _checked_connection(policy: FetchPolicy, address: tuple[str, int], timeout: 
     raise last or OSError(f"{host}: no address to connect to")
 
 
+# The deadline of the fetch this thread is making, set by the opener for the whole of one
+# `open()` (redirects included); each connection made meanwhile keeps it for its body's reads.
+_FETCH = threading.local()
+
+
+class _DeadlineSocket:
+    """A connected socket (plain or TLS) whose reads all end by `deadline` (time.monotonic()):
+    each read waits at most the time left, and at most the connection's own timeout."""
+
+    def __init__(self, sock: socket.socket, deadline: float, seconds: float) -> None:
+        self._sock, self._deadline, self._seconds = sock, deadline, seconds
+        self._timeout = sock.gettimeout()
+        self._readers = 0
+        self._closing = False
+
+    def recv_into(self, buffer: Any, nbytes: int = 0) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlinePassed(self._seconds)
+        self._sock.settimeout(left if self._timeout is None else min(self._timeout, left))
+        try:
+            return self._sock.recv_into(buffer, nbytes)
+        except TimeoutError:
+            if time.monotonic() >= self._deadline:
+                raise DeadlinePassed(self._seconds) from None
+            raise
+
+    def makefile(self, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if mode != "rb":
+            return self._sock.makefile(mode, *args, **kwargs)
+        self._readers += 1
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def close(self) -> None:
+        """Closes the socket once its readers are closed too (urllib closes the connection's
+        socket before the response body is read; socket.makefile's own readers work alike)."""
+        self._closing = True
+        if not self._readers:
+            self._sock.close()
+
+    def reader_closed(self) -> None:
+        self._readers -= 1
+        if self._closing and not self._readers:
+            self._sock.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+class _DeadlineReader(io.RawIOBase):
+    def __init__(self, sock: _DeadlineSocket) -> None:
+        self._owner = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        return self._owner.recv_into(buffer)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._owner.reader_closed()
+        super().close()
+
+
+def _with_deadline(connection: http.client.HTTPConnection, seconds: float | None) -> None:
+    """Put the connection's socket under the deadline of the fetch in progress (or a new one)."""
+    if seconds is None:
+        return
+    deadline = getattr(_FETCH, "deadline", None) or time.monotonic() + seconds
+    if time.monotonic() >= deadline:  # a slow TLS handshake: each of its reads had a timeout
+        connection.sock.close()
+        raise DeadlinePassed(seconds)
+    connection.sock = _DeadlineSocket(connection.sock, deadline, seconds)  # type: ignore
+
+
 class _CheckedHTTPConnection(http.client.HTTPConnection):
     def __init__(self, *args: Any, policy: FetchPolicy, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._create_connection = partial(_checked_connection, policy)
+        self._deadline_s = policy.deadline_s
+
+    def connect(self) -> None:
+        super().connect()
+        _with_deadline(self, self._deadline_s)
 
 
 class _CheckedHTTPSConnection(http.client.HTTPSConnection):
     def __init__(self, *args: Any, policy: FetchPolicy, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._create_connection = partial(_checked_connection, policy)
+        self._deadline_s = policy.deadline_s
+
+    def connect(self) -> None:
+        super().connect()  # TCP, then TLS
+        _with_deadline(self, self._deadline_s)
 
 
 def _bounded(response: Any, limit: int | None) -> Any:
@@ -263,6 +384,7 @@ class _CheckedHTTPHandler(urllib.request.HTTPHandler):
         self.policy = policy
 
     def http_open(self, req: urllib.request.Request) -> Any:
+        _check_userinfo(req.full_url)
         return _bounded(self.do_open(partial(_CheckedHTTPConnection, policy=self.policy), req),
                         self.policy.max_bytes)
 
@@ -273,6 +395,7 @@ class _CheckedHTTPSHandler(urllib.request.HTTPSHandler):
         self.policy = policy
 
     def https_open(self, req: urllib.request.Request) -> Any:
+        _check_userinfo(req.full_url)
         return _bounded(self.do_open(partial(_CheckedHTTPSConnection, policy=self.policy), req,
                                      context=self._context), self.policy.max_bytes)
 
@@ -289,17 +412,53 @@ class _CheckedRedirectHandler(urllib.request.HTTPRedirectHandler):
         old, new = urlsplit(req.full_url).scheme.lower(), urlsplit(newurl).scheme.lower()
         if (new != old and (old, new) != ("http", "https")) or new not in \
                 self.policy.allowed_schemes:
-            raise RefusedURL("redirect_scheme", f"redirect from {old}: to {newurl!r}")
+            raise RefusedURL("redirect_scheme", f"redirect from {old}: to {_shown(newurl)}")
         try:  # a clear reason now; the connection checks the address again
             check_url(newurl, self.policy)
         except RefusedURL as err:
-            raise RefusedURL(err.reason, f"redirect to {newurl!r}: {err}") from None
+            raise RefusedURL(err.reason, f"redirect to {_shown(newurl)}: {err}") from None
         return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+class _GuardedOpener(urllib.request.OpenerDirector):
+    """Starts each fetch's deadline (a redirect's `open()` keeps its fetch's deadline), and
+    gives errors that quote a URL's secrets with those redacted."""
+
+    def __init__(self, deadline_s: float | None) -> None:
+        super().__init__()
+        self.deadline_s = deadline_s
+
+    def open(self, fullurl: Any, data: Any = None,
+             timeout: Any = socket._GLOBAL_DEFAULT_TIMEOUT) -> Any:  # type: ignore[attr-defined]
+        outer = getattr(_FETCH, "deadline", None) is None
+        if outer and self.deadline_s is not None:
+            _FETCH.deadline = time.monotonic() + self.deadline_s
+        try:
+            return super().open(fullurl, data, timeout)
+        except urllib.error.URLError as err:
+            if isinstance(err.reason, DeadlinePassed):
+                raise err.reason from None  # the same message as a deadline hit in the body
+            _raise_redacted(err)
+            raise
+        except (OSError, http.client.HTTPException) as err:
+            _raise_redacted(err)
+            raise
+        finally:
+            if outer:
+                _FETCH.deadline = None
+
+
+def _raise_redacted(err: Exception) -> None:
+    """A URLError with the message of `err` redacted, when its message quotes a secret (http.client
+    quotes the URL in some of its errors)."""
+    message = str(err)
+    if not isinstance(err, urllib.error.HTTPError) and redact_text(message) != message:
+        raise urllib.error.URLError(redact_text(message)) from None
 
 
 def build_opener(policy: FetchPolicy) -> urllib.request.OpenerDirector:
     """A urllib opener that applies `policy` (see the module docstring)."""
-    opener = urllib.request.OpenerDirector()
+    opener = _GuardedOpener(policy.deadline_s)
     handlers: list[urllib.request.BaseHandler] = [
         urllib.request.UnknownHandler(), _CheckedHTTPHandler(policy),
         _CheckedHTTPSHandler(policy), urllib.request.HTTPDefaultErrorHandler(),

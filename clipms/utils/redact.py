@@ -5,7 +5,10 @@ Secrets ride in URLs in three places: user-info (`https://user:password@host/`),
 three and says so with a marker, keeping scheme, host, port and path so a message still tells which
 file was meant; `host_only` keeps just scheme, host and port, for URLs whose path is the secret
 (incoming-webhook URLs such as `https://hooks.slack.com/services/T000/B000/XXXX`). `redact_text`
-applies `redact_url` to every URL inside a longer text (an error message, a line of stage output).
+applies `redact_url` to every URL inside a longer text (an error message, a line of stage output),
+and also drops the user-info of host strings without a scheme: urllib and http.client quote a
+request's host as `user:password@host` in their errors, and an scp-style path
+(`user:password@host:/data/x.parquet`) has one too.
 
 Used by everything that prints or logs a URL: the data stages (`clipms.prep`), the tracking layer
 (`registry`: params, tags, dataset sources) and the flows (Prefect logs, failure notices).
@@ -20,6 +23,11 @@ MARK = "<redacted>"
 # A URL inside free text: a scheme, "://", then anything up to whitespace, a quote or a bracket
 # (the marker included, so that redacting a redacted text changes nothing).
 _URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://(?:<redacted>|[^\s'\"<>()\[\]{}`])+")
+# `user:password@` before a host, outside a URL: a token that starts the text or follows a space,
+# quote, bracket, comma, semicolon or `=`, holds a colon, and ends at the last `@` before the host
+# (a password may hold `@`). `user@host` without a password (an e-mail address) is left alone.
+_USERINFO_IN_TEXT = re.compile(
+    r"(?<![^\s'\"(<\[{,;=])[^\s'\"<>()\[\]{}`/@:=,;]+:[^\s'\"<>()\[\]{}`/]*@(?=[A-Za-z0-9\[])")
 
 
 def redact_url(url: str) -> str:
@@ -29,7 +37,9 @@ def redact_url(url: str) -> str:
         parts = urlsplit(url)
         host = parts.hostname
         port = parts.port
-    except ValueError:  # e.g. a port that is not a number: keep nothing after the scheme
+    except ValueError:  # e.g. a port that is not a number: keep nothing after the scheme,
+        if not any(mark in url for mark in "@?#"):  # unless there is no place for a secret
+            return url
         return f"{url.split('://', 1)[0]}://{MARK}" if "://" in url else url
     if not parts.scheme or not parts.netloc:
         return url
@@ -53,10 +63,13 @@ def host_only(url: str) -> str:
 
 
 def redact_text(text: str) -> str:
-    """`text` with every URL in it redacted (`redact_url`)."""
-    if "://" not in text:
-        return text
-    return _URL_IN_TEXT.sub(lambda match: redact_url(match.group(0)), text)
+    """`text` with every URL in it redacted (`redact_url`), and the user-info of every host
+    string (`user:password@host`) replaced by the marker."""
+    if "://" in text:
+        text = _URL_IN_TEXT.sub(lambda match: redact_url(match.group(0)), text)
+    if "@" in text:
+        text = _USERINFO_IN_TEXT.sub(f"{MARK}@", text)
+    return text
 
 
 def _netloc(host: str | None, port: int | None) -> str:
