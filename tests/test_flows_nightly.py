@@ -101,6 +101,10 @@ def asked(indices: range | list[int]) -> list[str]:
     return sorted(f"/img/{i}.jpg" for i in indices)
 
 
+# Three nights train, evaluate, export, index and register: measured 7.4 CPU-minutes with the
+# Prefect stack's setup, and 20 minutes of wall time at load average 8-13 on a shared 2-core
+# host, past the suite's 900 s default; the fourth night took about 25 s of it.
+@pytest.mark.timeout(2400)
 def test_four_nights_on_a_growing_source(prefect_stack: PrefectStack, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from mlflow import MlflowClient
