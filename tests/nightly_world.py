@@ -34,6 +34,40 @@ def picture(index: int, size: tuple[int, int] = (96, 80)) -> bytes:
     return out.getvalue()
 
 
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220),
+           "yellow": (230, 220, 20)}
+DRAWN = ("square", "circle", "stripe")
+
+
+def drawn_class(index: int) -> tuple[str, str]:
+    """(colour, shape) of `shape_picture(index)`: twelve classes, each index's neighbour differs
+    in colour."""
+    return list(COLOURS)[index % len(COLOURS)], DRAWN[(index // len(COLOURS)) % len(DRAWN)]
+
+
+def shape_picture(index: int) -> bytes:
+    """A learnable picture: a coloured square, circle or stripe on grey (what its captions say)."""
+    from PIL import ImageDraw
+
+    colour, shape = drawn_class(index)
+    image = Image.new("RGB", (64, 64), (128, 128, 128))
+    draw = ImageDraw.Draw(image)
+    shift = index % 5 - 2  # pictures of one class differ a little
+    box = (16 + shift, 16 - shift, 48 + shift, 48 - shift)
+    if shape == "stripe":
+        draw.rectangle((0, 28 + shift, 64, 36 + shift), fill=COLOURS[colour])
+    else:
+        (draw.rectangle if shape == "square" else draw.ellipse)(box, fill=COLOURS[colour])
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def shape_captions(index: int) -> list[str]:
+    colour, shape = drawn_class(index)
+    return [f"a {colour} {shape} number {index}", f"picture {index} shows a {shape} in {colour}"]
+
+
 def captions_for(index: int) -> list[str]:
     shape = SHAPES[index % len(SHAPES)]
     return [f"a {shape} drawn as picture number {index}", f"picture {index} shows a {shape}"]
@@ -43,9 +77,11 @@ class GrowingSource:
     """`capacity` images at `/img/<i>.jpg` of a Site (started by the caller), and the metadata
     parquet `folder/source.parquet` listing the images a night's export holds."""
 
-    def __init__(self, folder: Path, capacity: int, size: tuple[int, int] = (96, 80)) -> None:
+    def __init__(self, folder: Path, capacity: int, size: tuple[int, int] = (96, 80),
+                 draw: Callable[[int], bytes] | None = None) -> None:
         self.folder = folder
-        self.files = {f"/img/{i}.jpg": picture(i, size) for i in range(capacity)}
+        draw = draw or (lambda index: picture(index, size))
+        self.files = {f"/img/{i}.jpg": draw(i) for i in range(capacity)}
         self.path = folder / "source.parquet"
 
     def site(self, **kwargs: Any) -> Site:
