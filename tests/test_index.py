@@ -143,3 +143,27 @@ def test_index_stage_writes_its_declared_outputs(bundle, tmp_path) -> None:
     (ws / "params.yaml").write_text("runtime:\n  device_target: TPU\n")  # it reads `runtime`
     bad = run([sys.executable, "-m", "stages.index"], ws, env=tool_env(), check=False)
     assert bad.returncode == 1 and "runtime.device_target = 'TPU'" in bad.stderr
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf"])
+def test_with_search_serves_the_same_collection_with_another_search(encoder, bundle, kind,
+                                                                    tmp_path) -> None:
+    pytest.importorskip("faiss")
+    from clipms.deploy.index import with_search
+
+    digest = bundle_digest(bundle)
+    build_index(encoder, collection(), tmp_path / "exact", digest, SearchOptions())
+    exact = ImageIndex.load(tmp_path / "exact", bundle_digest=digest)
+    options = SearchOptions(kind=kind, ivf_nlist=1, ivf_nprobe=1)
+    meta = with_search(tmp_path / "exact", tmp_path / kind, options)
+    again = ImageIndex.load(tmp_path / kind, bundle_digest=digest)  # files match index.json
+    assert meta["search"]["kind"] == kind and isinstance(again.searcher, FaissSearch)
+    assert again.keys == exact.keys and again.thumbnail("k003") == exact.thumbnail("k003")
+    query = exact.embeddings[4]
+    found, want = again.search(query, 9), exact.search(query, 9)  # 9 rows: HNSW/1 cell see all
+    assert [row for row, _ in found] == [row for row, _ in want]
+    np.testing.assert_allclose([s for _, s in found], [s for _, s in want], atol=1e-5)
+    with_search(tmp_path / kind, tmp_path / "back", SearchOptions())
+    assert not (tmp_path / "back" / "faiss.index").exists()
+    with pytest.raises(ImageIndexError, match="a folder of its own"):
+        with_search(tmp_path / kind, tmp_path / kind, options)
