@@ -18,6 +18,7 @@ Writes one JSON (`--out`, default benchmarks/results/rehearsal-<images>.json) wi
 commit, machine, load before and after each stage, the world actually generated (caption-length
 statistics included) and the per-stage figures; the clone is deleted unless `--keep` (the search
 benchmark, benchmarks/rehearsal_search.py, serves its index).
+`python benchmarks/rehearsal.py table A.json B.json ...` prints the tables of docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -285,6 +286,56 @@ def write(path: Path, result: dict[str, Any]) -> None:
     path.write_text(json.dumps(result, indent=2) + "\n")
 
 
+# ------------------------------------------------------------------------------------ tables
+def table(paths: list[Path]) -> str:
+    """Markdown tables of rehearsal JSONs (smallest first): every stage at every size, then the
+    growth of CPU per item from the middle size to the largest and the largest's peak memory
+    projected linearly to 5x its size (docs/scaling.md)."""
+    runs = sorted((json.loads(p.read_text()) for p in paths), key=lambda r: r["images"])
+    lines = ["| stage | images | wall s (command / dvc repro) | CPU-s | CPU-ms per item | "
+             "items/s | peak RSS MB (largest / tree) | written MB | outputs MB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    stages = [s["stage"] for s in runs[-1]["stages"]]
+    for stage in stages:
+        for run in runs:
+            rec = next((s for s in run["stages"] if s["stage"] == stage), None)
+            if rec is None:
+                continue
+            own, whole = rec["command"], rec["dvc_repro"]
+            lines.append(
+                f"| `{stage}` | {run['images']:,} | {own['wall_s']:,.1f} / {whole['wall_s']:,.1f}"
+                f" | {own['cpu_s']:,.1f} | {_num(rec.get('cpu_ms_per_item'))} | "
+                f"{_num(rec.get('items_per_s'))} | {own['peak_rss_mb']:,.0f} / "
+                f"{whole['peak_tree_rss_mb']:,.0f} | {whole['written_mb']:,.0f} | "
+                f"{rec['outputs_mb']:,.0f} |")
+    if len(runs) >= 2:
+        lines += ["", growth_table(runs[-2], runs[-1], stages)]
+    return "\n".join(lines)
+
+
+def growth_table(mid: dict[str, Any], big: dict[str, Any], stages: list[str]) -> str:
+    scale = 5 * big["images"]
+    lines = [f"| stage | CPU-ms per item at {mid['images']:,} / {big['images']:,} | ratio | "
+             f"peak tree RSS MB at {mid['images']:,} / {big['images']:,} | projected at "
+             f"{scale:,} (linear) |", "|---|---:|---:|---:|---:|"]
+    for stage in stages:
+        a, b = (next(s for s in r["stages"] if s["stage"] == stage) for r in (mid, big))
+        per = (a.get("cpu_ms_per_item"), b.get("cpu_ms_per_item"))
+        ratio = f"{per[1] / per[0]:.2f}x" if all(per) else "-"
+        rss = (a["dvc_repro"]["peak_tree_rss_mb"], b["dvc_repro"]["peak_tree_rss_mb"])
+        slope = (rss[1] - rss[0]) / (big["images"] - mid["images"])
+        projected = rss[1] + max(slope, 0.0) * (scale - big["images"])
+        lines.append(f"| `{stage}` | {_num(per[0])} / {_num(per[1])} | {ratio} | "
+                     f"{rss[0]:,.0f} / {rss[1]:,.0f} | {projected:,.0f} |")
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if value >= 100 else f"{value:,.2f}"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -308,6 +359,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["table"]:  # rehearsal.py table A.json B.json ...: the docs' tables
+        print(table([Path(p) for p in argv[1:]]))
+        return 0
     args = parse_args(argv)
     clone = args.workdir / "clone"
     if clone.exists():
