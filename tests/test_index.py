@@ -167,3 +167,38 @@ def test_with_search_serves_the_same_collection_with_another_search(encoder, bun
     assert not (tmp_path / "back" / "faiss.index").exists()
     with pytest.raises(ImageIndexError, match="a folder of its own"):
         with_search(tmp_path / kind, tmp_path / kind, options)
+
+
+@pytest.mark.parametrize(("rows", "dim", "kind"), [(2_000, 128, "exact"), (15_625, 128, "exact"),
+                                                  (15_626, 128, "hnsw"), (123_287, 128, "hnsw"),
+                                                  (3_906, 512, "exact"), (3_907, 512, "hnsw")])
+def test_auto_search_scans_small_collections_and_uses_hnsw_beyond(rows, dim, kind) -> None:
+    options = SearchOptions(kind="auto", hnsw_ef_search=77)
+    assert options.resolved(rows, dim) == SearchOptions(kind=kind, hnsw_ef_search=77)
+    assert SearchOptions(kind="ivf").resolved(rows, dim).kind == "ivf"  # only auto is resolved
+
+
+def test_an_auto_index_records_the_kind_it_chose(encoder, bundle, tmp_path, monkeypatch) -> None:
+    from clipms.deploy import search
+
+    digest = bundle_digest(bundle)
+    report = build_index(encoder, collection(), tmp_path / "small", digest, SearchOptions("auto"))
+    assert report["search"] == "exact" and not (tmp_path / "small" / "faiss.index").exists()
+    assert ImageIndex.load(tmp_path / "small").meta["search"]["kind"] == "exact"
+    pytest.importorskip("faiss")
+    monkeypatch.setattr(search, "AUTO_EXACT_MAX_CELLS", 8 * 32)  # 9 rows of 32 dims: beyond
+    report = build_index(encoder, collection(), tmp_path / "big", digest, SearchOptions("auto"))
+    loaded = ImageIndex.load(tmp_path / "big")
+    assert report["search"] == "hnsw" and isinstance(loaded.searcher, FaissSearch)
+    assert loaded.meta["search"]["kind"] == "hnsw"
+
+
+def test_the_index_stage_defaults_to_auto_as_params_yaml_says() -> None:
+    import yaml
+
+    from pipeline.params import validate_section
+    from stages.index import IndexParams
+
+    section = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())["index"]
+    assert validate_section("index", IndexParams, section) == IndexParams()
+    assert IndexParams().search == "auto"

@@ -85,7 +85,8 @@ def thumbnail_jpeg(image: Image.Image, size: int) -> bytes:
 def build_index(encoder: Any, items: Iterable[Item], out_dir: Path | str, digest: str,
                 options: SearchOptions, thumbnail_size: int = 128,
                 batch_size: int = 64) -> dict[str, Any]:
-    """Embed `items` with `encoder` (clipms.deploy.infer.Encoder) and write the index to `out_dir`.
+    """Embed `items` with `encoder` (clipms.deploy.infer.Encoder) and write the index to `out_dir`
+with the search of `options` (`auto` resolved by the number of rows: clipms.deploy.search).
 
     Undecodable images (another format, a decompression bomb, broken data) and repeated keys are
     skipped and counted, never fatal; returns the counts and the search options used."""
@@ -118,6 +119,7 @@ def build_index(encoder: Any, items: Iterable[Item], out_dir: Path | str, digest
     if not rows:
         raise ImageIndexError(f"no decodable image to index ({skipped})")
     embeddings = np.concatenate(vectors).astype(np.float32)
+    options = options.resolved(*embeddings.shape)  # `auto`: the kind for this many rows
     _write_arrays(out_dir, embeddings, rows, options)
     meta = _write_meta(out_dir, len(rows), int(embeddings.shape[1]), digest, options,
                        thumbnail_size)
@@ -140,6 +142,7 @@ def with_search(index_dir: Path | str, out_dir: Path | str,
     embeddings: no image is embedded again (a 123k-image collection takes seconds, not an
     `index` stage run). The items and thumbnails are hard links where the filesystem allows."""
     source = ImageIndex.load(index_dir)
+    options = options.resolved(*source.embeddings.shape)
     out_dir = Path(out_dir)
     if out_dir.resolve() == source.folder.resolve():
         raise ImageIndexError(f"{out_dir}: the copy needs a folder of its own")
