@@ -29,6 +29,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -218,7 +219,8 @@ def run_stage(clone: Path, stage: str, clock_dir: Path, logs: Path,
     record: dict[str, Any] = {"stage": stage, "load_before": load()}
     with open(logs / f"{stage}.log", "wb") as log:
         cost = measure([str(BIN / "dvc"), "repro", "--single-item", stage], cwd=clone,
-                       env=stage_env(clone), stdout=log, stderr=subprocess.STDOUT)
+                       env=stage_env(clone), stdout=log, stderr=subprocess.STDOUT,
+                       start_new_session=True)  # interrupted: the whole stage is killed
     record.update(load_after=load(), dvc_repro=cost.as_dict(),
                   command=read_json(clock_dir / f"{stage}.json"),
                   image_server_cpu_s=round(sum(psutil.Process(server.pid).cpu_times()[:2])
@@ -364,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         print(table([Path(p) for p in argv[1:]]))
         return 0
     args = parse_args(argv)
+    # SIGTERM (a timeout, a scheduler) ends the run like Ctrl-C: the stage and the image server
+    # are stopped and the figures so far written.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     clone = args.workdir / "clone"
     if clone.exists():
         raise SystemExit(f"{clone} exists: give another --workdir or remove it")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -92,7 +93,9 @@ class TreeSampler(threading.Thread):
 
 
 def measure(cmd: Sequence[str], sample_s: float | None = 0.5, **popen: Any) -> Cost:
-    """Run `cmd` (Popen keyword arguments in `popen`) to its end and return what it cost."""
+    """Run `cmd` (Popen keyword arguments in `popen`) to its end and return what it cost. When
+    this is interrupted (a signal, Ctrl-C) the command is killed - with everything it started
+    when it runs in a session of its own (`start_new_session=True`)."""
     written, started = io_bytes_written(), time.perf_counter()
     proc = subprocess.Popen(list(cmd), **popen)
     sampler = TreeSampler(proc.pid, sample_s) if sample_s else None
@@ -101,7 +104,10 @@ def measure(cmd: Sequence[str], sample_s: float | None = 0.5, **popen: Any) -> C
     try:
         _, status, usage = os.wait4(proc.pid, 0)
     except BaseException:
-        proc.kill()
+        if popen.get("start_new_session"):
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
         proc.wait()
         raise
     finally:
