@@ -13,7 +13,12 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: env run test lint bench clean-env
 
-env: $(STAMP)
+# The offline page of `dvc plots show` (pipeline/plots_page.py): vega, vega-lite and vega-embed from
+# the npm registry, pinned by pipeline/vega/package-lock.json, into build/vega/ (git-ignored), inlined
+# into the page template that .dvc/config names. Without npm the page loads vega from DVC's CDN.
+PLOTS_PAGE := build/vega/dvc-plots.html
+
+env: $(STAMP) $(PLOTS_PAGE)
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +31,14 @@ $(STAMP): pyproject.toml
 	# Prefect's server on Python 3.11; remove it (pip check then names it, harmlessly).
 	$(VENV)/bin/python -m pip uninstall -y -q dataclasses
 	touch $(STAMP)
+
+$(PLOTS_PAGE): pipeline/vega/package.json pipeline/vega/package-lock.json pipeline/plots_page.py $(STAMP)
+	mkdir -p build/vega
+	cp pipeline/vega/package.json pipeline/vega/package-lock.json build/vega/
+	if command -v npm >/dev/null; then npm ci --prefix build/vega --no-audit --no-fund --silent \
+		|| echo "npm ci failed: dvc plots show will load vega from its CDN (online only)"; \
+	else echo "npm not found: dvc plots show will load vega from its CDN (online only)"; fi
+	$(VENV)/bin/python -m pipeline.plots_page
 
 run: env
 	dvc repro
@@ -59,7 +72,7 @@ SERVE_PORT ?= 8000
 serve: env
 	clipms-serve --follow champion --host 127.0.0.1 --port $(SERVE_PORT)
 
-# Mutation testing of the critical modules (issue 14.10; benchmarks/RESULTS.md has the scores):
+# Mutation testing of the critical modules (benchmarks/RESULTS.md has the scores):
 # mutmut under `nice`, one module at a time, one child (the machine is shared); prints
 # killed/survived/timeout per module. `make mutation MODULES="urlguard gate"` for some of them.
 MODULES ?=

@@ -6,8 +6,9 @@
                                               --distributor multiprocessing|pyspark|ray]
     python benchmarks/bench_data.py urlguard [--requests 300 --rounds 5]
 
-Each prints one line of JSON with the measured figures (and the 1-minute load average, since the
-machine is shared). Inputs are generated in a temporary folder that is removed afterwards.
+Each prints one line of JSON with the measured figures and records it, with the commit, the
+machine and its load (benchmarks/record.py), in benchmarks/results/data_<name>.json (`--results` for
+another path). Inputs are generated in a temporary folder that is removed afterwards.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import numpy as np
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import record  # noqa: E402 - benchmarks/record.py, beside this script
+
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # img2dataset imports albumentations
 
 WORDS = (
@@ -239,12 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--source-size", type=int, default=256)
+    for p in sub.choices.values():
+        p.add_argument("--results", type=Path, help="result file (default: "
+                       "benchmarks/results/data_<name>.json)")
     args = parser.parse_args(argv)
+    recording = record.start(f"data_{args.bench}", sys.argv if argv is None else
+                             ["benchmarks/bench_data.py", *argv])
     result = {"dedupe": bench_dedupe, "shard": bench_shard, "download": bench_download,
               "urlguard": bench_urlguard}[
         args.bench](args)
     result["load_avg_1m"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result))
+    recording.write(result, args.results)
     return 0
 
 

@@ -5,7 +5,8 @@
 Random vectors have no cluster structure, so they are the hard case for approximate indexes: the
 recall@10 here is a floor, real CLIP embeddings cluster. Prints one JSON line per index: build
 seconds, mean query milliseconds (one query at a time, as the service searches), and recall@10
-against `clipms.deploy.search.ExactSearch` on the same vectors.
+against `clipms.deploy.search.ExactSearch` on the same vectors, and records them all, with the
+commit, the machine and its load, in benchmarks/results/index.json (`--results` for another path).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+import record  # benchmarks/record.py, beside this script
 
 from clipms.deploy.search import ExactSearch, FaissSearch, SearchOptions
 
@@ -45,13 +48,17 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=256, help="embedding size (the tiny preset's)")
     p.add_argument("--queries", type=int, default=1000)
     p.add_argument("--k", type=int, default=10)
+    p.add_argument("--results", type=Path,
+                   help="result file (default: benchmarks/results/index.json)")
     args = p.parse_args()
+    recording, rows = record.start("index"), []
     vectors, queries = unit(args.rows, args.dim, 0), unit(args.queries, args.dim, 1)
     exact = ExactSearch(vectors)
     exact_ids, exact_ms = timed_queries(exact, queries, args.k)
     common = {"rows": args.rows, "dim": args.dim, "queries": args.queries, "k": args.k}
-    print(json.dumps({"index": "exact", **common, "query_ms": round(exact_ms, 3),
-                      f"recall@{args.k}": 1.0, "load_avg_1min": round(os.getloadavg()[0], 2)}))
+    rows.append({"index": "exact", **common, "query_ms": round(exact_ms, 3),
+                 f"recall@{args.k}": 1.0, "load_avg_1min": round(os.getloadavg()[0], 2)})
+    print(json.dumps(rows[-1]), flush=True)
     configs = [SearchOptions("hnsw", hnsw_ef_search=ef) for ef in (64, 128, 256)]
     configs += [SearchOptions("ivf", ivf_nprobe=n) for n in (8, 16, 64)]
     built: dict[str, tuple[FaissSearch, float]] = {}
@@ -64,11 +71,13 @@ def main() -> int:
         ids, ms = timed_queries(searcher, queries, args.k)
         knob = ({"ef_search": options.hnsw_ef_search} if options.kind == "hnsw" else
                 {"nlist": searcher.index.nlist, "nprobe": options.ivf_nprobe})
-        print(json.dumps({"index": options.kind, **knob, **common,
-                          "build_s": round(built[key][1], 1), "query_ms": round(ms, 3),
-                          "speedup_vs_exact": round(exact_ms / ms, 1),
-                          f"recall@{args.k}": round(recall(ids, exact_ids), 4),
-                          "load_avg_1min": round(os.getloadavg()[0], 2)}), flush=True)
+        rows.append({"index": options.kind, **knob, **common,
+                     "build_s": round(built[key][1], 1), "query_ms": round(ms, 3),
+                     "speedup_vs_exact": round(exact_ms / ms, 1),
+                     f"recall@{args.k}": round(recall(ids, exact_ids), 4),
+                     "load_avg_1min": round(os.getloadavg()[0], 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    recording.write(rows, args.results)
     return 0
 
 

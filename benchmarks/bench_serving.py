@@ -1,7 +1,7 @@
-"""Load benchmark of the search service (issue 16 item 6): bounded loopback load, closed loop.
+"""Load benchmark of the search service: bounded loopback load, closed loop.
 
     python benchmarks/bench_serving.py --bundle models/export --index models/index \
-        --concurrency 1 8 32 64 --seconds 10 --out benchmarks/serving.json
+        --concurrency 1 8 32 64 --seconds 10
 
 Starts, on free 127.0.0.1 ports, three servers of the same bundle: the service with dynamic
 batching (`--max-batch 32`), the same service with batching off (`--max-batch 1`) and `mlflow
@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import record  # benchmarks/record.py, beside this script
 from serving_load import pin, run_load, workload
 from serving_servers import Server, server_name, start_servers
 
@@ -56,7 +57,7 @@ BIN = Path(sys.executable).parent
 WORKLOADS = ("text_embed", "image_embed", "text_search")
 TARGETS = ("service", "service_b1", "mlflow")
 MODES = ("shared", "pinned")
-GOAL_CONCURRENCY = 32  # issue 16's goals are stated at this concurrency
+GOAL_CONCURRENCY = 32  # the service's goals (QPS and the model-alone ratio) are stated here
 LIMIT_RATE = ("texts/s of the model alone: the mean over its timed steps (texts / time, every "
               "interruption counted, as in the service's QPS), warm-up left out; "
               "model_texts_per_s_median_step: at its median step")
@@ -302,7 +303,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-limit", action="store_true", help="skip the clipms-bench model limit")
     p.add_argument("--limit-steps", type=int, default=300,
                    help="timed steps per model-alone run (its rate: the mean over them)")
-    p.add_argument("--out", type=Path, help="write all cells and the summary as JSON here")
+    p.add_argument("--results", "--out", type=Path, dest="results",
+                   help="where all cells and the summary are recorded, with the commit, the "
+                   "machine and its load (default: benchmarks/results/serving.json)")
     args = p.parse_args()
     if "pinned" in args.modes and len({args.server_cpu, args.client_cpu} &
                                       os.sched_getaffinity(0)) < 2:
@@ -316,7 +319,7 @@ def main() -> int:
     from clipms.deploy.index import bundle_digest
 
     dim = json.loads((args.bundle / "bundle.json").read_text())["embed_dim"]
-    load_before = os.getloadavg()
+    recording, load_before = record.start("serving"), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="clipms-bench-serving-") as tmp:
         servers: dict[str, Server] = {}
         try:
@@ -331,7 +334,8 @@ def main() -> int:
                 server.stop()
     summary = {mode: summarize(cells, warmup, mode) for mode in args.modes}
     result = {"summary": summary, "cells": cells, "warmup": warmup, "server_cpus": started_on,
-              "bundle": str(args.bundle), "bundle_digest": bundle_digest(args.bundle),
+              "bundle": record.shown_path(str(args.bundle)),
+              "bundle_digest": bundle_digest(args.bundle),
               "mlflow_workers": args.mlflow_workers, "mlflow_timeout_s": args.mlflow_timeout,
               "cpus": os.cpu_count(), "server_cpu": args.server_cpu,
               "client_cpu": args.client_cpu,
@@ -339,8 +343,7 @@ def main() -> int:
               "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
     print(markdown(cells))
     print(json.dumps(summary, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    recording.write(result, args.results)
     return 0
 
 

@@ -1,10 +1,12 @@
-"""Mutation score of the critical modules (issue 14.10): `make mutation` runs this.
+"""Mutation score of the critical modules: `make mutation` runs this.
 
 For each module of MODULES (or those named on the command line) it runs `mutmut run` on that
 module's mutants only (mutmut's configuration is `[tool.mutmut]` in pyproject.toml: which files
 are mutated and which fast tests run), one module at a time, then prints killed / survived /
 timeout / other per module from mutmut's own result files (mutants/<file>.meta). A mutant that no
 fast test calls counts as "no tests": it is a survivor too, and is listed with the others.
+Each module's counts are recorded, with the commit and the load, in
+benchmarks/results/mutation.json (`--results`); modules not run keep their last entry.
 
     python benchmarks/mutation.py                 # every module (slow: see benchmarks/RESULTS.md)
     python benchmarks/mutation.py urlguard gate   # some of them
@@ -25,6 +27,8 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+
+import record  # benchmarks/record.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,6 +85,26 @@ def status(code: int | None) -> str:
     return "not run" if code is None else f"other ({code})"
 
 
+def module_counts(label: str) -> dict[str, int]:
+    """killed / survived / no tests / timeout / other counts of one module's last run."""
+    file, globs = MODULES[label]
+    counts = Counter(status(c) for c in mutant_results(file, globs).values())
+    named = {k: counts[k] for k in ("killed", "survived", "no tests", "timeout")}
+    return {"file": file, "mutants": sum(counts.values()), **named,
+            "other": sum(counts.values()) - sum(named.values())}
+
+
+def record_scores(labels: list[str], recording: record.Recording, out: Path | None) -> None:
+    """Each module's counts, with the commit, machine and load of its run, into the result file;
+    the modules not run this time keep their last entry (a run of all of them takes hours)."""
+    path = out or record.default_path("mutation")
+    modules = json.loads(path.read_text())["results"] if path.exists() else {}
+    meta = recording.meta()
+    for label in labels:
+        modules[label] = {**module_counts(label), "meta": meta}
+    recording.write(dict(sorted(modules.items())), path)
+
+
 def score_table(labels: list[str]) -> str:
     rows = ["module      file                       mutants  killed  survived  no tests  "
             "timeout  other  score"]
@@ -113,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--score-only", action="store_true", help="print the last run's table")
     parser.add_argument("--survivors", action="store_true",
                         help="list the surviving (and untested) mutants of the modules")
+    parser.add_argument("--results", type=Path,
+                        help="result file (default: benchmarks/results/mutation.json)")
     args = parser.parse_args(argv)
+    recording = record.start("mutation", sys.argv if argv is None else
+                             ["benchmarks/mutation.py", *argv])
     unknown = [m for m in args.modules if m not in MODULES]
     if unknown:
         parser.error(f"unknown module(s) {', '.join(unknown)}; allowed: {', '.join(MODULES)}")
@@ -129,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.score_only:
         children = int(os.environ.get("MUTATION_CHILDREN", "1"))
         failed = [label for label in labels if run_module(label, children) != 0]
+        record_scores([label for label in labels if label not in failed], recording, args.results)
     print(score_table(labels))
     if failed:
         print(f"mutmut did not finish for: {', '.join(failed)}", file=sys.stderr)

@@ -2,11 +2,11 @@
 
 Not a project dependency. Run it with a separate virtualenv that has torch + open_clip_torch:
 
-    python3 -m venv /work/peer-venv
-    /work/peer-venv/bin/pip install torch==2.14.1 torchvision==0.29.1 open_clip_torch==3.3.0
-    /work/peer-venv/bin/python benchmarks/openclip_peer.py encode --preset tiny --batch-size 64
-    /work/peer-venv/bin/python benchmarks/openclip_peer.py forward --preset tiny --batch-size 64
-    /work/peer-venv/bin/python benchmarks/openclip_peer.py train --preset tiny --batch-size 64
+    python3 -m venv ~/venvs/openclip
+    ~/venvs/openclip/bin/pip install torch==2.14.1 torchvision==0.29.1 open_clip_torch==3.3.0
+    ~/venvs/openclip/bin/python benchmarks/openclip_peer.py encode --preset tiny --batch-size 64
+    ~/venvs/openclip/bin/python benchmarks/openclip_peer.py forward --preset tiny --batch-size 64
+    ~/venvs/openclip/bin/python benchmarks/openclip_peer.py train --preset tiny --batch-size 64
 
 The architecture comes from clipms's own preset (`CLIPConfig.to_openclip()`), and inputs and timing
 from `clipms.bench` (both pure Python + numpy), so the two sides do exactly the same work.

@@ -14,7 +14,7 @@ When MindSpore reads each setting decides where it is applied:
 - when a graph compiles: the graph-kernel flags, the AKG paths and the compile cache;
 - `mindspore.set_device` / `set_context` calls: the device (once per process), mode, jit level.
 
-CPU (measured here; benchmarks/RESULTS.md, "Summary: CPU kernel fusion"): MindSpore's stock CPU
+CPU (benchmarks/RESULTS.md, "Speed against open_clip on CPU"): MindSpore's stock CPU
 kernels for Erf (exact GELU) and LayerNorm are slow; graph-kernel fusion (AKG) expands them and
 fuses each element-wise chain into one vectorised kernel, MatMul stays MindSpore's own. Fused
 kernels are compiled once per shape into `kernel_cache_dir()`. Idle OpenMP threads of the fused
@@ -23,21 +23,28 @@ host runs block instead of spinning in the task queue (`MS_DEV_HOST_BLOCKING_RUN
 applies elsewhere. `CLIPMS_KERNEL_FUSION=0` turns fusion off for a process whatever the config
 says, and variables already in the environment win over the computed ones.
 
-Ascend (from MindSpore's documentation, not testable here): `jit_level` O1 by default, "commonly
-used optimizations and automatic operator fusion" (the `mindspore.jit` docstring, MindSpore
-2.10.0; O0, MindSpore's default, turns them off), and the graph compile cache,
-`MS_COMPILER_CACHE_ENABLE=1` + `MS_COMPILER_CACHE_PATH` (the environment variables that the
-`mindspore.set_context` docstring of 2.10.0 names in place of its deprecated `enable_compile_cache`
-and `compile_cache_path`; https://www.mindspore.cn/docs/zh-CN/r2.10.0/api_python/env_var_list.html).
-Host blocking stays at MindSpore's default (off: multi-threaded dispatch), as MindSpore's Ascend
-performance checklist asks.
+Every device (MindSpore 2.10's documentation and source, read here): `jit_level` O0 unless the
+config asks for O1. O0 is `mindspore.jit`'s default; its docstring calls O1 ("commonly used
+optimizations and automatic operator fusion optimizations") experimental. On CPU O1 fuses
+nothing (measured: same speed); on Ascend it is expected to fuse element-wise chains into fewer
+kernels (fewer launches, less memory traffic): an option to measure on an NPU, not a default.
+Off CPU, host blocking stays at MindSpore's default (off), as its Ascend performance checklist
+asks.
 
-Data sinking (Ascend and GPU, from MindSpore's documentation, not testable here): training batches
-reach the device through MindSpore's device-side data queue (`mindspore.data_sink`) instead of a
-host-to-device copy when each step is launched. `mindspore.data_sink` lists Ascend and GPU as its
-platforms and raises on any other device target (mindspore/train/data_sink.py of 2.10.0), and
-`Model.train` falls back to non-sink on CPU, so CPU always feeds from the host.
-`CLIPMS_DATA_SINK=0` turns sinking off for a process.
+The graph compile cache (`compile_cache`, off by default). MindSpore's cache
+(`MS_COMPILER_CACHE_ENABLE`) decides whether a cached graph is still valid by hashing the entry
+script and the files it imports, leaving out every file under `sys.path`
+(`_get_compile_cache_dep_files` in mindspore/graph/api.py of 2.10), and matches cached graphs by
+compile order. This project runs from `sys.path`, and the learning rate, schedule, clipping, loss
+scale, world size and rank are constants in its train graph, so an unkeyed cache hands a changed
+run yesterday's graph: shown on CPU (tests/test_graph_cache.py). So `settings_for` always turns
+MindSpore's cache off, and only a training run turns it on, after it knows its rank, in a folder
+keyed by everything its graphs bake in (`enable_graph_cache`, `clipms.train.graphcache`).
+
+Data sinking (`data_sink`, off by default; Ascend and GPU only, the platforms of
+`mindspore.data_sink`): training batches reach the device through MindSpore's device-side data
+queue instead of a host-to-device copy when each step is launched (`clipms.train.feed.SinkFeed`).
+It has not run on an NPU yet, hence off; a CPU config that asks for it is refused.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ConfigDict
+from pydantic import ConfigDict, ValidationInfo, field_validator
 
 from clipms.schema import Section, cadence
 
@@ -68,9 +75,11 @@ log = logging.getLogger(__name__)
 FUSION_FLAGS = ("--opt_level=2 --enable_expand_ops=Erf,LayerNorm,LayerNormGrad "
                 "--disable_cluster_ops=MatMul,BatchMatMul,Cast")
 SWITCH = "CLIPMS_KERNEL_FUSION"
-SINK_SWITCH = "CLIPMS_DATA_SINK"
 DATA_SINK_DEVICES = ("Ascend", "GPU")  # mindspore.data_sink's "Supported Platforms"
-DEFAULT_JIT_LEVEL = {"Ascend": "O1"}  # elsewhere MindSpore's own default (O0)
+CACHE_SWITCH = "MS_COMPILER_CACHE_ENABLE"  # MindSpore's compile cache: this module owns it
+CACHE_PATH = "MS_COMPILER_CACHE_PATH"  # its folder (and, on CPU with fusion, AKG's kernels)
+# Makes MindSpore load cached graphs without checking anything (a string in its 2.10 library).
+FORCE_CACHE = "MS_DEV_FORCE_USE_COMPILE_CACHE"
 
 
 class RuntimeConfig(Section):
@@ -81,8 +90,20 @@ class RuntimeConfig(Section):
     device_target: Literal["CPU", "GPU", "Ascend"] = "CPU"
     device_id: int | None = cadence(None, ge=0)  # None: MindSpore's choice (msrun: per rank)
     mode: Literal["graph", "pynative"] = "graph"
-    jit_level: Literal["O0", "O1"] | None = None  # None: DEFAULT_JIT_LEVEL of the device
+    jit_level: Literal["O0", "O1"] = "O0"  # O1 is experimental in MindSpore 2.10
     kernel_fusion: bool = True  # CPU only: graph-kernel fusion (FUSION_FLAGS)
+    # Neither changes what a step computes: cadence fields, outside the resume fingerprint.
+    compile_cache: bool = cadence(False)  # training graphs cached in keyed folders
+    data_sink: bool = cadence(False)  # Ascend/GPU: batches through the device queue
+
+    @field_validator("data_sink")
+    @classmethod
+    def _sink_where_mindspore_sinks(cls, value: bool, info: ValidationInfo) -> bool:
+        device = info.data.get("device_target")
+        if value and device not in DATA_SINK_DEVICES:
+            raise ValueError(f"needs device_target {' or '.join(DATA_SINK_DEVICES)} "
+                             f"(mindspore.data_sink's platforms), not {device}")
+        return value
 
 
 @dataclass(frozen=True)
@@ -93,9 +114,10 @@ class RuntimeSettings:
     device_target: str
     device_id: int | None
     mode: str
-    jit_level: str | None  # None: leave MindSpore's default
+    jit_level: str
     kernel_fusion: bool  # CPU graph-kernel fusion is on
-    data_sink: bool  # training batches go through MindSpore's device queue (mindspore.data_sink)
+    data_sink: bool  # training batches go through MindSpore's device queue (SinkFeed)
+    compile_cache: bool  # a training run caches its graphs in a keyed folder (enable_graph_cache)
     import_env: dict[str, str] = field(default_factory=dict)  # needed before `import mindspore`
     env: dict[str, str] = field(default_factory=dict)  # needed before the first graph/launch
 
@@ -129,8 +151,9 @@ def prepare_import(config: RuntimeConfig) -> None:
 
 
 def kernel_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """Where compiled kernels (and, on Ascend, compiled graphs) live: $CLIPMS_KERNEL_CACHE, else the
-    user's cache folder (not the working directory, which is often a git or DVC checkout)."""
+    """Where compiled kernels (and, with `compile_cache`, the keyed graph folders) live:
+    $CLIPMS_KERNEL_CACHE, else the user's cache folder (not the working directory, which is often
+    a git or DVC checkout)."""
     environ = os.environ if environ is None else environ
     explicit = environ.get("CLIPMS_KERNEL_CACHE")
     if explicit:
@@ -143,14 +166,15 @@ def settings_for(config: RuntimeConfig, environ: Mapping[str, str] | None = None
                  mindspore_dir: Path | None = None) -> RuntimeSettings:
     """The settings `config` asks for on its device; a pure function of its arguments.
 
-    `environ` (default: this process's) supplies the fusion and data-sink switches, the cache
-    location and the user's own values, which win over computed ones; `mindspore_dir` is the
-    installed package (AKG's tiling repository lives in it)."""
+    `environ` (default: this process's) supplies the fusion switch, the cache location and the
+    user's own values, which win over computed ones -- except MindSpore's compile cache switch,
+    which is always off here (`enable_graph_cache` turns it on in a keyed folder); `mindspore_dir`
+    is the installed package (AKG's tiling repository lives in it)."""
     environ = os.environ if environ is None else environ
     device = config.device_target
     fusion = device == "CPU" and config.kernel_fusion and environ.get(SWITCH, "1") != "0"
     import_env: dict[str, str] = {}
-    env: dict[str, str] = {}
+    env: dict[str, str] = {CACHE_SWITCH: "0"}
     cache = str(kernel_cache_dir(environ))
     if device == "CPU":
         import_env["OMP_WAIT_POLICY"] = "PASSIVE"
@@ -160,15 +184,13 @@ def settings_for(config: RuntimeConfig, environ: Mapping[str, str] | None = None
             # AKG reads its tiling repository from its own package and, unless that folder is
             # "white listed", skips it and prints a warning to stdout (corrupting command output).
             env["AKG_WHITE_LIST_PATH"] = str((mindspore_dir or _mindspore_dir()) / "_akg")
-            env["MS_COMPILER_CACHE_PATH"] = cache
-    else:
-        env["MS_COMPILER_CACHE_ENABLE"] = "1"
-        env["MS_COMPILER_CACHE_PATH"] = cache
-    keep = {key: environ[key] for key in (*import_env, *env) if key in environ}
+            env[CACHE_PATH] = cache
+    keep = {key: environ[key] for key in (*import_env, *env) if key in environ
+            and key != CACHE_SWITCH}
     return RuntimeSettings(
         device_target=device, device_id=config.device_id, mode=config.mode,
-        jit_level=config.jit_level or DEFAULT_JIT_LEVEL.get(device), kernel_fusion=fusion,
-        data_sink=device in DATA_SINK_DEVICES and environ.get(SINK_SWITCH, "1") != "0",
+        jit_level=config.jit_level, kernel_fusion=fusion, data_sink=config.data_sink,
+        compile_cache=config.compile_cache,
         import_env={**import_env, **{k: v for k, v in keep.items() if k in import_env}},
         env={**env, **{k: v for k, v in keep.items() if k in env}})
 
@@ -185,6 +207,7 @@ def _mindspore_dir() -> Path:
 
 
 _APPLIED: RuntimeSettings | None = None
+_KEYED_CACHE: Path | None = None  # the folder enable_graph_cache set
 
 
 def configure(config: RuntimeConfig) -> RuntimeSettings:
@@ -209,6 +232,7 @@ def configure(config: RuntimeConfig) -> RuntimeSettings:
                         ", ".join(f"{k}={v}" for k, v in late.items()))
     else:
         os.environ.update(settings.import_env)
+    _refuse_unkeyed_cache()
     os.environ.update(settings.env)
     if settings.device_target == "CPU" and not settings.kernel_fusion:
         os.environ.pop("MS_DEV_GRAPH_KERNEL_FLAGS", None)  # a previous call's fusion flags
@@ -221,12 +245,42 @@ def configure(config: RuntimeConfig) -> RuntimeSettings:
                              or ms.get_context("device_target") != settings.device_target):
         ms.set_device(settings.device_target, settings.device_id)
     context: dict[str, object] = {
-        "mode": ms.GRAPH_MODE if settings.mode == "graph" else ms.PYNATIVE_MODE}
-    if settings.jit_level is not None:
-        context["jit_config"] = {"jit_level": settings.jit_level}
+        "mode": ms.GRAPH_MODE if settings.mode == "graph" else ms.PYNATIVE_MODE,
+        "jit_config": {"jit_level": settings.jit_level}}
     ms.set_context(**context)
     _APPLIED = settings
     return settings
+
+
+def _refuse_unkeyed_cache() -> None:
+    """MindSpore's compile cache left on by the environment would be unkeyed: turn it off and say
+    why (settings_for's env then sets the switch to 0)."""
+    ours = _KEYED_CACHE is not None and os.environ.get(CACHE_PATH) == str(_KEYED_CACHE)
+    if os.environ.get(CACHE_SWITCH, "0") not in ("0", "") and not ours:
+        log.warning("%s=%s in the environment is ignored: an unkeyed compile cache can hand a "
+                    "run the graph of another learning rate, code or rank count; set "
+                    "runtime.compile_cache: true instead (docs/ascend.md)", CACHE_SWITCH,
+                    os.environ[CACHE_SWITCH])
+    if os.environ.pop(FORCE_CACHE, None) is not None:
+        log.warning("%s removed from the environment: it makes MindSpore load cached graphs "
+                    "without checking that the network is the same", FORCE_CACHE)
+
+
+def enable_graph_cache(folder: Path | str) -> Path:
+    """Turn MindSpore's compile cache on for this process's next compiles, in `folder`.
+
+    MindSpore reads both variables when a graph compiles (shown on CPU: set after `import
+    mindspore`, they take effect), so a training run calls this once its rank is known and
+    before its first graph. `folder` must be keyed by everything the graphs bake in
+    (`clipms.train.graphcache.graph_cache_dir`); MindSpore adds a `rank_<RANK_ID>` folder inside.
+    """
+    global _KEYED_CACHE
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ.update({CACHE_SWITCH: "1", CACHE_PATH: str(folder)})
+    _KEYED_CACHE = folder
+    log.info("compile cache on: %s", folder)
+    return folder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,11 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clipms.runtime", description=main.__doc__)
     parser.add_argument("--device", default="CPU", choices=("CPU", "GPU", "Ascend"))
     parser.add_argument("--mode", default="graph", choices=("graph", "pynative"))
-    parser.add_argument("--jit-level", default=None, choices=("O0", "O1"))
+    parser.add_argument("--jit-level", default="O0", choices=("O0", "O1"))
     parser.add_argument("--kernel-fusion", default="on", choices=("on", "off"))
+    parser.add_argument("--compile-cache", default="off", choices=("on", "off"))
+    parser.add_argument("--data-sink", default="off", choices=("on", "off"))
     args = parser.parse_args(argv)
     config = RuntimeConfig(device_target=args.device, mode=args.mode, jit_level=args.jit_level,
-                           kernel_fusion=args.kernel_fusion == "on")
+                           kernel_fusion=args.kernel_fusion == "on",
+                           compile_cache=args.compile_cache == "on",
+                           data_sink=args.data_sink == "on")
     print(json.dumps(settings_for(config).to_dict(), indent=2))
     return 0
 

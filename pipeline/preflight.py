@@ -6,7 +6,9 @@ needs and can see, what msrun and HCCL need, shared memory for the loader's work
 checkpoints -- and the plan -- a full global batch from the train split of the shard manifest, more
 steps than warmup -- and prints what the run would do and the `dvc exp run` command that applies
 the overrides. It exits 1 when a check fails. Nothing is trained or written; `run_check()` runs
-one multiplication on MindSpore's default device. docs/ascend.md explains each check.
+one multiplication on MindSpore's default device. With `--smoke` it then trains a few amp steps
+twice and exports on the run's device (pipeline/smoke.py), one line per check. docs/ascend.md
+explains each check.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import io
 import ipaddress
 import json
 import os
+import re
 import shutil
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -27,20 +31,21 @@ from typing import Any
 import yaml
 
 from clipms.model.config import DEFAULT_PRESET, CLIPConfig, get_preset
+from pipeline.checks import FAIL, OK, WARN, Check
 
-OK, WARN, FAIL = "ok", "warn", "FAIL"
+# HCCL's host ports (root-info communicators, what msrun's dynamic cluster creates), from
+# HCCL_IF_BASE_PORT (default 60000): 16 ports up to CANN 8.1, 32 from 8.2 (CANN's
+# HCCL_IF_BASE_PORT pages: 8.0.0 "16 ports, 60000-60015"; 8.3.RC1 "32 ports, 60000-60031"; the
+# 8.2.RC1 page says 32 in its description and 60000-60015 in its sysctl line, so 32 is used).
+# An unknown version gets 32: reserving 16 ports more than needed costs nothing.
+HCCL_BASE_PORT = 60000
+HCCL_PORTS_FROM = ((8, 2), 32)  # (first CANN version, ports); before it 16
+RESERVED_PORTS = Path("/proc/sys/net/ipv4/ip_local_reserved_ports")
 # msrun sets these for every worker; a value already in the environment would fight it.
 MSRUN_OWNED = ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_WORKER_NUM", "MS_NODE_ID")
 MSCOCO_TRAIN_IMAGES = 118_287  # MSCOCO 2017 train: the figure used when no manifest exists yet
 SHM_SHARE = 0.8  # MindSpore refuses shared-memory queues above 80% of free /dev/shm
 OPENAI_VOCAB = 49408  # ids of the OpenAI CLIP vocabulary (tokenizer.kind: openai)
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: str  # OK | WARN | FAIL
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -188,12 +193,76 @@ def check_launcher(plan: RunPlan) -> list[Check]:
                             "them for each worker; unset them"))
     if plan.nodes > 1:
         checks.extend(_check_cluster(plan))
+    if plan.device_target == "Ascend" and plan.ranks > 1:
+        checks.append(check_hccl_ports(cann_version(os.environ), os.environ,
+                                       _read(RESERVED_PORTS)))
     if plan.device_target == "Ascend" and plan.nodes > 1:
         iface = os.environ.get("HCCL_IF_IP") or os.environ.get("HCCL_SOCKET_IFNAME")
         checks.append(Check("hccl", OK if iface else WARN, f"HCCL host NIC: {iface}" if iface
                             else "neither HCCL_IF_IP nor HCCL_SOCKET_IFNAME is set: HCCL picks "
                             "a NIC by name order, and it must reach node 0's"))
     return checks
+
+
+def cann_version(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """(major, minor) of the CANN toolkit set_env.sh points at, from its install record
+    (`<toolkit>/<arch>-linux/ascend_toolkit_install.info`, `version=8.3.RC1`), or None."""
+    home = environ.get("ASCEND_HOME_PATH") or environ.get("ASCEND_TOOLKIT_HOME")
+    if not home:
+        return None
+    for info in sorted(Path(home).glob("*/ascend_toolkit_install.info")) + [
+            Path(home) / "ascend_toolkit_install.info"]:
+        match = re.search(r"^version=(\d+)\.(\d+)", _read(info) or "", re.MULTILINE)
+        if match:
+            return int(match.group(1)), int(match.group(2))
+    return None
+
+
+def hccl_port_range(version: tuple[int, int] | None,
+                    environ: Mapping[str, str]) -> tuple[int, int]:
+    """The host ports HCCL uses on this CANN version: HCCL_IF_BASE_PORT (default 60000) and the
+    15 or 31 after it."""
+    first_version, ports = HCCL_PORTS_FROM
+    count = 16 if version is not None and version < first_version else ports
+    base = int(environ.get("HCCL_IF_BASE_PORT") or HCCL_BASE_PORT)
+    return base, base + count - 1
+
+
+def check_hccl_ports(version: tuple[int, int] | None, environ: Mapping[str, str],
+                     reserved: str | None) -> Check:
+    """HCCL's port range is in `net.ipv4.ip_local_reserved_ports` (else an outgoing connection
+    may take one of them first and HCCL's init fails now and then)."""
+    if environ.get("HCCL_HOST_SOCKET_PORT_RANGE"):  # CANN 8.5: takes priority over the base
+        return Check("hccl ports", OK, "HCCL_HOST_SOCKET_PORT_RANGE="
+                     f"{environ['HCCL_HOST_SOCKET_PORT_RANGE']} chooses HCCL's host ports "
+                     "(reserve them unless 'auto')")
+    low, high = hccl_port_range(version, environ)
+    cann = f"CANN {version[0]}.{version[1]}" if version else "CANN version unknown"
+    taken = _port_set(reserved or "")
+    missing = [port for port in range(low, high + 1) if port not in taken]
+    if not missing:
+        return Check("hccl ports", OK, f"{low}-{high} reserved ({cann})")
+    wanted = ",".join(filter(None, [(reserved or "").strip(), f"{low}-{high}"]))
+    return Check("hccl ports", WARN, f"HCCL uses ports {low}-{high} ({cann}) but "
+                 f"{len(missing)} of them are not reserved: another connection can take one "
+                 f"first; run `sysctl -w net.ipv4.ip_local_reserved_ports={wanted}` (and add it "
+                 "to /etc/sysctl.conf)")
+
+
+def _port_set(text: str) -> set[int]:
+    """The ports of a reserved-ports list such as `60000-60015,61000`."""
+    ports: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        low, _, high = part.partition("-")
+        ports.update(range(int(low), int(high or low) + 1))
+    return ports
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def _check_cluster(plan: RunPlan) -> list[Check]:
@@ -211,21 +280,31 @@ def _check_cluster(plan: RunPlan) -> list[Check]:
 
 
 def check_shared_memory(plan: RunPlan, workers: int, row_bytes: int) -> Check:
-    """MindSpore's own estimate for multiprocessing loaders (`_check_shm_usage`): ranks (at most 8
-    counted) x workers x (queue + 2) rows, against 80% of free /dev/shm."""
+    """MindSpore's own check for multiprocessing loaders (`_check_shm_usage` of
+    mindspore/dataset/engine/datasets_user_defined.py, 2.10): ranks on the host (at most 8
+    counted) x workers x (queue + 2) rows against 80% of free /dev/shm, the queue as MindSpore's
+    loader sizes it from its prefetch setting. MindSpore runs it itself only for a fixed
+    `max_rowsize`; the loader uses the default (rows allocated at their own size), so the
+    preflight runs it with the loader's real row size. Ranks are folded into the worker count:
+    outside msrun MindSpore counts a group of one."""
     if workers <= 1:
         return Check("shared memory", OK, "one decode worker per rank: no shared-memory queue")
-    prefetch = 16  # mindspore.dataset.config.get_prefetch_size() default
+    from mindspore.dataset import config as ds_config
+    from mindspore.dataset.engine.datasets_user_defined import _check_shm_usage
+
+    prefetch = ds_config.get_prefetch_size()
     queue = max(2, min(prefetch, prefetch * 4 // workers))
-    need = min(plan.local_ranks, 8) * workers * (queue + 2) * row_bytes
+    processes = min(plan.local_ranks, 8) * workers
+    need = processes * (queue + 2) * row_bytes
     try:
-        free = shutil.disk_usage("/dev/shm").free
-    except FileNotFoundError:
-        return Check("shared memory", FAIL, "/dev/shm does not exist (the loader's worker "
-                     "processes pass batches through it)")
-    status = OK if need < SHM_SHARE * free else FAIL
-    return Check("shared memory", status, f"loader needs ~{_mb(need)} of /dev/shm, "
-                 f"{_mb(free)} free (containers: --shm-size or --ipc=host)")
+        _check_shm_usage(processes, queue, 0, row_bytes / 2**20)  # MB, as max_rowsize
+    except RuntimeError as err:
+        first = str(err).splitlines()[0]
+        return Check("shared memory", FAIL, f"MindSpore's check: {first} (the loader needs "
+                     f"~{_mb(need)}; containers: --shm-size or --ipc=host)")
+    free = shutil.disk_usage("/dev/shm").free
+    return Check("shared memory", OK, f"MindSpore's check passes: the loader needs ~{_mb(need)} "
+                 f"of /dev/shm, {_mb(free)} free")
 
 
 def check_disk(folder: Path, plan: RunPlan, params: int, stale_sets: int) -> Check:
@@ -324,6 +403,7 @@ def preflight(params: dict[str, Any], manifest: Path, checkpoints: Path,
     runtime = runtime_settings(params.get("runtime") or {}, checks)
     summary = {"device": plan.device_target, "mode": plan.mode, "precision": plan.precision,
                "jit_level": runtime.get("jit_level"), "kernel_fusion": runtime.get("kernel_fusion"),
+               "compile_cache": runtime.get("compile_cache"), "data_sink": runtime.get("data_sink"),
                "preset": plan.preset, "parameters": count, "image_size": plan.image_size,
                "ranks": plan.ranks, "nodes": plan.nodes, "ranks_per_node": plan.local_ranks,
                "global_batch": plan.global_batch, "loader_workers_per_rank": workers,
@@ -336,7 +416,7 @@ def runtime_settings(section: dict[str, Any], checks: list[Check]) -> dict[str, 
     an invalid section becomes a failed check."""
     from pydantic import ValidationError
 
-    from clipms.runtime import RuntimeConfig, settings_for
+    from clipms.runtime import CACHE_SWITCH, FORCE_CACHE, RuntimeConfig, settings_for
 
     try:
         settings = settings_for(RuntimeConfig(**section)).to_dict()
@@ -344,10 +424,18 @@ def runtime_settings(section: dict[str, Any], checks: list[Check]) -> dict[str, 
         checks.append(Check("runtime", FAIL, f"invalid runtime section: {err.errors()[0]['msg']} "
                             f"({err.errors()[0]['loc']})"))
         return {}
-    checks.append(Check("runtime", OK, f"jit_level {settings['jit_level'] or 'MindSpore default'},"
-                        f" kernel fusion {'on' if settings['kernel_fusion'] else 'off'}, sets "
-                        + (", ".join(sorted({**settings['import_env'], **settings['env']}))
-                           or "nothing")))
+    on_off = {True: "on", False: "off"}
+    checks.append(Check("runtime", OK, f"jit_level {settings['jit_level']}, kernel fusion "
+                        f"{on_off[settings['kernel_fusion']]}, compile cache "
+                        f"{'keyed per training run' if settings['compile_cache'] else 'off'}, "
+                        f"data sink {on_off[settings['data_sink']]}; sets "
+                        + ", ".join(sorted({**settings['import_env'], **settings['env']}))))
+    stray = [f"{name}={os.environ[name]}" for name in (CACHE_SWITCH, FORCE_CACHE)
+             if os.environ.get(name, "0") not in ("0", "")]
+    if stray:
+        checks.append(Check("compile cache", WARN, f"{', '.join(stray)} in the environment is "
+                            "ignored (an unkeyed cache reuses graphs across changed runs): set "
+                            "runtime.compile_cache: true instead"))
     return settings
 
 
@@ -384,6 +472,17 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:,.0f} MB" if n < 2**30 else f"{n / 2**30:,.1f} GB"
 
 
+def smoke_checks(params: dict[str, Any], checks: list[Check]) -> list[Check]:
+    """The smoke run's checks (pipeline.smoke), unless the host cannot run it at all."""
+    blocking = [c.name for c in checks if c.status == FAIL and c.name in (
+        "mindspore.run_check", "devices", "runtime")]
+    if blocking:
+        return [Check("smoke", FAIL, f"not run: the {', '.join(blocking)} check failed")]
+    from pipeline.smoke import run_smoke, smoke_plan
+
+    return run_smoke(smoke_plan(params, model_config(params)))
+
+
 def main(argv: list[str] | None = None) -> int:
     from clipms.train.checkpoint import KEEP_STALE_SETS
     from pipeline.params import read_params
@@ -398,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--manifest", type=Path, default=Path("data/shards/manifest.json"))
     parser.add_argument("--checkpoints", type=Path, default=Path("models/checkpoints"))
     parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    parser.add_argument("--smoke", action="store_true",
+                        help="then train a few amp steps twice and export on the device "
+                             "(pipeline/smoke.py; minutes)")
     args = parser.parse_args(argv)
 
     overrides: dict[str, Any] = {}
@@ -410,6 +512,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides[key] = yaml.safe_load(value)
     params = apply_overrides(read_params(args.params), overrides)
     plan, checks, summary = preflight(params, args.manifest, args.checkpoints, KEEP_STALE_SETS)
+    if args.smoke:
+        checks.extend(smoke_checks(params, checks))
     command = dvc_command(overrides)
     failed = any(c.status == FAIL for c in checks)
     if args.json:

@@ -4,7 +4,8 @@
 `train.preset` for the names in the CLIP_benchmark files). Inputs: models/clip.ckpt,
 models/clip.json, models/tokenizer.json and the evaluated split of data/shards. Outputs:
 metrics/eval.json (flat keys: i2t_R@1/5/10, t2i_R@1/5/10, mAP@10, ranks, zeroshot_*,
-zeroshot_<field>_* per attribute, counts and chance_* levels), metrics/clip_benchmark/ (the same
+zeroshot_<field>_* per attribute, counts and chance_* levels), metrics/quality/ (the same figures
+as one row per task: `dvc metrics show metrics/quality`), metrics/clip_benchmark/ (the same
 results as CLIP_benchmark JSON files), plots/recall_at_k.csv + .png, plots/confusion_matrix.csv (one
 row per image: actual, predicted) + .png, and plots/retrieval_gallery.png.
 """
@@ -27,7 +28,7 @@ from stages import paths
 READS = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.TOKENIZER, paths.SHARDS_VAL, paths.MANIFEST,
          paths.MLFLOW_RUN)
 WRITES = (paths.RECALL_CURVE, paths.RECALL_PLOT, paths.CONFUSION_CSV, paths.CONFUSION_PNG,
-          paths.GALLERY, paths.CLIP_BENCHMARK, paths.EVAL_METRICS)
+          paths.GALLERY, paths.CLIP_BENCHMARK, paths.EVAL_METRICS, paths.EVAL_QUALITY)
 _FIELD = re.compile(r"[A-Za-z0-9_]+")
 
 
@@ -121,7 +122,7 @@ def main() -> int:
     out = EvalOutputs(metrics=paths.EVAL_METRICS, recall_curve=paths.RECALL_CURVE,
                       recall_plot=paths.RECALL_PLOT, predictions=paths.CONFUSION_CSV,
                       confusion_png=paths.CONFUSION_PNG, gallery_png=paths.GALLERY,
-                      clip_benchmark_dir=paths.CLIP_BENCHMARK)
+                      clip_benchmark_dir=paths.CLIP_BENCHMARK, quality_dir=paths.EVAL_QUALITY)
     g = params.gallery
     try:
         benchmark_run = BenchmarkRun(model=model_name, pretrained=str(paths.CHECKPOINT))

@@ -3,8 +3,10 @@ models/export/, then a parity check of each MindIR graph against the checkpoint 
 
 `python -m stages.export`; reads the `export` and `runtime` sections. `export.precision` (fp32 |
 fp16) is the bundle's; the parity bar is that precision's (clipms.deploy.export.PARITY) unless
-`export.tolerance` is set. Fails (exit 1) when an error exceeds the bar; metrics/export.json holds
-the errors either way.
+`export.tolerance` is set. The gate is computed on the host CPU, where the bars were calibrated;
+on a device (runtime.device_target GPU/Ascend) the device's own errors are recorded beside it as
+`device_*`, not gated (clipms.deploy.hostparity says why). Fails (exit 1) when an error exceeds
+the bar; metrics/export.json holds the errors either way.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def main() -> int:
     # parity graphs run unfused on CPU, as amp training does (clipms.runtime.for_precision)
     configure(for_precision(runtime, params.precision))
     from clipms.deploy.export import ParityError, assert_parity, export_bundle, parity_report
+    from clipms.deploy.hostparity import gate_on_host, host_parity
     from clipms.text.tokenizer import Tokenizer
     from clipms.train.trained import RunConfig, TrainedModelError, load_clip
     from clipms.utils.jsonio import read_json, write_json
@@ -75,9 +78,12 @@ def main() -> int:
                       paths.BUNDLE, params.precision)
         images, tokens = parity_inputs(params, run.preprocess, Tokenizer.load(paths.TOKENIZER))
         reference = load_clip(paths.CHECKPOINT, run.model)  # fresh from disk: the truth
-        report = parity_report(reference, paths.BUNDLE, images, tokens, params.batch_sizes,
-                               params.precision, params.tolerance)
-    except (TrainedModelError, ValueError) as err:
+        here = parity_report(reference, paths.BUNDLE, images, tokens, params.batch_sizes,
+                             params.precision, params.tolerance)
+        report = gate_on_host(here, runtime.device_target, lambda: host_parity(
+            paths.BUNDLE, paths.CHECKPOINT, run.model, images, tokens, params.batch_sizes,
+            params.precision, params.tolerance))
+    except (TrainedModelError, ValueError, RuntimeError) as err:
         print(f"export: error: {err}", file=sys.stderr)
         return 1
     # An amp-trained checkpoint holds fp32 master weights: the bar is the bundle's precision's

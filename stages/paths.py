@@ -41,6 +41,7 @@ DOWNLOAD_METRICS = Path("metrics/download.json")
 SHARD_METRICS = Path("metrics/shard.json")
 TRAIN_METRICS = Path("metrics/train.json")
 EVAL_METRICS = Path("metrics/eval.json")
+EVAL_QUALITY = Path("metrics/quality")  # the same figures, one row per task (dvc metrics show)
 CLIP_BENCHMARK = Path("metrics/clip_benchmark")  # the same results as CLIP_benchmark JSON files
 EXPORT_METRICS = Path("metrics/export.json")
 INDEX_METRICS = Path("metrics/index.json")

@@ -1,4 +1,4 @@
-"""Hostile image inputs shared by the decoder, pyfunc-server and service tests (issue 14.1, 16.5).
+"""Hostile image inputs shared by the decoder, pyfunc-server and service tests.
 
 Each is small on the wire; what it claims or contains is what a decoder must refuse.
 """

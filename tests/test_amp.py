@@ -2,8 +2,15 @@
 trains in a process of its own (MindSpore reads the fusion flags process-wide, and the pytest
 process runs unfused), runs its training step unfused on purpose (clipms.runtime.for_precision
 says why), saves the model under CLIP's own parameter names, and that checkpoint loads with
-`load_clip` and converts to open_clip. The whole pipeline with amp (train -> evaluate -> export
--> register, fusion on as users run it) is the slow test at the end."""
+`load_clip` and converts to open_clip. Under amp the towers compute in fp16 but the L2
+normalisation and exp(logit_scale) stay fp32, as under open_clip's autocast: amp and fp32
+embeddings agree to `AMP_EMBEDDING_BAR`, and features of norm 0 or past 256 (NaN and overflow in
+fp16) normalise as in fp32. In GRAPH_MODE MindSpore already computed these two in fp32 before (a
+LayerNorm Cell flagged fp32 returns fp32, so ln_post and the projections came out fp32, and graph
+mode does not cast parameters), in PYNATIVE_MODE they were fp16 (NaN for a zero feature): the
+explicit fp32 island makes both modes agree, and the pynative cases are the ones that failed
+before. The whole pipeline with amp (train -> evaluate -> export -> register,
+fusion on as users run it) is the slow test at the end."""
 
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from clipms.model.config import CLIPConfig
+from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
 from clipms.model.convert import openclip_shapes
 from clipms.runtime import SWITCH
 from tests.workspace import PROJECT_ROOT, checkpoint_arrays, make_workspace, run
@@ -43,6 +50,75 @@ save_model(result.model, out / "clip.ckpt")
 (out / "clip.json").write_text(json.dumps({"model": micro.to_dict()}))
 (out / "losses.json").write_text(json.dumps([row["loss"] for row in result.history]))
 """
+
+
+MICRO = CLIPConfig(
+    embed_dim=16,
+    vision=VisionConfig(image_size=16, patch_size=8, width=32, layers=1, head_width=16),
+    text=TextConfig(context_length=8, vocab_size=40, width=32, heads=2, layers=1))
+# Max abs difference of the L2-normalised amp and fp32 embeddings of the same weights: fp16 keeps
+# 11 significant bits (unit roundoff 4.9e-4) and every layer rounds again; the export's fp16 bar
+# (clipms.deploy.export.PARITY) for the same reason. Measured here: see the test's assertion
+# message (pytest -s prints it).
+AMP_EMBEDDING_BAR = 2e-3
+
+
+def fp32_and_amp_twins(seed: int = 0):
+    """Two CLIPs with the same weights, the second under amp (to_mixed_precision)."""
+    import mindspore as ms
+
+    from clipms.model.clip import CLIP, to_mixed_precision
+
+    ms.set_seed(seed)
+    fp32 = CLIP(MICRO)
+    amp = CLIP(MICRO)
+    for (_, theirs), (_, ours) in zip(fp32.parameters_and_names(), amp.parameters_and_names(),
+                                      strict=True):
+        ours.set_data(theirs.data.copy())
+    return fp32, to_mixed_precision(amp)
+
+
+def micro_inputs(n: int = 6):
+    import mindspore as ms
+
+    from clipms.train.feed import RandomBatches
+
+    images, tokens = RandomBatches(MICRO, n, 1, seed=2).global_batch(0, 0)
+    pixels = (images.astype(np.float32) / 255.0 - 0.45) / 0.27
+    return ms.Tensor(pixels), ms.Tensor(tokens)
+
+
+@pytest.mark.parametrize("mode", ["graph", "pynative"], indirect=True)
+def test_amp_normalises_and_scales_in_fp32_and_its_embeddings_agree_with_fp32(mode):
+    fp32, amp = fp32_and_amp_twins()
+    images, tokens = micro_inputs()
+    want = [out.asnumpy() for out in fp32(images, tokens)]
+    got = [out.asnumpy() for out in amp(images, tokens)]
+    assert [g.dtype for g in got] == [np.float32] * 3  # fp32 features and scale out of CLIP
+    assert got[2] == want[2]  # exp() of the fp32 parameter itself, not of an fp16 copy
+    errors = [float(np.abs(g - w).max()) for g, w in zip(got[:2], want[:2], strict=True)]
+    print(f"amp vs fp32, normalised embeddings ({mode}): image {errors[0]:.2e}, "
+          f"text {errors[1]:.2e}")
+    assert max(errors) <= AMP_EMBEDDING_BAR, errors
+    assert max(errors) > 0  # the towers did compute in fp16
+    np.testing.assert_allclose(np.linalg.norm(got[0], axis=1), 1.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["graph", "pynative"], indirect=True)
+@pytest.mark.parametrize("scale", [0.0, 1e3])
+def test_amp_normalises_a_zero_or_huge_feature_as_fp32_does(mode, scale):
+    # 0: fp16's epsilon 1e-12 underflows to 0, so 0 / 0 = NaN; 1e3: the features' norm passes 256,
+    # its square passes fp16's largest value (65504) and the feature normalised to 0 or NaN.
+    import mindspore as ms
+
+    fp32, amp = fp32_and_amp_twins(seed=1)
+    for net in (fp32, amp):
+        net.visual.proj.set_data(net.visual.proj.data * ms.Tensor(np.float32(scale)))
+    images, tokens = micro_inputs()
+    want = fp32(images, tokens)[0].asnumpy()
+    got = amp(images, tokens)[0].asnumpy()
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, atol=AMP_EMBEDDING_BAR)
 
 
 def train_amp(folder, fusion: str) -> tuple[list[float], str]:

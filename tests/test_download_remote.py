@@ -1,7 +1,7 @@
 """`download.output`: img2dataset writes to an fsspec URL (here a `file://` folder outside the
 workspace), data/download keeps only the pointer, and `shard` reads the tars from the URL; the
 same samples and the same shards as the default local run, resume there, and the checks of the
-URL and of the tars found there (issue 11.1)."""
+URL and of the tars found there."""
 
 from __future__ import annotations
 

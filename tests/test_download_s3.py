@@ -2,7 +2,7 @@
 on 127.0.0.1 (the `dev` extra), reached by img2dataset and the shard stage through s3fs (the
 `distributed` extra) with the standard AWS variables (AWS_ENDPOINT_URL, keys). The same shards as
 the default local run, a stage killed mid-download resumes on the bucket, and Spark's executors
-write there too, a lost shard then refetched by a local Ray (issue 11.1)."""
+write there too, a lost shard then refetched by a local Ray."""
 
 from __future__ import annotations
 

@@ -214,6 +214,8 @@ def test_stage_writes_its_declared_outputs(workspace):
         assert key in found, key
     assert "zeroshot_top5" not in found  # 3 colours < 5 classes
     assert found["zeroshot_classes"] == 3 and found["zeroshot_shape_classes"] == 2
+    table = sorted(p.name for p in (root / "metrics" / "quality").iterdir())
+    assert table == ["i2t.json", "t2i.json", "zeroshot.json", "zeroshot_shape.json"]
     curve = (root / "plots" / "recall_at_k.csv").read_text().splitlines()
     assert curve[0] == "k,i2t,t2i" and len(curve) == 12
     rows = (root / "plots" / "confusion_matrix.csv").read_text().splitlines()
@@ -232,7 +234,7 @@ def test_stage_writes_its_declared_outputs(workspace):
 
 
 def test_an_undecodable_val_image_is_a_bad_sample_not_a_crash(workspace, tmp_path):
-    """Issue 14.1: a decompression bomb among the val images is left out and named; retrieval
+    """A decompression bomb among the val images is left out and named; retrieval
     and zero-shot on labels run on the other images."""
     from clipms.eval.evaluate import ZeroShotSpec, evaluate
 

@@ -85,6 +85,23 @@ def test_parity_passes_at_every_batch_size(exported, trained):
     assert_parity(report)  # does not raise
 
 
+def test_the_host_parity_runs_on_cpu_in_a_process_of_its_own_and_gives_this_ones(
+        exported, trained):
+    # What the export stage gates on when it runs on an NPU: the bar's own machine, the host CPU.
+    from clipms.deploy.export import parity_report
+    from clipms.deploy.hostparity import host_parity
+
+    out, _, run = exported
+    net = load_clip(trained["a"]["checkpoint"], run.model)
+    images, tokens = sample_inputs(run, trained["a"]["tokenizer"])
+    here = parity_report(net, out, images, tokens, (1, 3))
+    host = host_parity(out, trained["a"]["checkpoint"], run.model, images, tokens, (1, 3))
+    assert host.pop("parity_device") == "CPU (host)"
+    assert host == here and host["passed"]
+    wrong = host_parity(out, trained["b"]["checkpoint"], run.model, images, tokens, (1,))
+    assert not wrong["passed"]  # it checks the checkpoint it is given
+
+
 def test_a_different_checkpoint_fails_the_parity_check(exported, trained):
     from clipms.deploy.export import ParityError, assert_parity, parity_report
 

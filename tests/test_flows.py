@@ -155,7 +155,7 @@ def test_experiment_is_saved_and_listed(toy: Path) -> None:
 
 
 def test_an_override_run_never_writes_the_checkout(toy: Path) -> None:
-    """Issue 14.7: the overrides, the stages and the experiment happen in a private worktree; the
+    """The overrides, the stages and the experiment happen in a private worktree; the
     user's uncommitted edit is part of it, and an edit made during the run is left alone."""
     from flows.workspace import PREFIX, experiment_workspace
 

@@ -1,4 +1,4 @@
-"""No secret reaches a log, a param, a tag, an artifact or a notice (issue 14.6).
+"""No secret reaches a log, a param, a tag, an artifact or a notice.
 
 The whole pipeline runs as the `clip-pipeline` flow on a real Prefect server, from a metadata URL
 that carries a presigned-style signature and a token, over image URLs with a token of their own,

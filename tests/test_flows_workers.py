@@ -1,4 +1,4 @@
-"""Several Prefect workers on one pool (issue 11.4): two real `prefect worker start` processes
+"""Several Prefect workers on one pool: two real `prefect worker start` processes
 (`--limit 1` each, as two machines with one slot each) serve the `clipms` process pool of a real
 server; two deployment runs started together land on both workers and still never overlap on the
 one checkout (the flow's one-slot global concurrency limit per checkout, flows/pipeline.py), while

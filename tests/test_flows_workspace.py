@@ -1,5 +1,5 @@
-"""A flow run with overrides that is killed mid-run (a worker crash) leaves the checkout untouched
-(issue 14.7): the real `clip-pipeline` flow on the session's Prefect server, in a toy checkout
+"""A flow run with overrides that is killed mid-run (a worker crash) leaves the checkout untouched:
+the real `clip-pipeline` flow on the session's Prefect server, in a toy checkout
 whose one stage is slow; the process is SIGKILLed while the stage runs in the private worktree."""
 
 from __future__ import annotations

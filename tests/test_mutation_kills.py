@@ -1,4 +1,4 @@
-"""Edges of the critical modules that `make mutation` found untested (issue 14.10).
+"""Edges of the critical modules that `make mutation` found untested.
 
 Each test names the mutants it kills (mutmut's names, `mutmut show <name>` prints the diff;
 benchmarks/RESULTS.md lists the mutants left alive and why). Fast: no process; loopback HTTP(S)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,8 +90,10 @@ def test_on_this_machine_an_ascend_profile_fails_and_says_no_device_is_present()
     assert checks["mindspore.run_check"]["status"] == "ok"  # MindSpore itself runs (on CPU)
     plan = report["plan"]
     assert (plan["device"], plan["ranks"], plan["global_batch"]) == ("Ascend", 8, 2048)
-    assert (plan["jit_level"], plan["kernel_fusion"]) == ("O1", False)  # clipms.runtime's Ascend
-    assert "MS_COMPILER_CACHE_ENABLE" in checks["runtime"]["detail"]
+    assert (plan["jit_level"], plan["kernel_fusion"]) == ("O0", False)  # clipms.runtime's Ascend
+    assert (plan["compile_cache"], plan["data_sink"]) == (False, False)  # the profile's
+    assert "compile cache off, data sink off" in checks["runtime"]["detail"]
+    assert checks["hccl ports"]["status"] in ("ok", "warn")  # 8 ranks: HCCL's host ports
     assert plan["parameters"] == 151_277_313  # open_clip's ViT-B-32
     assert report["command"].startswith("dvc exp run -S 'metadata.source=mscoco'")
 
@@ -147,12 +150,47 @@ def test_a_cluster_whose_master_is_loopback_is_refused():
     assert checks["hccl"].status in (preflight.OK, preflight.WARN)
 
 
-def test_shared_memory_estimate_follows_mindsporess_formula():
+def test_shared_memory_is_mindsporess_own_check_at_the_loaders_row_size():
     plan = preflight.RunPlan(ranks=8)
-    row = 3 * 224 * 224 * 4
+    row = 3 * 224 * 224  # uint8 pixels
     check = preflight.check_shared_memory(plan, workers=16, row_bytes=row)
-    # MindSpore: ranks (<= 8) x workers x (max(2, min(16, 16*4 // workers)) + 2) x row size
+    # ranks (<= 8) x workers x (max(2, min(16, 16*4 // workers)) + 2) rows, prefetch 16
+    assert check.status == preflight.OK and check.detail.startswith("MindSpore's check passes")
     assert f"~{8 * 16 * (4 + 2) * row / 2**20:,.0f} MB" in check.detail
+    free = shutil.disk_usage("/dev/shm").free
+    too_big = preflight.check_shared_memory(plan, workers=16, row_bytes=free // 100)
+    assert too_big.status == preflight.FAIL
+    assert "Insufficient shared memory available" in too_big.detail  # MindSpore's own words
+
+
+def test_hccls_port_range_follows_the_cann_version_and_names_the_sysctl(tmp_path):
+    toolkit = tmp_path / "ascend-toolkit" / "latest"
+    (toolkit / "aarch64-linux").mkdir(parents=True)
+    info = toolkit / "aarch64-linux" / "ascend_toolkit_install.info"
+    info.write_text("package_name=Ascend-cann-toolkit\nversion=8.3.RC1\narch=aarch64\n")
+    assert preflight.cann_version({"ASCEND_HOME_PATH": str(toolkit)}) == (8, 3)
+    assert preflight.cann_version({}) is None
+    assert preflight.hccl_port_range((8, 0), {}) == (60000, 60015)  # CANN 8.0: 16 ports
+    assert preflight.hccl_port_range((8, 3), {}) == (60000, 60031)  # 8.2 on: 32
+    assert preflight.hccl_port_range(None, {}) == (60000, 60031)  # unknown: the larger range
+    assert preflight.hccl_port_range((8, 3), {"HCCL_IF_BASE_PORT": "50000"}) == (50000, 50031)
+    ok = preflight.check_hccl_ports((8, 3), {}, "1024,60000-60031\n")
+    assert ok.status == preflight.OK and "CANN 8.3" in ok.detail
+    old = preflight.check_hccl_ports((8, 3), {}, "60000-60015\n")  # reserved for CANN 8.0 only
+    assert old.status == preflight.WARN and "16 of them are not reserved" in old.detail
+    assert "sysctl -w net.ipv4.ip_local_reserved_ports=60000-60015,60000-60031" in old.detail
+    assert preflight.check_hccl_ports((8, 0), {}, "60000-60015").status == preflight.OK
+    chosen = preflight.check_hccl_ports(None, {"HCCL_HOST_SOCKET_PORT_RANGE": "auto"}, "")
+    assert chosen.status == preflight.OK and "HCCL_HOST_SOCKET_PORT_RANGE=auto" in chosen.detail
+
+
+def test_a_compile_cache_forced_on_in_the_environment_is_named(monkeypatch):
+    monkeypatch.setenv("MS_DEV_FORCE_USE_COMPILE_CACHE", "1")
+    checks = []
+    preflight.runtime_settings({"device_target": "Ascend"}, checks)
+    named = {c.name: c for c in checks}
+    assert named["compile cache"].status == preflight.WARN
+    assert "MS_DEV_FORCE_USE_COMPILE_CACHE=1" in named["compile cache"].detail
 
 
 def test_image_size_check_without_params_falls_back_to_the_download_default():

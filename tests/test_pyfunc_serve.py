@@ -1,4 +1,4 @@
-"""Issue 14.1 against a real `mlflow models serve` of a registered model: hostile inputs are 400s.
+"""Against a real `mlflow models serve` of a registered model: hostile inputs are 400s.
 
 The model is registered in a SQLite registry in a temporary folder (no tracking server needed) and
 served by MLflow's own scoring server on a free loopback port, with small row and byte limits set

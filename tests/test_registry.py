@@ -64,7 +64,7 @@ def test_gate_respects_a_lower_is_better_metric(new: float, champion: float, ali
 
 
 def test_two_missing_val_digests_are_not_the_same_evaluation_set() -> None:
-    """Issue 14.10: a version and a champion that both lack a val digest were evaluated on sets
+    """A version and a champion that both lack a val digest were evaluated on sets
     nobody can tell apart: never compared, whatever the numbers."""
     d = decide(Candidate("2", 0.9, None), Candidate("1", 0.1, None), "i2t_R@5", 0.0)
     assert (d.alias, d.compared) == (CHALLENGER, False)
@@ -210,7 +210,7 @@ def test_lineage_reads_git_dvc_lock_and_manifest(tmp_path: Path, monkeypatch) ->
     assert tags["lineage.metadata_md5"] == "2" * 32
     assert len(tags["lineage.val_digest"]) == 32
     # The pipeline's own writes (dvc.lock, its outputs) and a stray note leave the commit clean
-    # (issue 12.9); code and params do not.
+    # (they are not the code a run was made from); code and params do not.
     (tmp_path / "dvc.lock").write_text((tmp_path / "dvc.lock").read_text() + "\n# edited\n")
     (tmp_path / "notes.txt").write_text("a note\n")
     assert lineage.lineage(lineage.read_lock(LOCK), MANIFEST)["lineage.git_dirty"] == "false"
@@ -320,7 +320,7 @@ def test_registry_imports_nothing_from_stages_or_flows() -> None:
 
 def test_the_pyfunc_model_code_runs_without_mlflow_warnings() -> None:
     """MLflow runs the model file at every register, load and serve; a warning there is noise the
-    user cannot act on (issue 12 item 10)."""
+    user cannot act on."""
     code = ("import warnings, mlflow.pyfunc\n"
             "with warnings.catch_warnings(record=True) as seen:\n"
             "    warnings.simplefilter('always')\n"
@@ -333,8 +333,8 @@ def test_the_pyfunc_model_code_runs_without_mlflow_warnings() -> None:
 
 def test_system_metrics_are_logged_without_mlflow_info_lines(tmp_path: Path) -> None:
     """Train's system-metrics monitor printed MLflow INFO lines in the middle of every run
-    ("Skip logging GPU metrics", started, stopping, terminated): noise the user cannot act on
-    (issue 12 item 10). It still samples: system/ metrics reach the run."""
+    ("Skip logging GPU metrics", started, stopping, terminated): noise the user cannot act on.
+    It still samples: system/ metrics reach the run."""
     code = ("import time\n"
             "from registry import run, settings\n"
             "from stages.tracking import FILES\n"

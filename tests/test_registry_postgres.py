@@ -1,4 +1,4 @@
-"""MLflow on a real database (issue 11.3): a real PostgreSQL (tests/postgres_server.py, 127.0.0.1)
+"""MLflow on a real database: a real PostgreSQL (tests/postgres_server.py, 127.0.0.1)
 under a real `mlflow server` whose artifacts are proxied (`--artifacts-destination` +
 `--serve-artifacts`: the client sees only `mlflow-artifacts:` URIs). The register stage, the gate
 and the champion lookup run against it; two registrations from two "machines" race; the journal

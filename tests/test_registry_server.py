@@ -260,7 +260,7 @@ def test_versions_registered_from_one_run_keep_their_own_index(workspace: Path,
     root = prepare_workspace(workspace / "run", bundle, {"i2t_R@5": 0.5, "mAP@10": 0.2},
                              model="clip-one-run")
     digests = []
-    for source_bundle in (bundle, other):  # the second round: a re-export, then index, register
+    for source_bundle in (bundle, other):  # the second pass: a re-export, then index, register
         shutil.rmtree(root / "models" / "export")
         shutil.rmtree(root / "models" / "index", ignore_errors=True)
         shutil.copytree(source_bundle, root / "models" / "export")
@@ -419,7 +419,7 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     assert tags["lineage.tokenizer_md5"] == lineage.lock_hash(lock, "models/tokenizer.json")
     head = run(["git", "rev-parse", "HEAD"], ws).stdout.strip()
     assert tags["lineage.git_commit"] == head
-    assert tags["lineage.git_dirty"] == "false"  # a fresh repro of a clean commit (issue 12.9)
+    assert tags["lineage.git_dirty"] == "false"  # a fresh repro of a clean commit
     assert [i.dataset.digest for i in data.inputs.dataset_inputs] == [
         tags["lineage.data_shards_md5"]]
     version = client.get_model_version_by_alias("clip-e2e", "champion")

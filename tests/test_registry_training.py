@@ -1,4 +1,4 @@
-"""Tracking during training against real servers (issue 14.5): unsent journal records are replayed
+"""Tracking during training against real servers: unsent journal records are replayed
 before anything deletes them, a server that accepts connections and never answers does not stall
 the training loop, a training stage that fails (a signal) ends its MLflow run as FAILED with the
 error, and the rerun that resumes from the checkpoint continues the same MLflow run."""

@@ -1,5 +1,6 @@
-"""clipms.runtime: the settings computed for each device, as data (CPU tuning only on CPU; O1 and
-the compile cache on Ascend; the user's own values win); and real CPU runs: fusion is applied (AKG
+"""clipms.runtime: the settings computed for each device, as data (CPU tuning only on CPU; O0,
+no sinking and MindSpore's compile cache off on every device unless asked; the user's own values
+win, except an unkeyed compile cache); and real CPU runs: fusion is applied (AKG
 compiles fused kernels into the cache), changes no result beyond fp32 rounding, and the import-time
 settings are in place. Fused and unfused runs are separate processes: MindSpore reads the fusion
 flags process-wide."""
@@ -16,8 +17,9 @@ import numpy as np
 import pytest
 
 from clipms.runtime import (
+    CACHE_SWITCH,
+    FORCE_CACHE,
     FUSION_FLAGS,
-    SINK_SWITCH,
     SWITCH,
     RuntimeConfig,
     configure,
@@ -39,35 +41,49 @@ RUNTIME_ENV = (*CPU_TUNING, "MS_COMPILER_CACHE_PATH", "MS_COMPILER_CACHE_ENABLE"
 def test_cpu_settings_tune_the_host_and_fuse_kernels():
     s = settings_for(RuntimeConfig(), HOME, MS_DIR)
     assert (s.device_target, s.device_id, s.mode, s.jit_level, s.kernel_fusion) == (
-        "CPU", None, "graph", None, True)
+        "CPU", None, "graph", "O0", True)
     assert s.import_env == {"OMP_WAIT_POLICY": "PASSIVE"}  # libgomp reads it when loaded
     assert s.env == {"MS_DEV_HOST_BLOCKING_RUN": "1", "MS_DEV_GRAPH_KERNEL_FLAGS": FUSION_FLAGS,
-                     "AKG_WHITE_LIST_PATH": "/opt/ms/_akg",
+                     "AKG_WHITE_LIST_PATH": "/opt/ms/_akg", CACHE_SWITCH: "0",
                      "MS_COMPILER_CACHE_PATH": "/home/u/.cache/clipms/mindspore-kernels"}
     unfused = settings_for(RuntimeConfig(kernel_fusion=False), HOME, MS_DIR)
-    assert not unfused.kernel_fusion and unfused.env == {"MS_DEV_HOST_BLOCKING_RUN": "1"}
+    assert not unfused.kernel_fusion
+    assert unfused.env == {"MS_DEV_HOST_BLOCKING_RUN": "1", CACHE_SWITCH: "0"}
 
 
-def test_ascend_settings_select_o1_and_the_compile_cache_and_no_cpu_tuning():
-    s = settings_for(RuntimeConfig(device_target="Ascend", device_id=3), HOME, MS_DIR)
-    assert (s.device_target, s.device_id, s.jit_level, s.kernel_fusion) == ("Ascend", 3, "O1",
-                                                                            False)
-    assert s.import_env == {}
-    assert s.env == {"MS_COMPILER_CACHE_ENABLE": "1",
-                     "MS_COMPILER_CACHE_PATH": "/home/u/.cache/clipms/mindspore-kernels"}
-    assert settings_for(RuntimeConfig(device_target="Ascend", jit_level="O0"), HOME,
-                        MS_DIR).jit_level == "O0"  # an explicit level wins
-    gpu = settings_for(RuntimeConfig(device_target="GPU"), HOME, MS_DIR)
-    assert gpu.jit_level is None and not set(CPU_TUNING) & set({**gpu.import_env, **gpu.env})
+def test_every_device_defaults_to_o0_no_compile_cache_and_no_sinking():
+    for device in ("CPU", "GPU", "Ascend"):
+        s = settings_for(RuntimeConfig(device_target=device), HOME, MS_DIR)
+        assert (s.jit_level, s.data_sink, s.compile_cache) == ("O0", False, False), device
+        assert s.env[CACHE_SWITCH] == "0", device  # MindSpore's own cache: off, always
+    ascend = settings_for(RuntimeConfig(device_target="Ascend", device_id=3), HOME, MS_DIR)
+    assert (ascend.device_id, ascend.kernel_fusion, ascend.import_env) == (3, False, {})
+    assert ascend.env == {CACHE_SWITCH: "0"}  # no CPU tuning, no cache folder
+    assert settings_for(RuntimeConfig(device_target="Ascend", jit_level="O1"), HOME,
+                        MS_DIR).jit_level == "O1"  # the documented option
 
 
-def test_data_sinking_is_selected_on_ascend_and_gpu_only_and_its_switch_turns_it_off():
-    sink = {device: settings_for(RuntimeConfig(device_target=device), HOME, MS_DIR).data_sink
-            for device in ("CPU", "GPU", "Ascend")}
-    assert sink == {"CPU": False, "GPU": True, "Ascend": True}  # mindspore.data_sink's platforms
-    off = {**HOME, SINK_SWITCH: "0"}
-    assert not settings_for(RuntimeConfig(device_target="Ascend"), off, MS_DIR).data_sink
-    assert not settings_for(RuntimeConfig(), {**HOME, SINK_SWITCH: "1"}, MS_DIR).data_sink
+def test_data_sinking_is_a_param_and_only_where_mindspore_sinks():
+    for device in ("GPU", "Ascend"):
+        config = RuntimeConfig(device_target=device, data_sink=True)
+        assert settings_for(config, HOME, MS_DIR).data_sink
+    with pytest.raises(ParamsError, match=r"runtime.data_sink = True: .*needs device_target "
+                                          r"Ascend or GPU .*not CPU"):
+        validate_section("runtime", RuntimeConfig, {"data_sink": True})
+
+
+def test_the_compile_cache_is_never_left_on_unkeyed(monkeypatch, caplog):
+    # A cache switched on in the environment is not the user's tuning to keep: unkeyed, it hands a
+    # changed run an old graph (tests/test_graph_cache.py shows it), so it is turned off.
+    environ = {**HOME, CACHE_SWITCH: "1", "MS_COMPILER_CACHE_PATH": "/shared"}
+    config = RuntimeConfig(device_target="Ascend", compile_cache=True)
+    s = settings_for(config, environ, MS_DIR)
+    assert s.compile_cache and s.env[CACHE_SWITCH] == "0"  # on only in a keyed training folder
+    monkeypatch.setenv(CACHE_SWITCH, "1")
+    monkeypatch.setenv(FORCE_CACHE, "1")
+    configure(RuntimeConfig(kernel_fusion=False))
+    assert os.environ[CACHE_SWITCH] == "0" and FORCE_CACHE not in os.environ
+    assert "an unkeyed compile cache" in caplog.text
 
 
 def test_the_switch_the_cache_variable_and_the_users_own_values_win():
@@ -107,11 +123,12 @@ def test_the_runtime_section_rejects_unknown_devices_and_keys():
 
 
 def test_the_command_line_prints_the_settings_of_a_device():
-    out = subprocess.run([sys.executable, "-m", "clipms.runtime", "--device", "Ascend"],
+    out = subprocess.run([sys.executable, "-m", "clipms.runtime", "--device", "Ascend",
+                          "--data-sink", "on"],
                          capture_output=True, text=True, check=True, cwd=PROJECT_ROOT).stdout
     printed = json.loads(out)
-    assert printed["jit_level"] == "O1" and printed["env"]["MS_COMPILER_CACHE_ENABLE"] == "1"
-    assert printed["data_sink"] is True
+    assert printed["jit_level"] == "O0" and printed["env"]["MS_COMPILER_CACHE_ENABLE"] == "0"
+    assert printed["data_sink"] is True and printed["compile_cache"] is False
 
 
 def test_a_process_cannot_switch_devices():

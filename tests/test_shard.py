@@ -232,7 +232,7 @@ def test_decompression_bombs_and_other_formats_are_bad_samples_by_reason(tmp_pat
 
 def test_jpeg_bytes_are_copied_other_formats_converted_and_the_caption_file_is_a_fallback(
         tmp_path):
-    """Mutants `make mutation` found alive (issue 14.10): a decoded JPEG re-encoded instead of
+    """Mutants `make mutation` found alive: a decoded JPEG re-encoded instead of
     copied (x__validate__mutmut_15/18/19), an RGBA PNG not converted to RGB first (it cannot be
     saved as JPEG: x__to_jpeg__mutmut_8) or at another quality (_7/_13), the .txt caption of a
     sample whose json has none ignored (x__validate__mutmut_34, x__captions__mutmut_7/10/11),

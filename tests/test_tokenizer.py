@@ -147,7 +147,7 @@ def test_tokenizer_stage_with_dvc(tmp_path: Path) -> None:
 
 
 def test_edges_make_mutation_found(openai: Tokenizer, tmp_path: Path) -> None:
-    """Mutants `make mutation` found alive (issue 14.10; mutmut names): the saved file's fields
+    """Mutants `make mutation` found alive (mutmut names): the saved file's fields
     (xǁTokenizerǁto_dict 3/4/9-20, __init__ 15/16), openai's defaults (openai 1/12/23/24), the
     shortest context (__init__ 1-3), the trained size and the frequency threshold (train 1/2/11/16/
     32), padding and broken bytes in decode (decode 12-14/39/42/43), the error messages of a

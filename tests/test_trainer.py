@@ -174,6 +174,21 @@ def test_checkpoints_of_another_config_are_set_aside_not_resumed(tmp_path, caplo
     assert checkpoint.load(saved[0]).meta["fingerprint"] == other.fingerprint()
 
 
+def test_rank_0_sets_stale_checkpoints_aside_only_after_every_rank_has_read_the_folder(tmp_path):
+    # Data parallel: every rank reads the folder (load_latest), then rank 0 moves a stale set
+    # aside. The barrier (clipms.parallel.comm.barrier under msrun) is what keeps rank 0 from
+    # moving files another rank is still reading; here it records what it finds in place.
+    folder = tmp_path / "ckpt"
+    cfg = TrainConfig(model=MICRO, batch_size=4, max_steps=1, lr=1e-3, warmup_steps=1)
+    train(cfg, RandomBatches(MICRO, 4, 2), folder)
+    other = Training.build(TrainConfig(**{**cfg.__dict__, "lr": 2e-3}), 1)
+    at_barrier = []
+    other.resume_or_start(folder, True, barrier=lambda: at_barrier.append(
+        [p.name for p in checkpoint.list_checkpoints(folder)]))
+    assert at_barrier == [["step-00000001.ckpt"]]  # all still in place while ranks read
+    assert checkpoint.list_checkpoints(folder) == [] and len(checkpoint.stale_sets(folder)) == 1
+
+
 def test_the_fingerprint_covers_every_setting_but_the_cadence_ones():
     cfg = TrainConfig(model=MICRO)
     values = {"precision": "amp", "batch_size": 3, "accum_steps": 2, "epochs": 2, "max_steps": 5,

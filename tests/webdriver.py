@@ -28,8 +28,15 @@ CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-
 INSTALL_HINT = "apt-get install -y chromium chromium-driver (.ci/run does it in CI)"
 
 
+# No network at all, for pages that must work offline: every host resolves to nothing and any
+# connection would go to a proxy on a port that is never open (loopback stays direct).
+OFFLINE_FLAGS = ["--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+                 "--proxy-server=http://127.0.0.1:9", "--proxy-bypass-list=<-loopback>"]
+
+
 class Browser:
-    def __init__(self, window: tuple[int, int] = (1200, 900)) -> None:
+    def __init__(self, window: tuple[int, int] = (1200, 900),
+                 extra_args: tuple[str, ...] = ()) -> None:
         driver, chromium = shutil.which("chromedriver"), shutil.which("chromium")
         if not driver or not chromium:
             raise RuntimeError(f"headless Chromium is needed: {INSTALL_HINT}")
@@ -39,7 +46,7 @@ class Browser:
                                     None)
         try:
             self._wait_driver()
-            args = [*CHROMIUM_FLAGS, f"--user-data-dir={self.profile}",
+            args = [*CHROMIUM_FLAGS, *extra_args, f"--user-data-dir={self.profile}",
                     f"--window-size={window[0]},{window[1]}"]
             caps = {"capabilities": {"alwaysMatch": {
                 "browserName": "chrome",

@@ -12,9 +12,9 @@ Training
   `build_train_dataset(shards_dir, tokenizer, preprocess, batch_size, *, epochs=1, start_step=0,
                        seed=0, rank=0, world_size=1, workers=2, augment=False, split="train",
                        shuffle_window_shards=0, decode="pil", group_by=None,
-                       group_fraction=0.0) -> mindspore.dataset.Dataset`
+                       group_fraction=0.0, stop_step=None) -> mindspore.dataset.Dataset`
       Yields (image uint8 (B, 3, S, S), text int32 (B, context_length)) for the global steps
-      start_step .. epochs * steps_per_epoch - 1 in order (so `start_step` resumes mid-run and the
+      start_step .. (stop_step or epochs * steps_per_epoch) - 1 in order (so `start_step` resumes mid-run and the
       batches are the ones an uninterrupted run would have seen). Iterate it once:
       `for image, text in ds.create_tuple_iterator(num_epochs=1, output_numpy=True)`.
       - The order (clipms.data.sampling): shuffled per epoch, seeded by (seed, epoch), within windows
@@ -248,7 +248,7 @@ class TrainSamples:
                  batch_size: int, *, epochs: int, start_step: int = 0, seed: int = 0,
                  rank: int = 0, world_size: int = 1, augment: bool = False,
                  shuffle_window_shards: int = 0, group_by: Sequence[str] | None = None,
-                 group_fraction: float = 0.0) -> None:
+                 group_fraction: float = 0.0, stop_step: int | None = None) -> None:
         if not 0 <= rank < world_size:
             raise DataError(f"rank {rank} out of range for world size {world_size}")
         if batch_size < 1 or epochs < 1:
@@ -268,6 +268,10 @@ class TrainSamples:
             raise DataError(f"{len(index)} samples cannot fill one global batch of "
                             f"{batch_size} x {world_size} ranks")
         self.start_step, self.end_step = start_step, epochs * self.steps_per_epoch
+        if stop_step is not None:  # a run that ends mid-epoch: nothing decoded past its end
+            if not start_step <= stop_step <= self.end_step:
+                raise DataError(f"stop_step {stop_step} outside {start_step}..{self.end_step}")
+            self.end_step = stop_step
         if not 0 <= start_step <= self.end_step:
             raise DataError(f"start_step {start_step} outside 0..{self.end_step}")
         self._handles: dict[int, Any] = {}
@@ -346,7 +350,8 @@ def build_train_dataset(shards_dir: Path | str, tokenizer: Tokenizer, preprocess
                         rank: int = 0, world_size: int = 1, workers: int = 2,
                         augment: bool = False, split: str = "train",
                         shuffle_window_shards: int = 0, decode: str = "pil",
-                        group_by: Sequence[str] | None = None, group_fraction: float = 0.0) -> Any:
+                        group_by: Sequence[str] | None = None, group_fraction: float = 0.0,
+                        stop_step: int | None = None) -> Any:
     """The mindspore.dataset pipeline of (image, text) batches; see the module docstring.
     `decode` is one of DECODERS; "cpu"/"ascend" decode in `workers` C++ threads of the dataset
     (no Python worker processes, no shared memory) and do not augment."""
@@ -364,7 +369,7 @@ def build_train_dataset(shards_dir: Path | str, tokenizer: Tokenizer, preprocess
                   epochs=epochs, start_step=start_step, seed=seed, rank=rank,
                   world_size=world_size, augment=augment,
                   shuffle_window_shards=shuffle_window_shards, group_by=group_by,
-                  group_fraction=group_fraction)
+                  group_fraction=group_fraction, stop_step=stop_step)
     if decode == "pil":
         dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
                                       num_parallel_workers=max(1, workers),
@@ -414,7 +419,7 @@ def iter_eval_batches(shards_dir: Path | str, preprocess: PreprocessConfig, batc
 
 def _eval_item(index: ShardIndex, i: int, preprocess: PreprocessConfig
                ) -> tuple[np.ndarray, list[str], dict | None] | None:
-    """(image, captions, labels), or None for an image the decoder refuses (issue 14.1)."""
+    """(image, captions, labels), or None for an image the decoder refuses."""
     image_bytes, meta = index.read(i)
     key = index.keys[i]
     try:

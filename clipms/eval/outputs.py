@@ -1,6 +1,7 @@
-"""The files an evaluation writes: the flat metrics JSON, the recall@K curves (CSV + PNG), the
-per-image zero-shot rows (CSV) and confusion matrix (PNG), the retrieval gallery (PNG,
-clipms.eval.gallery) and the same results as CLIP_benchmark files (clipms.eval.clip_benchmark).
+"""The files an evaluation writes: the flat metrics JSON, the same figures as a table of one row per
+task (`quality_rows`), the recall@K curves (CSV + PNG), the per-image zero-shot rows (CSV) and
+confusion matrix (PNG), the retrieval gallery (PNG, clipms.eval.gallery) and the same results as
+CLIP_benchmark files (clipms.eval.clip_benchmark).
 
 The caller names every path (`EvalOutputs`); nothing here has a default location.
 """
@@ -35,6 +36,7 @@ class EvalOutputs:
     confusion_png: Path
     gallery_png: Path
     clip_benchmark_dir: Path  # one CLIP_benchmark JSON per dataset and task
+    quality_dir: Path | None = None  # one JSON per task with the same short keys (quality_rows)
 
     @property
     def pictures(self) -> tuple[Path, ...]:
@@ -56,9 +58,57 @@ def _csv(path: Path, header: tuple[str, ...], rows: list[tuple]) -> None:
     write_text(path, buffer.getvalue())
 
 
+# Short names of the table's columns: the flat key of each, with {task} for i2t/t2i and
+# {zs} for `zeroshot` or `zeroshot_<attribute>`. Chance levels sit beside the figure they scale.
+RETRIEVAL_COLUMNS = {"R@1": "{task}_R@1", "R@5": "{task}_R@5", "R@10": "{task}_R@10",
+                     "R@5_chance": "chance_{task}_R@5"}
+ZEROSHOT_COLUMNS = {"top1": "{zs}_top1", "top5": "{zs}_top5",
+                    "class_recall": "{zs}_mean_per_class_recall",
+                    "top1_chance": "chance_{zs}_top1"}
+
+
+def quality_rows(metrics: dict[str, float]) -> dict[str, dict[str, float]]:
+    """The evaluation's figures as one row per task - `i2t`, `t2i`, `zeroshot` and one
+    `zeroshot_<attribute>` per attribute - with the same short keys in every row, so that a table
+    of the rows (`dvc metrics show metrics/quality`) is a few columns wide. The flat metrics
+    (every key, ranks and counts too) stay what the registry and the summaries read."""
+    rows: dict[str, dict[str, float]] = {}
+    for task in ("i2t", "t2i"):
+        row = _row(metrics, RETRIEVAL_COLUMNS, task=task)
+        if task == "i2t" and "mAP@10" in metrics:
+            row["mAP@10"] = metrics["mAP@10"]  # image -> text (clipms.eval.metrics)
+        if row:
+            rows[task] = row
+    groups = sorted({k.removesuffix("_top1") for k in metrics
+                     if k.startswith("zeroshot") and k.endswith("_top1")})
+    for zs in groups:
+        rows[zs] = _row(metrics, ZEROSHOT_COLUMNS, zs=zs)
+    return rows
+
+
+def _row(metrics: dict[str, float], columns: dict[str, str], **names: str) -> dict[str, float]:
+    keys = {short: flat.format(**names) for short, flat in columns.items()}
+    return {short: metrics[flat] for short, flat in keys.items() if flat in metrics}
+
+
+def write_quality_rows(folder: Path, metrics: dict[str, float]) -> None:
+    """`quality_rows` as `<folder>/<task>.json`; a task of an earlier run that this one did not
+    score (an attribute no longer labelled) is removed, so the folder is this run's table."""
+    rows = quality_rows(metrics)
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.json"):
+        if stale.stem not in rows:
+            stale.unlink()
+    for task, row in rows.items():
+        write_json(folder / f"{task}.json", row)
+
+
 def write_outputs(report: EvalReport, outputs: EvalOutputs) -> None:
-    """metrics JSON, recall@K CSV + PNG, per-image zero-shot CSV and the confusion PNG."""
+    """metrics JSON (and its table), recall@K CSV + PNG, per-image zero-shot CSV and the
+    confusion PNG."""
     write_json(outputs.metrics, report.metrics)
+    if outputs.quality_dir is not None:
+        write_quality_rows(outputs.quality_dir, report.metrics)
     _csv(outputs.recall_curve, ("k", "i2t", "t2i"),
          [(row["k"], row["i2t"], row["t2i"]) for row in report.recall_curve])
     _csv(outputs.predictions, ("actual", "predicted"),

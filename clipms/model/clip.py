@@ -183,8 +183,7 @@ class ConvStem(nn.Cell):
     Each convolution is im2col (ops.unfold) + a Dense whose weight is nn.Conv2d's (C_out, C_in, 3,
     3) flattened, initialised as nn.Conv2d's (U(+-1/sqrt(9 C_in))); the 1x1 is a Dense (weight
     and bias U(+-1/sqrt(C_in))). MindSpore's CPU Conv2d with its gradients costs several times
-    this model's whole training step, im2col + MatMul a fraction of it (benchmarks/RESULTS.md,
-    Learnability, third round). The
+    this model's whole training step, im2col + MatMul a fraction of it (docs/model.md). The
     tokens come out in the patch embedding's order (row-major over the grid)."""
 
     def __init__(self, cfg: VisionConfig):
@@ -283,7 +282,10 @@ class TextTransformer(nn.Cell):
 
 
 def l2_normalize(x: Tensor) -> Tensor:
-    """x / max(||x||, 1e-12) along the last axis (as torch.nn.functional.normalize)."""
+    """x / max(||x||, 1e-12) along the last axis (as torch.nn.functional.normalize), in float32
+    whatever x's dtype: in fp16 the epsilon underflows to 0 (a zero vector becomes NaN) and a
+    norm past 256 overflows (its square passes fp16's 65504). open_clip's autocast keeps it fp32."""
+    x = cast(x, ms.float32)
     norm = ops.sqrt(ops.sum(x * x, dim=-1, keepdim=True))
     return x / ops.maximum(norm, 1e-12)
 
@@ -313,17 +315,21 @@ class CLIP(nn.Cell):
 
 
 def to_mixed_precision(net: nn.Cell, dtype: ms.dtype = ms.float16) -> nn.Cell:
-    """MindSpore's O2 mixed precision, in place and without renaming anything: every Cell computes
-    in `dtype` (its inputs and parameters are cast when used; the fp32 Parameters stay the master
-    weights), except LayerNorm, which stays fp32. Softmax is fp32 inside `Attention` and the loss
-    runs on fp32 features (`clipms.train.step.ClipWithLoss`).
+    """MindSpore's O2 mixed precision, in place and without renaming anything: every Cell of the
+    towers computes in `dtype` (its inputs and parameters are cast when used; the fp32 Parameters
+    stay the master weights), except LayerNorm, which stays fp32. Softmax is fp32 inside
+    `Attention`. The CLIP Cell itself is left out, so what it does with the towers' outputs --
+    the L2 normalisation (`l2_normalize`) and exp(logit_scale) -- runs in fp32 on the fp32
+    parameter, and the loss gets fp32 features and scale, as under open_clip's autocast.
 
     `mindspore.amp.auto_mixed_precision(net, "O2")` does the same, but wraps each LayerNorm in a
     Cell of its own, so the parameters are then named `..._backbone.gamma` and a checkpoint saved
     from the model no longer loads into `CLIP`. `Cell.to_float` only sets flags, so the Cell tree
     and the parameter names stay the model's own.
     """
-    net.to_float(dtype)
+    towers = [net.visual, net.text] if isinstance(net, CLIP) else [net]
+    for tower in towers:
+        tower.to_float(dtype)
     for _, cell in net.cells_and_names():
         if isinstance(cell, nn.LayerNorm):
             cell.to_float(ms.float32)

@@ -287,7 +287,7 @@ PRESETS: dict[str, CLIPConfig] = {
     ),
     # The default run's model (params.yaml): tiny at half width with 16-px patches (17 image tokens
     # instead of 65). A step costs a fraction of tiny's, so the default run's minutes buy the many
-    # steps that learning shape (not only colour) needs: benchmarks/RESULTS.md, "Learnability".
+    # steps that learning shape (not only colour) needs: benchmarks/RESULTS.md, "The default run".
     "mini": CLIPConfig(
         embed_dim=128,
         vision=VisionConfig(image_size=64, patch_size=16, width=128, layers=4, head_width=32),

@@ -1,5 +1,5 @@
 """The collectives a data-parallel worker uses besides the train step's own: joining the msrun
-process group once, and checking that every rank starts from the same step."""
+process group once, a barrier, and checking that every rank starts from the same step."""
 
 from __future__ import annotations
 
@@ -19,6 +19,16 @@ def init_distributed() -> tuple[int, int]:
         init()
         _DISTRIBUTED = (get_rank(), get_group_size())
     return _DISTRIBUTED
+
+
+def barrier() -> None:
+    """Return once every rank of the group has called it: an all-gather of one number, read back
+    (MindSpore's CPU collectives run only inside graphs, so this is the compiled Cell that
+    `check_same_start` uses too)."""
+    import mindspore as ms
+    import numpy as np
+
+    _gather_steps()(ms.Tensor(np.zeros(1, dtype=np.float32))).asnumpy()
 
 
 def check_same_start(step: int) -> None:

@@ -3,7 +3,8 @@
 `launch(job, cluster, log_dir)` writes the job as JSON and runs, on this host,
 
     msrun --worker_num=W --local_worker_num=W/N --node_rank=R --master_addr=ADDR \\
-          --master_port=P --cluster_time_out=T --log_dir=DIR --join=True DIR/worker.py DIR/job.json
+          --master_port=P --cluster_time_out=T --log_dir=DIR --join=True [--bind_core=True] \\
+          DIR/worker.py DIR/job.json
 
 `Cluster` says which part of the job this host runs: W workers in all, spread evenly over N hosts
 ("nodes"), this one being node R. Every host runs the same command with its own R; msrun on the
@@ -14,6 +15,16 @@ Every worker runs `clipms.train.job.run(job, distributed=True)`: `communication.
 group (HCCL on Ascend, NCCL on GPU, MindSpore's own CPU collectives here), each rank reads its own
 slice of every global batch, gradients are averaged and features all-gathered for the contrastive
 loss, and only global rank 0 -- a worker of node 0 -- writes checkpoints and outputs.
+
+On Ascend msrun binds each worker to the CPU cores of its NPU's NUMA node (`--bind_core=True`,
+msrun 2.10's `run.py`/`process_entity/_bind.py`: affinity from the device topology, an even split
+otherwise): 8 workers with up to 16 decode processes each would otherwise float over every core
+of a multi-NUMA host. CPU runs stay unbound (their workers share a few cores).
+
+A failed run is msrun's exit code: with `--join=True` msrun polls every worker and exits non-zero
+when one exits non-zero (or its scheduler does), killing the others (`join_processes` in
+`process_entity/_api.py`). The worker logs are for the message only: a traceback a library prints
+at shutdown, after the worker finished its work and exited 0, is not a failure.
 """
 
 from __future__ import annotations
@@ -98,32 +109,52 @@ def _check_address(addr: str) -> None:
         raise ValueError(f"master_addr = {addr!r} is neither an IP address nor a host name")
 
 
-def msrun_command(cluster: Cluster, log_dir: Path, script: Path, args: list[str]) -> list[str]:
-    """The msrun command line that starts this host's share of `cluster`."""
+BIND_CORE_DEVICES = ("Ascend",)  # where msrun binds workers to their NPU's cores
+
+
+def msrun_command(cluster: Cluster, log_dir: Path, script: Path, args: list[str],
+                  device: str = "CPU") -> list[str]:
+    """The msrun command line that starts this host's share of `cluster` on `device`."""
     exe = shutil.which("msrun") or str(Path(sys.executable).parent / "msrun")
     port = cluster.master_port or free_port()
+    bind = ["--bind_core=True"] if device in BIND_CORE_DEVICES else []
     return [exe, f"--worker_num={cluster.workers}", f"--local_worker_num={cluster.local_workers}",
             f"--node_rank={cluster.node_rank}", f"--master_addr={cluster.master_addr}",
             f"--master_port={port}", f"--cluster_time_out={cluster.cluster_time_out}",
-            f"--log_dir={log_dir}", "--join=True", str(script), *args]
+            f"--log_dir={log_dir}", "--join=True", *bind, str(script), *args]
 
 
 def launch(job: TrainJob, cluster: Cluster, log_dir: Path | str,
            timeout: float | None = None) -> None:
     """Run this host's workers of `job` and wait for them; raise LaunchError on failure."""
-    if cluster.workers < 2:
-        raise ValueError(f"launch needs at least 2 workers in all, got {cluster.workers}")
+    _check_workers(cluster)
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    job_file, script = log_dir / "job.json", log_dir / "worker.py"
+    job_file = log_dir / "job.json"
     write_json(job_file, job.to_dict())
-    script.write_text(_WORKER)
-    cmd = msrun_command(cluster, log_dir, script, [str(job_file)])
+    run_workers(cluster, log_dir, _WORKER, [str(job_file)], job.config.runtime.device_target,
+                timeout)
+
+
+def run_workers(cluster: Cluster, log_dir: Path, script_text: str, args: list[str],
+                device: str = "CPU", timeout: float | None = None) -> None:
+    """Run `script_text` as this host's msrun workers of `cluster` and wait; LaunchError when
+    msrun exits non-zero, i.e. when a worker (or the scheduler) did."""
+    _check_workers(cluster)
+    script = log_dir / "worker.py"
+    script.write_text(script_text)
+    cmd = msrun_command(cluster, log_dir, script, args, device)
     log.info("launching node %d of %d: %s", cluster.node_rank, cluster.nodes, " ".join(cmd))
     proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 or _worker_failed(log_dir):
-        raise LaunchError(f"msrun exited {proc.returncode}\n{proc.stdout[-2000:]}\n"
-                          f"{proc.stderr[-2000:]}\n{worker_logs_tail(log_dir)}")
+    if proc.returncode != 0:
+        raise LaunchError(f"msrun exited {proc.returncode} (a worker or the scheduler failed)\n"
+                          f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n"
+                          f"{worker_logs_tail(log_dir)}")
+
+
+def _check_workers(cluster: Cluster) -> None:
+    if cluster.workers < 2:
+        raise ValueError(f"launch needs at least 2 workers in all, got {cluster.workers}")
 
 
 def worker_env() -> dict[str, str]:
@@ -139,13 +170,6 @@ def worker_logs_tail(log_dir: Path, chars: int = 3000) -> str:
     for path in sorted(Path(log_dir).glob("worker_*.log")):
         parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-chars:]}")
     return "\n".join(parts)
-
-
-def _worker_failed(log_dir: Path) -> bool:
-    # msrun's own exit code already reflects failed workers; this also catches a Python traceback
-    # in a worker that msrun reported as finished.
-    return any("Traceback (most recent call last)" in p.read_text(errors="replace")
-               for p in Path(log_dir).glob("worker_*.log"))
 
 
 def free_port() -> int:

@@ -77,7 +77,7 @@ def fix_text(text: str) -> str:
     an HTML entity starts with `&`; mojibake, curly quotes, ligatures, wide characters and C1
     controls are not ASCII; terminal escapes, other control characters and `\r` line breaks are
     not printable; ASCII is already NFC. ftfy costs about as much per short text as the whole BPE
-    (benchmarks/RESULTS.md, serving), and the service tokenizes every query."""
+    (profiled in the service), and the service tokenizes every query."""
     if text.isascii() and text.isprintable() and "&" not in text:
         return text
     return ftfy.fix_text(text)

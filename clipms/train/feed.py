@@ -5,6 +5,7 @@ normalises them on the device (`clipms.train.step.PixelNormalize`)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -66,37 +67,51 @@ class ShardBatches:
         self.group_by, self.group_fraction = group_by, group_fraction
         self.batches_per_epoch = shard_dataset.steps_per_epoch(shards_dir, batch_size, group_size)
 
-    def stream(self, start: int, stop: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def dataset(self, start: int, stop: int) -> Any:
+        """Batches start..stop-1 as the MindSpore pipeline itself (what a sunk run sends to the
+        device): built once, ending after batch stop-1."""
         from clipms.data import dataset as shard_dataset
 
-        if start >= stop:
-            return
         dataset = shard_dataset.build_train_dataset(
             self.shards_dir, self.tokenizer, self.preprocess, self.batch_size,
             epochs=-(-stop // self.batches_per_epoch), start_step=start, seed=self.seed,
             rank=self.rank, world_size=self.group_size, workers=self.workers,
             augment=self.augment, decode=self.decode, group_by=self.group_by,
-            group_fraction=self.group_fraction)
-        batches = dataset.create_tuple_iterator(num_epochs=1, output_numpy=True)
-        for _, (images, tokens) in zip(range(stop - start), batches, strict=False):
-            yield images, tokens
+            group_fraction=self.group_fraction, stop_step=stop)
+        return dataset
+
+    def stream(self, start: int, stop: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        if start >= stop:
+            return
+        batches = self.dataset(start, stop).create_tuple_iterator(num_epochs=1, output_numpy=True)
+        try:
+            yield from batches
+        finally:  # the decode processes end with the stream, not when the iterator is collected
+            batches.stop()
 
 
 # ---- how batches reach the compiled step ----------------------------------------------------
 
 
 class HostFeed:
-    """Each micro-batch copied from the host when its step is launched (CPU, where MindSpore
-    sinks no data; and wherever `clipms.runtime`'s `data_sink` is off)."""
+    """Each micro-batch copied from the host when its step is launched (CPU, and wherever the
+    runtime's `data_sink` is off)."""
 
-    def __init__(self, step: Any, batches: Iterator[tuple[np.ndarray, np.ndarray]]) -> None:
+    def __init__(self, step: Any, source: BatchSource, start: int, stop: int) -> None:
         import mindspore as ms
 
-        self.step, self.batches, self.to_tensor = step, batches, ms.Tensor
+        self.step, self.to_tensor = step, ms.Tensor
+        self.batches = iter(source.stream(start, stop))
 
     def __call__(self, apply: bool) -> Any:
         images, tokens = next(self.batches)
         return self.step(self.to_tensor(images), self.to_tensor(tokens), apply)
+
+    def close(self) -> None:
+        """End the stream (and the loader processes behind it)."""
+        close = getattr(self.batches, "close", None)
+        if close is not None:
+            close()
 
 
 class _Stream:
@@ -114,28 +129,101 @@ class _Stream:
 
 
 def sink_dataset(source: BatchSource, start: int, stop: int) -> Any:
-    """Batches start..stop-1 of `source`, in order and unchanged, as a MindSpore dataset (what
-    `mindspore.data_sink` sends to the device queue)."""
+    """Batches start..stop-1 of `source`, in order and unchanged, as one MindSpore dataset: the
+    source's own pipeline when it has one (`ShardBatches.dataset`), else its stream wrapped once
+    (`RandomBatches`, benchmark sources)."""
+    own = getattr(source, "dataset", None)
+    if own is not None:
+        return own(start, stop)
     from mindspore import dataset as ds
 
     return ds.GeneratorDataset(_Stream(source, start, stop), ["images", "tokens"], shuffle=False)
 
 
-class SinkFeed:
-    """Micro-batches through MindSpore's device-side data queue (`mindspore.data_sink`, Ascend
-    and GPU only): the dataset engine sends them ahead while steps run, so launching a step copies
-    nothing. The wrapped function runs eagerly (no jit_config), so `apply` is read at every call
-    and accumulation works as with `HostFeed`; the step itself stays the compiled Cell."""
+@dataclass(frozen=True)
+class BatchSignature:
+    """The dtypes and shapes of one micro-batch: what the device queue and `GetNext` are built
+    for (known from the config, so the pipeline is never run just to read them)."""
 
-    def __init__(self, step: Any, source: BatchSource, start: int, stop: int) -> None:
+    batch_size: int
+    image_size: int
+    context_length: int
+
+    def types(self) -> list[Any]:
         import mindspore as ms
 
-        self.step, self.apply = step, True
-        self.sink = ms.data_sink(self._run, sink_dataset(source, start, stop), sink_size=1)
+        return [ms.uint8, ms.int32]
 
-    def _run(self, images: Any, tokens: Any) -> Any:
-        return self.step(images, tokens, self.apply)
+    def shapes(self) -> list[tuple[int, ...]]:
+        b, s = self.batch_size, self.image_size
+        return [(b, 3, s, s), (b, self.context_length)]
+
+
+class DeviceQueue:
+    """One pass of a dataset through MindSpore's device-side data queue.
+
+    MindSpore's own sequence (`mindspore.data_sink` -> `_init_sink_dataset`, mindspore/train of
+    2.10): the dataset becomes a `TransferDataset` (`device_que`) whose engine sends batches to a
+    queue on the device while steps run, and a `GetNext` op takes one there. Three changes, each
+    because `mindspore.data_sink` would do otherwise:
+    - the dtypes and shapes come from `BatchSignature`: data_sink reads them by running the
+      pipeline for one row first (`output_types`/`output_shapes`), i.e. building it twice;
+    - the batches are sent once (`send(1)`): data_sink sends with -1, epochs without end, so the
+      pipeline would go on decoding after the last step;
+    - `close()` stops the sending and releases the queue at the end of training (data_sink leaves
+      that to garbage collection).
+    `_attach` (registering the queue, creating `GetNext`) has no CPU kernel in MindSpore: it runs
+    on Ascend and GPU only.
+    """
+
+    def __init__(self, dataset: Any, signature: BatchSignature) -> None:
+        self.signature = signature
+        self.transfer = dataset.device_que(send_epoch_end=False, create_data_info_queue=False)
+        self.get_next = self._attach()
+        self.transfer.send(1)
+
+    def _attach(self) -> Any:
+        from mindspore import ops
+        from mindspore.graph.api import _cell_graph_executor
+
+        types, shapes = self.signature.types(), self.signature.shapes()
+        _cell_graph_executor.init_dataset(self.transfer.queue_name, 1,
+                                          self.signature.batch_size, types, shapes, [],
+                                          phase="dataset")
+        return ops.GetNext(types, shapes, len(types), self.transfer.queue_name)
+
+    def __call__(self) -> tuple[Any, Any]:
+        images, tokens = self.get_next()
+        return images, tokens
+
+    def close(self) -> None:
+        """Stop sending and release the queue (idempotent)."""
+        if self.transfer is not None:
+            self.transfer.stop_send()
+            self.transfer.release()
+            self.transfer = None
+
+
+class SinkFeed:
+    """Micro-batches through MindSpore's device queue (`DeviceQueue`; runtime `data_sink`, Ascend
+    and GPU): the dataset engine sends them ahead while steps run, so launching a step copies
+    nothing. The step stays the compiled Cell and `apply` is passed at every call, so
+    accumulation works as with `HostFeed`. The queue is released after the last micro-batch it
+    holds, or by `close()` when training stops early."""
+
+    def __init__(self, step: Any, source: BatchSource, start: int, stop: int,
+                 signature: BatchSignature) -> None:
+        self.step, self.left = step, stop - start
+        self.queue = DeviceQueue(sink_dataset(source, start, stop), signature)
 
     def __call__(self, apply: bool) -> Any:
-        self.apply = apply
-        return self.sink()
+        if self.left <= 0:
+            raise RuntimeError("the sunk dataset holds no further batch")
+        images, tokens = self.queue()
+        self.left -= 1
+        if self.left == 0:
+            self.close()  # the last batch is on the device: nothing more to send
+        return self.step(images, tokens, apply)
+
+    def close(self) -> None:
+        self.queue.close()

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clipms.train.config import TrainConfig
+from clipms.train.graphcache import training_code_digest
 from clipms.utils.atomic import write_text
-from clipms.utils.codehash import code_digest, module_closure
 from clipms.utils.jsonio import read_json, write_json
 
 if TYPE_CHECKING:
@@ -58,21 +58,16 @@ class TrainJob:
         return cls(**d)
 
 
-# The module whose import closure (clipms.utils.codehash) is the code a training step runs.
-TRAINING_ENTRY = "clipms.train.job"
-
-
 def data_fingerprint(shards_dir: Path | str, tokenizer: Path | str) -> str:
     """Hash of the shard manifest (which holds every shard's sha256), the tokenizer file and the
     training code: a checkpoint is resumed only when all of them are what it was trained with
     (as DVC would rerun the stage for any of them). The code part is `clipms.utils.codehash`'s
     digest of the modules the training imports, so a comment or docstring edit keeps a
-    checkpoint."""
-    root = Path(__file__).resolve().parents[2]
+    checkpoint (`clipms.train.graphcache.training_code_digest`)."""
     digest = hashlib.sha256()
     for path in (Path(shards_dir) / "manifest.json", Path(tokenizer)):
         digest.update(path.read_bytes())
-    digest.update(code_digest(module_closure(TRAINING_ENTRY, root), root).encode())
+    digest.update(training_code_digest().encode())
     return digest.hexdigest()[:16]
 
 

@@ -3,8 +3,11 @@ never waits for the host.
 
 The step keeps its own counters on the device (optimizer step, AdamW update, the first non-finite
 step) and computes the learning rate and AdamW's bias correction from them, so the loop only
-launches steps. Batches reach it from the host (`HostFeed`) or, where the runtime's settings say
-`data_sink` (Ascend, GPU), through MindSpore's device queue (`SinkFeed`): same batches, same order.
+launches steps. Batches reach it from the host (`HostFeed`) or, where the runtime's `data_sink` is
+on (Ascend, GPU), through MindSpore's device queue (`SinkFeed`): same batches, same order; either
+feed is closed when the loop ends, so no loader keeps decoding after the last step. With the
+runtime's `compile_cache`, the graphs are cached in a folder keyed by everything they bake in
+(`clipms.train.graphcache`).
 It reads results back every `log_every` steps, before every checkpoint and at the end: then the
 per-step rows (loss, grad norm, logit scale) of the steps since the last read are built, callbacks
 run, and a NaN/inf is reported at the exact step it happened, before anything of that step (or
@@ -22,7 +25,7 @@ import logging
 import math
 import resource
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,10 +33,18 @@ from typing import Any, Protocol
 import numpy as np
 
 from clipms.data.preprocess import PreprocessConfig
-from clipms.runtime import configure, for_precision
+from clipms.runtime import configure, enable_graph_cache, for_precision, kernel_cache_dir
 from clipms.train import checkpoint
 from clipms.train.config import TrainConfig
-from clipms.train.feed import BatchSource, HostFeed, RandomBatches, ShardBatches, SinkFeed
+from clipms.train.feed import (
+    BatchSignature,
+    BatchSource,
+    HostFeed,
+    RandomBatches,
+    ShardBatches,
+    SinkFeed,
+)
+from clipms.train.graphcache import graph_cache_dir, graph_cache_key
 from clipms.train.schedule import cosine_lr
 from clipms.utils.atomic import atomic_write
 
@@ -123,8 +134,11 @@ class Training:
         """What launches a micro-batch of the remaining steps (from `self.step` to `total`)."""
         start, stop = self.step * self.cfg.accum_steps, total * self.cfg.accum_steps
         if self.data_sink:
-            return SinkFeed(self.step_cell, source, start, stop)
-        return HostFeed(self.step_cell, iter(source.stream(start, stop)))
+            model = self.cfg.model
+            signature = BatchSignature(self.cfg.batch_size, model.vision.image_size,
+                                       model.text.context_length)
+            return SinkFeed(self.step_cell, source, start, stop, signature)
+        return HostFeed(self.step_cell, source, start, stop)
 
     def launch(self, feed: HostFeed | SinkFeed, per_epoch: int) -> Launched:
         """Queue one optimizer step (accum_steps micro-batches); reads nothing back."""
@@ -178,12 +192,18 @@ class Training:
                 "group_size": self.group_size, "history": self.history}
         writer.submit(self.step, self.state_tensors(), meta)
 
-    def resume_or_start(self, folder: Path, resume: bool = True) -> None:
+    def resume_or_start(self, folder: Path, resume: bool = True,
+                        barrier: Callable[[], None] | None = None) -> None:
         """Continue from the newest checkpoint in `folder` if it is this run's; otherwise (rank 0)
-        move the folder's checkpoints aside (`checkpoint.set_aside`, never deleted) and start."""
+        move the folder's checkpoints aside (`checkpoint.set_aside`, never deleted) and start.
+
+        `barrier` (data parallel: `clipms.parallel.comm.barrier`) returns once every rank has
+        read the folder, so rank 0 never moves a file another rank is still reading."""
         import mindspore as ms
 
         found = checkpoint.load_latest(folder)
+        if barrier is not None:
+            barrier()
         if not resume or found is None or found.meta.get("fingerprint") != self.fingerprint:
             if self.rank == 0:  # the only writer; the other ranks just start fresh too
                 stale = found.meta.get("fingerprint") if found else None
@@ -221,11 +241,15 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
     if total < 1:
         raise ValueError(f"{per_epoch} batches per epoch x {cfg.epochs} epochs is fewer than "
                          f"accum_steps={cfg.accum_steps}: not one optimizer step")
+    preprocess = preprocess or PreprocessConfig(image_size=cfg.model.vision.image_size)
+    if cfg.runtime.compile_cache:  # before the first graph of this run compiles
+        key = graph_cache_key(cfg, total, group_size, preprocess.mean, preprocess.std)
+        enable_graph_cache(graph_cache_dir(kernel_cache_dir(), key, rank))
     run = Training.build(cfg, total, distributed, preprocess, group_size)
     run.rank, run.data_sink = rank, data_sink
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if ckpt_dir is not None:
-        run.resume_or_start(ckpt_dir, resume)
+        run.resume_or_start(ckpt_dir, resume, _barrier() if distributed else None)
     if distributed:
         from clipms.parallel.comm import check_same_start
 
@@ -261,9 +285,18 @@ def _loop(run: Training, source: BatchSource, total: int,
           callbacks: Sequence[Callback]) -> tuple[int, float]:
     """Launch steps until `total`, reading them back when a log line, a checkpoint or the end is
     due; returns (samples, seconds) timed after the first step (graph compilation)."""
-    cfg, per_epoch = run.cfg, source.batches_per_epoch
-    accum = cfg.accum_steps
+    per_epoch = source.batches_per_epoch
     feed = run.feed(source, total)
+    try:
+        return _launch_all(run, feed, per_epoch, total, writer, callbacks)
+    finally:
+        feed.close()  # nothing decodes or sends after the last step (or an error)
+
+
+def _launch_all(run: Training, feed: HostFeed | SinkFeed, per_epoch: int, total: int,
+                writer: checkpoint.CheckpointWriter | None,
+                callbacks: Sequence[Callback]) -> tuple[int, float]:
+    cfg, accum = run.cfg, run.cfg.accum_steps
     pending: list[Launched] = []
     first, samples, seconds = True, 0, 0.0
     tick = time.perf_counter()
@@ -323,6 +356,12 @@ def setup_runtime(cfg: TrainConfig, distributed: bool) -> tuple[int, int, bool]:
 
     ms.set_seed(cfg.seed)  # same seed on every rank: identical initial weights
     return (*(init_distributed() if distributed else (0, 1)), settings.data_sink)
+
+
+def _barrier() -> Callable[[], None]:
+    from clipms.parallel.comm import barrier
+
+    return barrier
 
 
 def _init_from(model: Any, path: str) -> None:

@@ -14,6 +14,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from clipms.model.clip import cast
 from clipms.train.optim import Schedule, clip_by_global_norm, global_norm
 
 
@@ -35,7 +36,8 @@ class PixelNormalize(nn.Cell):
 
 
 class ClipWithLoss(nn.Cell):
-    """CLIP + loss as one Cell: (images, tokens) -> scalar loss, the loss always in fp32."""
+    """CLIP + loss as one Cell: (images, tokens) -> scalar loss, the loss always in fp32 (under
+    amp CLIP already returns fp32 features and scale: `clipms.model.clip.to_mixed_precision`)."""
 
     def __init__(self, model: nn.Cell, loss: nn.Cell, normalize: nn.Cell | None = None) -> None:
         super().__init__()
@@ -47,8 +49,8 @@ class ClipWithLoss(nn.Cell):
         if self.normalize is not None:
             images = self.normalize(images)
         image_features, text_features, logit_scale = self.model(images, tokens)
-        return self.loss(image_features.astype(ms.float32), text_features.astype(ms.float32),
-                         logit_scale.astype(ms.float32))
+        return self.loss(cast(image_features, ms.float32), cast(text_features, ms.float32),
+                         cast(logit_scale, ms.float32))
 
 
 class AllGatherSumGrad(nn.Cell):

@@ -1,0 +1,312 @@
+"""Render benchmarks/RESULTS.md's tables from the result files the benchmarks write.
+
+    python benchmarks/render_results.py           # rewrite the tables from benchmarks/results/
+    python benchmarks/render_results.py --check   # exit 1 if a table and its file disagree
+
+In RESULTS.md a table is the text between `<!-- rendered: NAME -->` and `<!-- /rendered -->`; it
+is rendered from benchmarks/results/NAME.json (benchmarks/record.py's envelope) by the function
+RENDERERS names for NAME, or as a plain table of the results when there is none. So each figure
+has one owner, the file the benchmark wrote; the prose around a table says what it measures and
+how to read it. A block whose file does not exist yet is left as it is and listed as pending:
+its figures predate the result files, and its section names the command that replaces them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import difflib
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "benchmarks" / "RESULTS.md"
+RESULTS = ROOT / "benchmarks" / "results"
+BLOCK = re.compile(r"(<!-- rendered: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /rendered -->)",
+                   re.DOTALL)
+
+Record = dict[str, Any]
+
+
+# ---- shared pieces ---------------------------------------------------------------------------
+
+
+def table(header: list[str], rows: list[list[Any]], right: int = 0) -> str:
+    """A markdown table; the last `right` columns aligned right (numbers)."""
+    align = ["---"] * (len(header) - right) + ["---:"] * right
+    lines = [header, align, *[[cell(v) for v in row] for row in rows]]
+    return "\n".join("| " + " | ".join(str(v) for v in line) + " |" for line in lines) + "\n"
+
+
+def cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:,.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def when(meta: dict[str, Any]) -> str:
+    start, end = (dt.datetime.strptime(meta[k], "%Y-%m-%dT%H:%M:%SZ")
+                  for k in ("started_utc", "finished_utc"))
+    return f"{start:%Y-%m-%d %H:%M}-{end:%H:%M} UTC"
+
+
+def measured(record: Record) -> str:
+    """The line above every table: command, commit, machine, load, note."""
+    meta = record["meta"]
+    m = meta["machine"]
+    commit = meta["commit"] or "unknown commit"
+    if meta.get("dirty"):
+        commit += " (with uncommitted changes)"
+    load = meta["load_avg"]
+    line = (f"_`{meta['command']}` at {commit}, {when(meta)}; {m['cpu']}, {m['cores']} cores, "
+            f"{m['memory_gb']} GB; 1-minute load {load['start'][0]} at the start, "
+            f"{load['end'][0]} at the end")
+    if meta.get("note"):
+        line += f" ({meta['note'].rstrip('.')})"
+    return line + "._\n\n"
+
+
+def plain(record: Record) -> str:
+    """Any result: a list of flat objects as rows, an object as key/value rows."""
+    results = record["results"]
+    rows = results if isinstance(results, list) else [results]
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    return table(keys, [[json.dumps(row[k]) if isinstance(row.get(k), dict | list) else row.get(k)
+                         for k in keys] for row in rows])
+
+
+# ---- one renderer per benchmark that needs more than a plain table ---------------------------
+
+
+def speed_vs_openclip(record: Record) -> str:
+    res, out = record["results"], []
+    batch = res["batch_size"]
+    for work, unit, cpu in (("train", "samples_per_s", "cpu_step_ms"),
+                            ("encode", "images_per_s", "image"), ("encode", "texts_per_s", "text")):
+        for rnd in sorted({r["round"] for r in res["runs"].get(work, [])}):
+            runs = {r["label"]: r["result"] for r in res["runs"][work] if r["round"] == rnd}
+            ours, peer = runs["clipms"][unit], runs["open_clip"][unit]
+            out.append([f"{work} ({unit.replace('_per_s', '/s')})", rnd + 1, ours,
+                        runs["clipms_unfused"][unit], peer, f"{ours / peer:.2f}x",
+                        f"{_cpu_ms(runs['clipms'], cpu, batch):.2f} / "
+                        f"{_cpu_ms(runs['open_clip'], cpu, batch):.2f}"])
+    return table(["work", "round", "clipms", "clipms, fusion off", "open_clip",
+                  "clipms / open_clip", "CPU ms per item, clipms / open_clip"], out, right=5)
+
+
+def _cpu_ms(result: dict[str, Any], kind: str, batch: int) -> float:
+    if kind == "cpu_step_ms":
+        return result["cpu_step_ms"] / batch
+    return result.get(f"cpu_ms_per_{kind}") or result[f"cpu_{kind}_step_ms"] / batch
+
+
+def loader(record: Record) -> str:
+    rows = [[i + 1, r["workers"], r["image_size"], r["samples_per_s"],
+             r.get("cpu_ms_per_sample"), r["load_avg_1m"][0], r["load_avg_1m"][1]]
+            for i, r in enumerate(record["results"])]
+    return table(["run", "workers", "image px", "samples/s", "CPU ms per sample",
+                  "load at start", "load at end"], rows, right=7)
+
+
+def retrieval(record: Record) -> str:
+    rows = [[r["images"], r["captions"], r["dim"], r["chunk"], r["median_s"],
+             ", ".join(f"{t:g}" for t in r["times_s"]), r["cpu_s_per_run"]]
+            for r in record["results"]]
+    return table(["images", "captions", "dim", "chunk", "median s", "runs, s", "CPU s per run"],
+                 rows, right=7)
+
+
+def data_dedupe(record: Record) -> str:
+    r = record["results"]
+    return table(["rows in", "images out", "wall s", "CPU s", "removed"],
+                 [[r["rows_in"], r["images_out"], r["seconds"], r["cpu_seconds"],
+                   ", ".join(f"{k} {v:,}" for k, v in r["removed"].items())]], right=4)
+
+
+def data_shard(record: Record) -> str:
+    r = record["results"]
+    return table(["samples", "workers", "wall s", "samples/s", "CPU s", "samples per CPU-s"],
+                 [[r["samples"], r["workers"], r["seconds"], r["samples_per_s"],
+                   r["cpu_seconds"], r["samples_per_cpu_s"]]], right=6)
+
+
+def data_download(record: Record) -> str:
+    r = record["results"]
+    return table(["images", "fetched", "distributor", "processes x threads", "wall s",
+                  "images/s", "CPU s (server included)"],
+                 [[r["images"], r["successes"], r["distributor"],
+                   f"{r['processes']} x {r['threads']}", r["seconds"], r["images_per_s"],
+                   r["cpu_seconds_incl_server"]]], right=3)
+
+
+def data_urlguard(record: Record) -> str:
+    r = record["results"]
+    rates = r["requests_per_s"]
+    return table(["requests per round", "rounds", "urllib, req/s", "guarded, req/s",
+                  "guarded / urllib"],
+                 [[r["requests_per_round"], r["rounds"], rates["urllib"], rates["guarded"],
+                   r["guarded_over_urllib"]]], right=5)
+
+
+def checkpoint(record: Record) -> str:
+    r = record["results"]
+    return table(["preset", "parameters", "file MB", "sync save s", "async: training blocked s",
+                  "async: written s"],
+                 [[r["preset"], r["parameters"], r["file_mb"], r["sync_save_s"],
+                   r["async_blocked_s"], r["async_written_s"]]], right=5)
+
+
+def export_fp16_parity(record: Record) -> str:
+    rows = []
+    for r in record["results"]:
+        for tower in ("image", "text"):
+            errors = {k: v for k, v in r.items() if k.startswith(tower)}
+            rows.append([r["preset"], r["precision"], tower,
+                         _first(errors, "normalized"), _first(errors, "_error", "normalized"),
+                         r["mb"].get(f"{tower}_encoder.mindir"), r["passed"]])
+    return table(["preset", "precision", "tower", "max abs error, normalised", "raw",
+                  "MindIR MB", "parity passed"], rows, right=4)
+
+
+def _first(values: dict[str, Any], has: str, lacks: str = "\0") -> Any:
+    return next((v for k, v in values.items() if has in k and lacks not in k), None)
+
+
+def mutation(record: Record) -> str:
+    rows = []
+    for label, m in record["results"].items():
+        score = (m["killed"] + m["timeout"]) / m["mutants"] if m["mutants"] else None
+        rows.append([label, f"`{m['file']}`", m["mutants"], m["killed"], m["survived"],
+                     m["no tests"], m["timeout"], f"{score:.1%}" if score is not None else "-",
+                     m["meta"]["commit"], m["meta"]["started_utc"][:10]])
+    return table(["module", "file", "mutants", "killed", "survived", "no tests", "timeout",
+                  "score", "commit", "run"], rows, right=6)
+
+
+def serving(record: Record) -> str:
+    """The goals per mode, then every workload's medians (QPS, p99 ms)."""
+    res = record["results"]
+    goals = []
+    for mode, s in res["summary"].items():
+        goals.append([mode, f"{s['vs_mlflow']}x" if s.get("vs_mlflow") else "-",
+                      f"{s['vs_batching_off']}x" if s.get("vs_batching_off") else "-",
+                      f"{s['vs_model_limit']} (pairs "
+                      f"{', '.join(map(str, s['vs_model_limit_pairs']))})",
+                      s.get("p99_ms_c8_text"), s.get("errors")])
+    text = table(["mode (concurrency 32, text embeddings)", "vs `mlflow models serve` (>= 3x)",
+                  "vs batching off (>= 2x)", "vs the model alone (>= 0.7)",
+                  "p99 ms at concurrency 8 (< 150)", "errors"], goals, right=2)
+    return text + "\n" + serving_cells(res["cells"])
+
+
+def serving_cells(cells: list[dict[str, Any]]) -> str:
+    levels = sorted({c["concurrency"] for c in cells})
+    groups: dict[tuple[str, str, str], dict[int, list[dict[str, Any]]]] = {}
+    for c in cells:
+        groups.setdefault((c["workload"], c["target"], c["mode"]), {}).setdefault(
+            c["concurrency"], []).append(c)
+    rows = []
+    for (work, target, mode), by_level in groups.items():
+        rows.append([work, target, mode, *[
+            f"{median(c['qps'] for c in by_level[n]):,.0f} "
+            f"({median(c['p99_ms'] for c in by_level[n]):.0f})" if n in by_level else "-"
+            for n in levels]])
+    return table(["workload", "server", "mode", *[f"c={n}, QPS (p99 ms)" for n in levels]],
+                 rows, right=len(levels))
+
+
+def default_run(record: Record) -> str:
+    """One column per training seed: `make run` (seed 0), then `dvc exp run -S train.seed=1`."""
+    runs = record["results"]
+    seeds = [s for s in ("seed0", "seed1") if s in runs]
+    rows = [["wall s (`make run`; seed 1: `dvc exp run`)", *[runs[s]["wall_s"] for s in seeds]],
+            ["CPU s, user + system", *[round(runs[s]["cpu_user_s"] + runs[s]["cpu_sys_s"])
+                                       for s in seeds]],
+            ["training wall s", *[runs[s]["train"]["wall_time_s"] for s in seeds]],
+            ["training steps", *[runs[s]["train"]["steps"] for s in seeds]],
+            ["training samples/s", *[runs[s]["train"]["samples_per_s"] for s in seeds]],
+            *[[f"`{k}`", *[runs[s]["eval"][k] for s in seeds]] for k in runs["seed0"]["eval"]]]
+    return table(["figure", *[f"train.seed {s[-1]}" for s in seeds]], rows, right=len(seeds))
+
+
+RENDERERS: dict[str, Callable[[Record], str]] = {
+    "speed_vs_openclip": speed_vs_openclip, "loader": loader, "retrieval": retrieval,
+    "data_dedupe": data_dedupe, "data_shard": data_shard, "data_download": data_download,
+    "data_urlguard": data_urlguard, "checkpoint": checkpoint,
+    "export_fp16_parity": export_fp16_parity, "mutation": mutation, "serving": serving,
+    "default_run": default_run,
+}
+
+
+# ---- the document ----------------------------------------------------------------------------
+
+
+def render_block(name: str, results: Path = RESULTS) -> str | None:
+    """The block's text from its result file; None when the file does not exist yet."""
+    path = results / f"{name}.json"
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    return measured(record) + RENDERERS.get(name, plain)(record)
+
+
+def render(doc: str, results: Path = RESULTS) -> tuple[str, list[str]]:
+    """The document with every block whose file exists rendered, and the names still pending."""
+    pending: list[str] = []
+
+    def replace(match: re.Match[str]) -> str:
+        body = render_block(match["name"], results)
+        if body is None:
+            pending.append(match["name"])
+            return match[0]
+        return match[1] + body + match[4]
+
+    return BLOCK.sub(replace, doc), pending
+
+
+def orphans(doc: str, results: Path = RESULTS) -> list[str]:
+    """Result files that no block of the document renders."""
+    named = {m["name"] for m in BLOCK.finditer(doc)}
+    return sorted(p.stem for p in results.glob("*.json") if p.stem not in named)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 if a table differs from its result file")
+    parser.add_argument("--doc", type=Path, default=DOC)
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    doc = args.doc.read_text()
+    new, pending = render(doc, args.results)
+    if pending:
+        print(f"pending (no result file yet): {', '.join(pending)}")
+    unused = orphans(doc, args.results)
+    if unused:
+        print(f"result files no table renders: {', '.join(unused)}", file=sys.stderr)
+    if not args.check:
+        args.doc.write_text(new)
+        return 1 if unused else 0
+    if new != doc:
+        sys.stdout.writelines(difflib.unified_diff(doc.splitlines(True), new.splitlines(True),
+                                                   str(args.doc), "rendered"))
+        print(f"{args.doc} differs from its result files: run python "
+              "benchmarks/render_results.py", file=sys.stderr)
+        return 1
+    return 1 if unused else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
