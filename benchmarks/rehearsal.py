@@ -24,7 +24,6 @@ benchmark, benchmarks/rehearsal_search.py, serves its index).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shlex
@@ -42,7 +41,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.stage_clock import measure  # noqa: E402  (after the path is set)
+from benchmarks import record  # noqa: E402  (after the path is set)
+from benchmarks.stage_clock import measure  # noqa: E402
 from harness import processes, workspace  # noqa: E402
 
 PROFILE = ROOT / "profiles" / "mscoco-rehearsal.yaml"
@@ -198,14 +198,6 @@ def machine() -> dict[str, Any]:
             "shared": "other engineers' tests and benchmarks ran on this machine too"}
 
 
-def git_state() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
-
-
 def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -216,29 +208,30 @@ def run_stage(clone: Path, stage: str, clock_dir: Path, logs: Path,
     import psutil
 
     server_cpu = sum(psutil.Process(server.pid).cpu_times()[:2])
-    record: dict[str, Any] = {"stage": stage, "load_before": load()}
+    entry: dict[str, Any] = {"stage": stage, "load_before": load()}
     with open(logs / f"{stage}.log", "wb") as log:
         cost = measure([str(BIN / "dvc"), "repro", "--single-item", stage], cwd=clone,
                        env=stage_env(clone), stdout=log, stderr=subprocess.STDOUT,
                        start_new_session=True)  # interrupted: the whole stage is killed
-    record.update(load_after=load(), dvc_repro=cost.as_dict(),
-                  command=read_json(clock_dir / f"{stage}.json"),
-                  image_server_cpu_s=round(sum(psutil.Process(server.pid).cpu_times()[:2])
-                                           - server_cpu, 2))
+    entry.update(load_after=load(), dvc_repro=cost.as_dict(),
+                 command=read_json(clock_dir / f"{stage}.json"),
+                 image_server_cpu_s=round(sum(psutil.Process(server.pid).cpu_times()[:2])
+                                          - server_cpu, 2))
     outputs = stage_outputs(clone / "dvc.yaml", stage)
-    record["outputs_mb"] = round(sum(tree_bytes(clone / p) for p in outputs
-                                     if (clone / p).exists()) / 2**20, 2)
+    entry["outputs_mb"] = round(sum(tree_bytes(clone / p) for p in outputs
+                                    if (clone / p).exists()) / 2**20, 2)
     if cost.exit_code == 0:
-        record.update(stage_items(clone, stage))
-        seconds = record["command"].get("wall_s") or cost.wall_s
-        if record.get("items"):
-            record["items_per_s"] = round(record["items"] / seconds, 2)
-            record["cpu_ms_per_item"] = round(
-                record["command"].get("cpu_s", cost.cpu_s) * 1000 / record["items"], 4)
-    return record
+        entry.update(stage_items(clone, stage))
+        seconds = entry["command"].get("wall_s") or cost.wall_s
+        if entry.get("items"):
+            entry["items_per_s"] = round(entry["items"] / seconds, 2)
+            entry["cpu_ms_per_item"] = round(
+                entry["command"].get("cpu_s", cost.cpu_s) * 1000 / entry["items"], 4)
+    return entry
 
 
-def rehearse(args: argparse.Namespace, clone: Path, result: dict[str, Any]) -> bool:
+def rehearse(args: argparse.Namespace, clone: Path, result: dict[str, Any],
+             recording: record.Recording) -> bool:
     """Build the clone, serve its images, run every stage; False when a stage failed."""
     clock_dir, logs = args.workdir / "clock", args.workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -256,13 +249,13 @@ def rehearse(args: argparse.Namespace, clone: Path, result: dict[str, Any]) -> b
     try:
         processes.wait_until(processes.port_open(port), server, "image server", None, 30)
         for stage in stages:
-            record = run_stage(clone, stage, clock_dir, logs, server)
-            result["stages"].append(record)
-            print(progress_line(record), flush=True)
-            if stage == "dedupe" and record["dvc_repro"]["exit_code"] == 0:
+            entry = run_stage(clone, stage, clock_dir, logs, server)
+            result["stages"].append(entry)
+            print(progress_line(entry), flush=True)
+            if stage == "dedupe" and entry["dvc_repro"]["exit_code"] == 0:
                 result["world"] = world_summary(clone)
-            write(args.out, result)
-            if record["dvc_repro"]["exit_code"] != 0:
+            recording.write(result, args.out)  # what ran so far, should the run be stopped
+            if entry["dvc_repro"]["exit_code"] != 0:
                 result["failed"] = {"stage": stage, "log_tail": processes.tail(
                     logs / f"{stage}.log", 4000)}
                 return False
@@ -273,19 +266,14 @@ def rehearse(args: argparse.Namespace, clone: Path, result: dict[str, Any]) -> b
     return True
 
 
-def progress_line(record: dict[str, Any]) -> str:
-    cost, own = record["dvc_repro"], record["command"]
-    rate = f", {record['items_per_s']:,.1f} {record.get('unit', 'items')}/s" \
-        if record.get("items_per_s") else ""
-    return (f"{record['stage']:>9}: exit {cost['exit_code']}, {cost['wall_s']:,.1f} s wall "
+def progress_line(entry: dict[str, Any]) -> str:
+    cost, own = entry["dvc_repro"], entry["command"]
+    rate = f", {entry['items_per_s']:,.1f} {entry.get('unit', 'items')}/s" \
+        if entry.get("items_per_s") else ""
+    return (f"{entry['stage']:>9}: exit {cost['exit_code']}, {cost['wall_s']:,.1f} s wall "
             f"({own.get('wall_s', float('nan')):,.1f} s the command), {cost['cpu_s']:,.1f} CPU-s, "
             f"peak RSS {cost['peak_rss_mb']:,.0f} MB (tree {cost['peak_tree_rss_mb']:,.0f} MB), "
-            f"{cost['written_mb']:,.0f} MB written{rate}, load {record['load_after'][0]}")
-
-
-def write(path: Path, result: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+            f"{cost['written_mb']:,.0f} MB written{rate}, load {entry['load_after'][0]}")
 
 
 # ------------------------------------------------------------------------------------ tables
@@ -293,7 +281,8 @@ def table(paths: list[Path]) -> str:
     """Markdown tables of rehearsal JSONs (smallest first): every stage at every size, then the
     growth of CPU per item from the middle size to the largest and the largest's peak memory
     projected linearly to 5x its size (docs/scaling.md)."""
-    runs = sorted((json.loads(p.read_text()) for p in paths), key=lambda r: r["images"])
+    runs = sorted((json.loads(p.read_text())["results"] for p in paths),
+                  key=lambda r: r["images"])
     lines = ["| stage | images | wall s (command / dvc repro) | CPU-s | CPU-ms per item | "
              "items/s | peak RSS MB (largest / tree) | written MB | outputs MB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -338,6 +327,12 @@ def _num(value: float | None) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:,.2f}"
 
 
+def shown_argv(argv: list[str]) -> list[str]:
+    """The command as recorded: this script, the scratch folder as WORKDIR."""
+    return [str(Path(__file__).relative_to(ROOT)),
+            *record.with_placeholders(argv, {"--workdir": "WORKDIR"})]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -373,18 +368,16 @@ def main(argv: list[str] | None = None) -> int:
     if clone.exists():
         raise SystemExit(f"{clone} exists: give another --workdir or remove it")
     clone.mkdir(parents=True)
-    result: dict[str, Any] = {
-        "benchmark": "rehearsal", "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        **git_state(), "started_utc": datetime.datetime.now(datetime.UTC).isoformat(
-            timespec="seconds"), "machine": machine(), "load_start": load(),
-        "images": args.images, "val_images": args.val_images, "train_steps": args.train_steps,
-        "stages": []}
-    started = time.perf_counter()
+    recording = record.start(f"rehearsal-{args.images}", shown_argv(argv))
+    result: dict[str, Any] = {"machine": machine(), "images": args.images,
+                              "val_images": args.val_images, "train_steps": args.train_steps,
+                              "stages": []}
+    started, ok = time.perf_counter(), False
     try:
-        ok = rehearse(args, clone, result)
+        ok = rehearse(args, clone, result, recording)
     finally:
-        result.update(load_end=load(), wall_s=round(time.perf_counter() - started, 1))
-        write(args.out, result)
+        result["wall_s"] = round(time.perf_counter() - started, 1)
+        recording.write(result, args.out)
         if not args.keep:
             shutil.rmtree(clone, ignore_errors=True)
     print(f"rehearsal: {'done' if ok else 'FAILED at ' + result['failed']['stage']} in "

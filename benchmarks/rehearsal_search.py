@@ -2,7 +2,7 @@
 
     python benchmarks/rehearsal.py --images 123287 --keep --workdir W     # the index to search
     nice -n 5 python benchmarks/rehearsal_search.py --clone W/clone \
-        --out benchmarks/results/search-123287.json
+        --out benchmarks/results/search_at_size.json
 
 For each search kind at the `index` section's default settings (`index.search`, `hnsw_m`,
 `hnsw_ef_search`, `ivf_nlist`, `ivf_nprobe`): the FAISS index built from the stored embeddings
@@ -25,10 +25,8 @@ counts a result whose exact score reaches the exact 10th score (it is as good an
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,12 +42,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from serving_load import Workload, run_load, workload  # noqa: E402
 from serving_servers import Server  # noqa: E402
 
+from benchmarks import record  # noqa: E402
 from benchmarks.stage_clock import measure  # noqa: E402
 
 KINDS = ("exact", "hnsw", "ivf")
 K = 10
 EF_SWEEP = (16, 32, 64, 128, 256)
 NPROBE_SWEEP = (1, 4, 8, 16, 32, 64)
+# Scratch folders in the recorded command: where the reader's are, not this machine's.
+PLACEHOLDERS = {"--clone": "CLONE", "--workdir": "WORKDIR", "--bundle": "BUNDLE",
+                "--index": "INDEX"}
 
 
 def default_options(kind: str) -> Any:
@@ -253,7 +255,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup-s", type=float, default=3.0)
     p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, default=record.default_path("search_at_size"))
     args = p.parse_args(argv)
     if args.clone:
         args.bundle = args.bundle or args.clone / "models" / "export"
@@ -271,13 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from clipms.deploy.index import ImageIndex
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True, check=True).stdout.strip()
-    result: dict[str, Any] = {
-        "benchmark": "search at size", "command": " ".join(["rehearsal_search.py", *argv]),
-        "commit": commit, "started_utc": datetime.datetime.now(datetime.UTC).isoformat(
-            timespec="seconds"), "load_start": [round(x, 2) for x in os.getloadavg()],
-        "cores": os.cpu_count()}
+    recording = record.start(args.out.stem, [str(Path(__file__).relative_to(ROOT)),
+                                             *record.with_placeholders(argv, PLACEHOLDERS)])
+    result: dict[str, Any] = {}
     index = ImageIndex.load(args.index)
     result.update(rows=len(index), dim=int(index.meta["dim"]), k=K,
                   defaults={kind: vars(default_options(kind)) for kind in KINDS})
@@ -300,9 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():
             server.stop()
     result["summary"] = summarize(result["cells"])
-    result["load_end"] = [round(x, 2) for x in os.getloadavg()]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    recording.write(result, args.out)
     print(f"search benchmark: figures in {args.out}")
     return 0
 

@@ -76,6 +76,23 @@ def test_the_val_split_is_mscocos_share_and_overrides_apply_in_order(tmp_path):
     assert found["metadata.synthetic_captions"] == "mscoco"  # from the profile
 
 
+def test_the_recorded_command_names_the_scratch_folder_by_its_role_not_its_path():
+    shown = rehearsal.shown_argv(["--images", "500", "--workdir", "/scratch/w", "--keep",
+                                  "--workdir=/scratch/v"])
+    assert shown == ["benchmarks/rehearsal.py", "--images", "500", "--workdir", "WORKDIR",
+                     "--keep", "--workdir=WORKDIR"]
+
+
+def test_a_result_recorded_per_size_is_rendered_by_its_benchmarks_renderer():
+    sys.path.insert(0, str(PROJECT_ROOT / "benchmarks"))
+    import render_results
+
+    assert render_results.renderer("rehearsal-123287") is render_results.rehearsal
+    assert render_results.renderer("rehearsal-240") is render_results.rehearsal
+    assert render_results.renderer("retrieval") is render_results.retrieval
+    assert render_results.renderer("rehearsal-x") is render_results.plain
+
+
 def test_the_profile_and_the_sizes_are_valid_params_of_every_section_they_set(tmp_path):
     from clipms.runtime import RuntimeConfig
     from pipeline.params import read_params, validate_section
@@ -109,7 +126,11 @@ def test_the_rehearsal_command_runs_every_stage_at_a_few_hundred_images(tmp_path
     finally:
         processes.stop(proc, timeout=60)  # SIGTERM: it stops its stage and image server
     assert code == 0, processes.tail(log, 6000)
-    result = json.loads(out.read_text())
+    recorded = json.loads(out.read_text())  # benchmarks/record.py's envelope
+    assert recorded["benchmark"] == "rehearsal-240" and recorded["meta"]["load_avg"]["end"]
+    assert "WORKDIR" in recorded["meta"]["command"] and str(tmp_path) not in recorded["meta"][
+        "command"]
+    result = recorded["results"]
     dvc_stages = list(yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())["stages"])
     assert [s["stage"] for s in result["stages"]] == dvc_stages and "failed" not in result
     for stage in result["stages"]:
