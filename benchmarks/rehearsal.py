@@ -286,7 +286,8 @@ def table(paths: list[Path]) -> str:
     lines = ["| stage | images | wall s (command / dvc repro) | CPU-s | CPU-ms per item | "
              "items/s | peak RSS MB (largest / tree) | written MB | outputs MB |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    stages = [s["stage"] for s in runs[-1]["stages"]]
+    # the pipeline's order, from the run that got furthest (a stopped run has fewer stages)
+    stages = [s["stage"] for s in max(runs, key=lambda r: len(r["stages"]))["stages"]]
     for stage in stages:
         for run in runs:
             rec = next((s for s in run["stages"] if s["stage"] == stage), None)
@@ -309,7 +310,7 @@ def growth_table(mid: dict[str, Any], big: dict[str, Any], stages: list[str]) ->
     lines = [f"| stage | CPU-ms per item at {mid['images']:,} / {big['images']:,} | ratio | "
              f"peak tree RSS MB at {mid['images']:,} / {big['images']:,} | projected at "
              f"{scale:,} (linear) |", "|---|---:|---:|---:|---:|"]
-    for stage in stages:
+    for stage in [s for s in stages if _ran(mid, s) and _ran(big, s)]:
         a, b = (next(s for s in r["stages"] if s["stage"] == stage) for r in (mid, big))
         per = (a.get("cpu_ms_per_item"), b.get("cpu_ms_per_item"))
         ratio = f"{per[1] / per[0]:.2f}x" if all(per) else "-"
@@ -319,6 +320,10 @@ def growth_table(mid: dict[str, Any], big: dict[str, Any], stages: list[str]) ->
         lines.append(f"| `{stage}` | {_num(per[0])} / {_num(per[1])} | {ratio} | "
                      f"{rss[0]:,.0f} / {rss[1]:,.0f} | {projected:,.0f} |")
     return "\n".join(lines)
+
+
+def _ran(run: dict[str, Any], stage: str) -> bool:
+    return any(s["stage"] == stage and s["dvc_repro"]["exit_code"] == 0 for s in run["stages"])
 
 
 def _num(value: float | None) -> str:
