@@ -278,9 +278,9 @@ def progress_line(entry: dict[str, Any]) -> str:
 
 # ------------------------------------------------------------------------------------ tables
 def table(paths: list[Path]) -> str:
-    """Markdown tables of rehearsal JSONs (smallest first): every stage at every size, then the
-    growth of CPU per item from the middle size to the largest and the largest's peak memory
-    projected linearly to 5x its size (docs/scaling.md)."""
+    """Markdown tables of rehearsal JSONs (smallest first): every stage at every size, then for
+    each size and the next the growth of CPU per item and the peak memory projected linearly
+    from the two to 5x MSCOCO (docs/scaling.md)."""
     runs = sorted((json.loads(p.read_text())["results"] for p in paths),
                   key=lambda r: r["images"])
     lines = ["| stage | images | wall s (command / dvc repro) | CPU-s | CPU-ms per item | "
@@ -300,16 +300,16 @@ def table(paths: list[Path]) -> str:
                 f"{_num(rec.get('items_per_s'))} | {own['peak_rss_mb']:,.0f} / "
                 f"{whole['peak_tree_rss_mb']:,.0f} | {whole['written_mb']:,.0f} | "
                 f"{rec['outputs_mb']:,.0f} |")
-    if len(runs) >= 2:
-        lines += ["", growth_table(runs[-2], runs[-1], stages)]
+    for mid, big in zip(runs, runs[1:], strict=False):  # each size against the next
+        lines += ["", growth_table(mid, big, stages)]
     return "\n".join(lines)
 
 
 def growth_table(mid: dict[str, Any], big: dict[str, Any], stages: list[str]) -> str:
-    scale = 5 * big["images"]
+    scale = 5 * MSCOCO_IMAGES  # the size a 24 GB machine must still hold
     lines = [f"| stage | CPU-ms per item at {mid['images']:,} / {big['images']:,} | ratio | "
              f"peak tree RSS MB at {mid['images']:,} / {big['images']:,} | projected at "
-             f"{scale:,} (linear) |", "|---|---:|---:|---:|---:|"]
+             f"{scale:,} (5x MSCOCO, linear) |", "|---|---:|---:|---:|---:|"]
     for stage in [s for s in stages if _ran(mid, s) and _ran(big, s)]:
         a, b = (next(s for s in r["stages"] if s["stage"] == stage) for r in (mid, big))
         per = (a.get("cpu_ms_per_item"), b.get("cpu_ms_per_item"))
