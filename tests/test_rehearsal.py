@@ -6,6 +6,7 @@ benchmark: docs/scaling.md)."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 
@@ -148,3 +149,17 @@ def test_the_rehearsal_command_runs_every_stage_at_a_few_hundred_images(tmp_path
     assert 9.5 < result["world"]["caption_words"]["mean"] < 11.5
     assert by_stage["train"]["steps"] == 3
     assert not (tmp_path / "work" / "clone").exists()  # deleted without --keep
+
+
+def test_the_scaling_docs_tables_are_the_recorded_rehearsals():
+    """docs/scaling.md's measured tables have one owner: the result files, through
+    `rehearsal.py table` (a rerun that changes a figure fails here until the docs are redone)."""
+    doc = (PROJECT_ROOT / "docs" / "scaling.md").read_text()
+    found = re.search(r"<!-- rehearsal.py table: (?P<names>[\w .-]+) -->\n(?P<body>.*?)\n"
+                      r"<!-- /rehearsal.py table -->", doc, re.DOTALL)
+    assert found, "docs/scaling.md: the rehearsal's tables between their markers"
+    results = PROJECT_ROOT / "benchmarks" / "results"
+    paths = [results / f"{name}.json" for name in found["names"].split()]
+    assert len(paths) >= 2 and all(p.is_file() for p in paths), paths
+    assert found["body"].strip() == rehearsal.table(paths).strip(), (
+        "python benchmarks/rehearsal.py table " + " ".join(map(str, paths)))

@@ -24,7 +24,7 @@ SEARCH_KINDS = ("exact", "hnsw", "ivf")
 AUTO = "auto"  # a setting, not a kind: resolved to one of SEARCH_KINDS by the collection's size
 # `auto` scans exactly up to this many cells (rows x dim) and uses HNSW beyond. A scan reads every
 # cell once per query, memory-bound: ~8 CPU-ms a query at 123,287 x 128 on the machine of
-# docs/scaling.md ("Search at MSCOCO size", which also measures HNSW's recall and speed there);
+# docs/scaling.md ("Search at MSCOCO size", with HNSW's recall and speed on a rehearsal's index);
 # the line is where a scan costs about 1 CPU-ms.
 AUTO_EXACT_MAX_CELLS = 2_000_000
 
