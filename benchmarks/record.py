@@ -112,6 +112,18 @@ def shown_command(argv: Sequence[str]) -> str:
     return shlex.join(shown)
 
 
+def with_placeholders(argv: Sequence[str], names: dict[str, str]) -> list[str]:
+    """`argv` with the values of the options in `names` (e.g. {"--workdir": "WORKDIR"}) replaced
+    by their placeholder: a scratch folder is where the reader puts theirs, not this machine's."""
+    shown, hide = [], None
+    for arg in argv:
+        option, sep, _ = arg.partition("=")
+        shown.append(hide if hide else f"{option}={names[option]}" if sep and option in names
+                     else arg)
+        hide = names.get(arg)
+    return shown
+
+
 @dataclass
 class Recording:
     """Started when the benchmark starts (load and time), written when it ends."""

@@ -309,6 +309,64 @@ def _runs(counts: dict[str, int]) -> str:
     return ", ".join(f"{status} {n}" for status, n in sorted(counts.items()))
 
 
+def rehearsal(record: Record) -> str:
+    """One size of the MSCOCO rehearsal (benchmarks/rehearsal.py): a row per stage, the stage's
+    own command and the whole `dvc repro` of it; then the stages that did not run."""
+    res, rows = record["results"], []
+    for s in res["stages"]:
+        own, whole = s["command"], s["dvc_repro"]
+        rows.append([f"`{s['stage']}`", s.get("unit", "-"), s.get("items"),
+                     f"{own.get('wall_s', 0):,.1f} / {whole['wall_s']:,.1f}", own.get("cpu_s"),
+                     s.get("cpu_ms_per_item"), s.get("items_per_s"),
+                     f"{own.get('peak_rss_mb', 0):,.0f} / {whole['peak_tree_rss_mb']:,.0f}",
+                     whole["written_mb"], s["outputs_mb"], whole["exit_code"]])
+    text = table(["stage", "unit", "items", "wall s (stage / dvc repro)", "CPU s",
+                  "CPU ms per item", "items/s", "peak RSS MB (largest / tree)", "written MB",
+                  "outputs MB", "exit"], rows, right=9)
+    if res.get("not_run"):
+        text += f"\nNot run at this size: {', '.join(res['not_run'])}.\n"
+    return text
+
+
+def search_at_size(record: Record) -> str:
+    """benchmarks/rehearsal_search.py: each kind's build, recall and search time alone, then
+    /v1/search under load (medians over rounds: QPS and p50/p99 ms)."""
+    res = record["results"]
+    build = res["build"]
+    rows = []
+    for row in res["search_alone"]:
+        if row["kind"] != "exact" and not row.get("default"):
+            continue
+        kind, cost = row["kind"], build.get(row["kind"], {})
+        rows.append([kind, cost.get("wall_s"), cost.get("peak_rss_mb"),
+                     cost.get("faiss_index_mb"), res["server_rss_mb_idle"].get(kind),
+                     row["text"]["recall@10"], row["text"]["tie_aware_recall@10"],
+                     row["image"]["recall@10"], row["text"]["p50_ms"], row["text"]["p99_ms"]])
+    text = table(["kind (default settings)", "build s", "build peak RSS MB", "FAISS index MB",
+                  "service RSS MB, idle", "recall@10, text", "tie-aware, text",
+                  "recall@10, image", "search p50 ms", "search p99 ms"], rows, right=9)
+    sweep = [[r["kind"], r.get("hnsw_ef_search", r.get("ivf_nprobe")),
+              r["text"]["recall@10"], r["image"]["recall@10"], r["text"]["p50_ms"]]
+             for r in res["search_alone"] if r["kind"] != "exact"]
+    text += "\n" + table(["kind", "ef_search / nprobe", "recall@10, text", "recall@10, image",
+                          "search p50 ms"], sweep, right=4)
+    return text + "\n" + _search_cells(res["summary"])
+
+
+def _search_cells(summary: dict[str, dict[str, float]]) -> str:
+    levels = sorted({int(key.rsplit("/c", 1)[1]) for key in summary})
+    groups: dict[str, dict[int, dict[str, float]]] = {}
+    for key, cell in summary.items():
+        name, level = key.rsplit("/c", 1)
+        groups.setdefault(name, {})[int(level)] = cell
+    rows = [[name.split("/")[1], name.split("/")[0], *[
+        f"{by[n]['qps']:,.0f} ({by[n]['p50_ms']:.0f} / {by[n]['p99_ms']:.0f})" if n in by
+        else "-" for n in levels]] for name, by in sorted(groups.items(), key=lambda g: (
+            g[0].split("/")[1], g[0]))]
+    return table(["workload", "kind", *[f"c={n}, QPS (p50 / p99 ms)" for n in levels]], rows,
+                 right=len(levels))
+
+
 RENDERERS: dict[str, Callable[[Record], str]] = {
     "speed_vs_openclip": speed_vs_openclip, "loader": loader, "retrieval": retrieval,
     "data_dedupe": data_dedupe, "data_shard": data_shard, "data_download": data_download,
@@ -318,7 +376,14 @@ RENDERERS: dict[str, Callable[[Record], str]] = {
     "default_run": default_run, "time_to_quality": time_to_quality,
     "time_to_quality_seed1": time_to_quality,
     "kill_recovery": kill_recovery,
+    "rehearsal": rehearsal, "search_at_size": search_at_size,
 }
+SIZE_SUFFIX = re.compile(r"-\d+$")  # rehearsal-2000, rehearsal-123287: one renderer per benchmark
+
+
+def renderer(name: str) -> Callable[[Record], str]:
+    """NAME's renderer; for a benchmark recorded once per size (NAME-<size>), the benchmark's."""
+    return RENDERERS.get(name) or RENDERERS.get(SIZE_SUFFIX.sub("", name), plain)
 
 
 # ---- the document ----------------------------------------------------------------------------
@@ -330,7 +395,7 @@ def render_block(name: str, results: Path = RESULTS) -> str | None:
     if not path.exists():
         return None
     record = json.loads(path.read_text())
-    return measured(record) + RENDERERS.get(name, plain)(record)
+    return measured(record) + renderer(name)(record)
 
 
 def render(doc: str, results: Path = RESULTS) -> tuple[str, list[str]]:

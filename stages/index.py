@@ -26,7 +26,7 @@ WRITES = (paths.INDEX, paths.INDEX_METRICS)
 
 class IndexParams(Section):
     splits: list[str] = Field(default_factory=lambda: ["train", "val"], min_length=1)
-    search: Literal["exact", "hnsw", "ivf"] = "exact"
+    search: Literal["auto", "exact", "hnsw", "ivf"] = "auto"
     thumbnail_size: int = Field(128, ge=16, le=512)
     batch_size: int = Field(64, ge=1)
     hnsw_m: int = Field(32, ge=4)
@@ -77,8 +77,9 @@ def main() -> int:
     seconds = time.perf_counter() - started
     report.update(seconds=round(seconds, 2), splits=params.splits)
     write_json(paths.INDEX_METRICS, report)
+    chosen = report["search"] + (" (auto)" if params.search == "auto" else "")
     print(f"index: {report['rows']} images of {params.splits} in {paths.INDEX} "
-          f"({params.search} search, {sum(report['skipped'].values())} skipped) in {seconds:.1f} s")
+          f"({chosen} search, {sum(report['skipped'].values())} skipped) in {seconds:.1f} s")
     return 0
 
 

@@ -29,6 +29,9 @@ class MetadataParams(Section):
     num_images: int = Field(2000, ge=1, le=1_000_000)
     synthetic_image_size: int = Field(128, ge=16, le=1024)
     seed: int = 0
+    synthetic_captions: Literal["templates", "mscoco"] = "templates"
+    synthetic_val_images: int | None = Field(None, ge=1)  # the last N images are the val split
+    synthetic_url: str | None = None  # base URL of a server of data/synthetic; null: file: URLs
     # mscoco (and http(s) paths of local)
     url: str = MSCOCO_URL
     sha256: str | None = None
@@ -57,6 +60,22 @@ class MetadataParams(Section):
     def _http_url(cls, value: str) -> str:
         if not value.startswith(("http://", "https://")):
             raise ValueError("must be an http(s) URL")
+        return value
+
+    @field_validator("synthetic_val_images")
+    @classmethod
+    def _fewer_than_the_images(cls, value: int | None, info: ValidationInfo) -> int | None:
+        images = info.data.get("num_images")
+        if value is not None and images is not None and value >= images:
+            raise ValueError(f"must be below metadata.num_images ({images}): the train split "
+                             "needs images too")
+        return value
+
+    @field_validator("synthetic_url")
+    @classmethod
+    def _http_base_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must be null (file: URLs) or an http(s) URL serving data/synthetic")
         return value
 
     @field_validator("karpathy_split")

@@ -145,3 +145,62 @@ def test_index_stage_writes_its_declared_outputs(bundle, tmp_path) -> None:
     (ws / "params.yaml").write_text("runtime:\n  device_target: TPU\n")  # it reads `runtime`
     bad = run([sys.executable, "-m", "stages.index"], ws, env=tool_env(), check=False)
     assert bad.returncode == 1 and "runtime.device_target = 'TPU'" in bad.stderr
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf"])
+def test_with_search_serves_the_same_collection_with_another_search(encoder, bundle, kind,
+                                                                    tmp_path) -> None:
+    pytest.importorskip("faiss")
+    from clipms.deploy.index import with_search
+
+    digest = bundle_digest(bundle)
+    build_index(encoder, collection(), tmp_path / "exact", digest, SearchOptions())
+    exact = ImageIndex.load(tmp_path / "exact", bundle_digest=digest)
+    options = SearchOptions(kind=kind, ivf_nlist=1, ivf_nprobe=1)
+    meta = with_search(tmp_path / "exact", tmp_path / kind, options)
+    again = ImageIndex.load(tmp_path / kind, bundle_digest=digest)  # files match index.json
+    assert meta["search"]["kind"] == kind and isinstance(again.searcher, FaissSearch)
+    assert again.keys == exact.keys and again.thumbnail("k003") == exact.thumbnail("k003")
+    query = exact.embeddings[4]
+    found, want = again.search(query, 9), exact.search(query, 9)  # 9 rows: HNSW/1 cell see all
+    assert [row for row, _ in found] == [row for row, _ in want]
+    np.testing.assert_allclose([s for _, s in found], [s for _, s in want], atol=1e-5)
+    with_search(tmp_path / kind, tmp_path / "back", SearchOptions())
+    assert not (tmp_path / "back" / "faiss.index").exists()
+    with pytest.raises(ImageIndexError, match="a folder of its own"):
+        with_search(tmp_path / kind, tmp_path / kind, options)
+
+
+@pytest.mark.parametrize(("rows", "dim", "kind"), [(2_000, 128, "exact"), (15_625, 128, "exact"),
+                                                  (15_626, 128, "hnsw"), (123_287, 128, "hnsw"),
+                                                  (3_906, 512, "exact"), (3_907, 512, "hnsw")])
+def test_auto_search_scans_small_collections_and_uses_hnsw_beyond(rows, dim, kind) -> None:
+    options = SearchOptions(kind="auto", hnsw_ef_search=77)
+    assert options.resolved(rows, dim) == SearchOptions(kind=kind, hnsw_ef_search=77)
+    assert SearchOptions(kind="ivf").resolved(rows, dim).kind == "ivf"  # only auto is resolved
+
+
+def test_an_auto_index_records_the_kind_it_chose(encoder, bundle, tmp_path, monkeypatch) -> None:
+    from clipms.deploy import search
+
+    digest = bundle_digest(bundle)
+    report = build_index(encoder, collection(), tmp_path / "small", digest, SearchOptions("auto"))
+    assert report["search"] == "exact" and not (tmp_path / "small" / "faiss.index").exists()
+    assert ImageIndex.load(tmp_path / "small").meta["search"]["kind"] == "exact"
+    pytest.importorskip("faiss")
+    monkeypatch.setattr(search, "AUTO_EXACT_MAX_CELLS", 8 * 32)  # 9 rows of 32 dims: beyond
+    report = build_index(encoder, collection(), tmp_path / "big", digest, SearchOptions("auto"))
+    loaded = ImageIndex.load(tmp_path / "big")
+    assert report["search"] == "hnsw" and isinstance(loaded.searcher, FaissSearch)
+    assert loaded.meta["search"]["kind"] == "hnsw"
+
+
+def test_the_index_stage_defaults_to_auto_as_params_yaml_says() -> None:
+    import yaml
+
+    from pipeline.params import validate_section
+    from stages.index import IndexParams
+
+    section = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())["index"]
+    assert validate_section("index", IndexParams, section) == IndexParams()
+    assert IndexParams().search == "auto"

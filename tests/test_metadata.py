@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from clipms.prep import synthetic
+from clipms.prep.captions import dedupe
 from clipms.prep.metadata import MetadataError, MetadataSpec, build_metadata, download
 from clipms.prep.urlguard import FetchPolicy
 from pipeline.params import ParamsError, validate_section
@@ -343,7 +344,28 @@ def test_bad_source_names_the_key_and_the_allowed_values():
         validate_section("metadata", MetadataParams, {"source": "coco"})
 
 
+def test_synthetic_val_images_are_the_last_ones_and_urls_follow_the_base(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = MetadataSpec(num_images=6, synthetic_image_size=32, synthetic_val_images=2,
+                        synthetic_url="http://127.0.0.1:8765/images/",
+                        synthetic_captions="mscoco")
+    build_metadata(spec, "data/metadata.parquet", "data/synthetic", LOOPBACK)
+    rows = pq.read_table("data/metadata.parquet").to_pylist()
+    split = {r["URL"]: r["SPLIT"] for r in rows}
+    assert split == {f"http://127.0.0.1:8765/images/{i:06d}.png": "train" if i <= 4 else "val"
+                     for i in range(1, 7)}
+    assert {r["TEXT"] for r in rows} >= {c for i in range(1, 7) for c in synthetic.mscoco_captions(
+        synthetic.sample_scene(synthetic.image_rng(0, i)), synthetic.caption_rng(0, i))}
+    images = dedupe(pq.read_table("data/metadata.parquet"), ["http"]).images
+    assert sorted(images.loc[images["split"] == "val", "url"]) == sorted(
+        u for u, s in split.items() if s == "val")  # dedupe keeps the given split
+
+
 @pytest.mark.parametrize(("raw", "message"), [
+    ({"num_images": 10, "synthetic_val_images": 10},
+     r"metadata\.synthetic_val_images = 10: .*below metadata.num_images \(10\)"),
+    ({"synthetic_url": "ftp://mirror/images"}, r"metadata\.synthetic_url = 'ftp://mirror/images'"),
+    ({"synthetic_captions": "long"}, r"metadata\.synthetic_captions = 'long'.*'templates'"),
     ({"source": "local"}, r"metadata\.path = None: .*required when source is 'local'"),
     ({"sha256": "abc"}, r"metadata\.sha256 = 'abc': .*64 hex"),
     ({"num_images": 0}, r"metadata\.num_images = 0"),

@@ -107,6 +107,28 @@ def test_retrieval_matches_brute_force_on_random_data(chunk):
     assert 0.0 < got["i2t_R@1"] < 1.0 and 0.0 < got["t2i_R@1"] < 1.0
 
 
+def test_retrieval_memory_is_bounded_by_the_chunk_not_the_similarity_matrix():
+    """The stated bound (docs/evaluation-and-export.md): at most `chunk` rows of float32 scores
+    and their masks at a time, besides the normalised features - never the images x captions
+    matrix (the Karpathy test set's 5,000 x 25,000 would be 477 MB in float32, 954 in float64)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    n_images, per, dim, chunk = 1000, 5, 32, 50
+    text_to_image = np.repeat(np.arange(n_images), per)
+    images = rng.normal(size=(n_images, dim)).astype(np.float32)
+    texts = images[text_to_image] + rng.normal(size=(text_to_image.size, dim)).astype(np.float32)
+    tracemalloc.start()
+    try:
+        retrieval_metrics(images, texts, text_to_image, chunk=chunk)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    features = images.nbytes + texts.nbytes
+    one_chunk = chunk * text_to_image.size * (4 + 1 + 1 + 8)  # scores, two masks, int64 counts
+    assert peak < features + 2 * one_chunk < n_images * text_to_image.size * 4 / 2
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_retrieval_with_many_exact_ties_matches_brute_force(seed):
     rng = np.random.default_rng(seed)

@@ -152,3 +152,76 @@ def test_scattered_objects_never_overlap_even_in_the_fallback_layout():
         assert len(centres) == 3
         assert all(math.dist(a, b) > 2 * radius for a, b in itertools.combinations(centres, 2))
         assert all(radius <= c <= side - radius for xy in centres for c in xy)
+
+
+# --- the MSCOCO caption style (benchmarks/rehearsal.py's world) --------------------------------
+
+
+@pytest.fixture(scope="module")
+def mscoco_style(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    folder = tmp_path_factory.mktemp("synthetic-mscoco")
+    return folder, synthetic.generate(folder, N_IMAGES, 64, seed=0, caption_style="mscoco")
+
+
+def test_mscoco_style_draws_the_default_worlds_images_and_scenes(generated, mscoco_style):
+    (default_dir, default), (mscoco_dir, mscoco) = generated, mscoco_style
+    assert _digests(mscoco_dir) == _digests(default_dir)
+    assert [r.scene for r in mscoco] == [r.scene for r in default]
+    assert [r.captions for r in mscoco] != [r.captions for r in default]
+
+
+def test_mscoco_style_captions_name_the_colour_and_shape_and_nothing_else(mscoco_style):
+    _, records = mscoco_style
+    for record in records:
+        for caption in record.captions:
+            text, scene = caption.lower(), record.scene
+            assert scene.colour in text and scene.shape in text, (caption, record)
+            assert not [c for c in synthetic.COLOURS if c != scene.colour and c in text], caption
+            assert not [s for s in synthetic.SHAPES if s != scene.shape and s in text], caption
+            assert {b for b in synthetic.BACKGROUNDS if b in text} <= {scene.background}, caption
+
+
+def test_padding_clauses_name_no_attribute():
+    words = [*synthetic.COLOURS, *synthetic.SHAPES, *synthetic.BACKGROUNDS, "two", "three"]
+    assert not [(c, w) for c in synthetic._PADDING for w in words if w in c]
+
+
+@pytest.mark.parametrize("words", [5, 6, 8, 10, 15, 23, 50])
+def test_an_mscoco_caption_has_exactly_the_words_asked_for(words):
+    for i in range(60):
+        rng = synthetic.image_rng(0, i)
+        caption = synthetic.mscoco_caption(synthetic.sample_scene(rng), words, rng)
+        assert len(caption.split()) == words, caption
+
+
+def test_mscoco_caption_lengths_and_counts_follow_the_tables():
+    lengths, counts, n = [], [], 4000
+    for i in range(n):
+        scene = synthetic.sample_scene(synthetic.image_rng(1, i))
+        captions = synthetic.mscoco_captions(scene, synthetic.caption_rng(1, i))
+        counts.append(len(captions))
+        lengths.extend(len(c.split()) for c in captions)
+    lengths_ = np.asarray(lengths)
+    weights = synthetic.MSCOCO_CAPTION_WORDS
+    table_mean = sum(k * w for k, w in weights.items()) / sum(weights.values())
+    assert abs(lengths_.mean() - table_mean) < 0.15 and 10.3 < table_mean < 10.7
+    assert 0.92 < np.mean((lengths_ >= 8) & (lengths_ <= 15)) < 0.97
+    assert lengths_.min() >= 5 and lengths_.max() <= 50
+    assert min(counts) >= 5 and max(counts) <= 7 and 5.0 < np.mean(counts) < 5.02
+
+
+def test_mscoco_style_keeps_the_default_duplicate_rates():
+    exact = near = 0
+    n = 400
+    for i in range(n):
+        scene = synthetic.sample_scene(synthetic.image_rng(0, i))
+        captions = synthetic.mscoco_captions(scene, synthetic.caption_rng(0, i))
+        exact += len(captions) - len(set(captions))
+        near += len(set(captions)) - len({_key(c) for c in captions})
+    assert 0.08 * n < exact < 0.25 * n
+    assert 0.15 * n < near < 0.45 * n
+
+
+def test_unknown_caption_style_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="caption style 'long' is not one of"):
+        synthetic.generate(tmp_path, 1, 32, seed=0, caption_style="long")

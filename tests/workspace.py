@@ -7,12 +7,12 @@ param overrides to params.yaml, and commits, so `dvc repro` runs exactly as a us
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import yaml
+from harness import workspace
+from harness.workspace import set_params
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,37 +52,14 @@ TINY_PARAMS: dict[str, Any] = {
 
 def project_files() -> list[Path]:
     """Paths (relative to the project root) that a clean clone of the working tree would hold."""
-    out = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=PROJECT_ROOT, check=True, capture_output=True, text=True,
-    ).stdout
-    return [Path(p) for p in out.split("\0") if p and (PROJECT_ROOT / p).is_file()]
-
-
-def set_params(params_file: Path, overrides: dict[str, Any]) -> None:
-    """Apply {"section.key.sub": value} overrides to a params.yaml in place."""
-    params = yaml.safe_load(params_file.read_text()) or {}
-    for dotted, value in overrides.items():
-        *parents, leaf = dotted.split(".")
-        node = params
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    params_file.write_text(yaml.safe_dump(params, sort_keys=False))
+    return workspace.project_files(PROJECT_ROOT)
 
 
 def make_workspace(dst: Path, overrides: dict[str, Any] | None = None) -> Path:
     """Copy the project to `dst`, apply TINY_PARAMS, then `overrides`; commit it in a new repo."""
-    for rel in project_files():
-        if rel.parts[0] == "tests":
-            continue
-        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(PROJECT_ROOT / rel, dst / rel)
+    workspace.copy_project(PROJECT_ROOT, dst)
     set_params(dst / "params.yaml", {**TINY_PARAMS, **(overrides or {})})
-    git = ["git", "-c", "user.email=test@clipms", "-c", "user.name=test"]
-    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=dst, check=True)
-    subprocess.run([*git, "add", "-A"], cwd=dst, check=True)
-    subprocess.run([*git, "commit", "-q", "-m", "workspace"], cwd=dst, check=True)
+    workspace.commit_all(dst)
     return dst
 
 

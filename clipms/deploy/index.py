@@ -85,7 +85,8 @@ def thumbnail_jpeg(image: Image.Image, size: int) -> bytes:
 def build_index(encoder: Any, items: Iterable[Item], out_dir: Path | str, digest: str,
                 options: SearchOptions, thumbnail_size: int = 128,
                 batch_size: int = 64) -> dict[str, Any]:
-    """Embed `items` with `encoder` (clipms.deploy.infer.Encoder) and write the index to `out_dir`.
+    """Embed `items` with `encoder` (clipms.deploy.infer.Encoder) and write the index to `out_dir`
+with the search of `options` (`auto` resolved by the number of rows: clipms.deploy.search).
 
     Undecodable images (another format, a decompression bomb, broken data) and repeated keys are
     skipped and counted, never fatal; returns the counts and the search options used."""
@@ -118,14 +119,54 @@ def build_index(encoder: Any, items: Iterable[Item], out_dir: Path | str, digest
     if not rows:
         raise ImageIndexError(f"no decodable image to index ({skipped})")
     embeddings = np.concatenate(vectors).astype(np.float32)
+    options = options.resolved(*embeddings.shape)  # `auto`: the kind for this many rows
     _write_arrays(out_dir, embeddings, rows, options)
-    meta = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "rows": len(rows),
-            "dim": int(embeddings.shape[1]), "bundle_digest": digest, "search": asdict(options),
-            "thumbnail_size": thumbnail_size,
+    meta = _write_meta(out_dir, len(rows), int(embeddings.shape[1]), digest, options,
+                       thumbnail_size)
+    return {"rows": len(rows), "dim": meta["dim"], "skipped": skipped, "search": options.kind}
+
+
+def _write_meta(out_dir: Path, rows: int, dim: int, digest: str, options: SearchOptions,
+                thumbnail_size: int) -> dict[str, Any]:
+    meta = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "rows": rows, "dim": dim,
+            "bundle_digest": digest, "search": asdict(options), "thumbnail_size": thumbnail_size,
             "files": {p.name: file_sha256(p) for p in sorted(out_dir.iterdir())
                       if p.name in (EMBEDDINGS, ITEMS, THUMBNAILS, FAISS)}}
     write_json(out_dir / INDEX_JSON, meta)  # last: a folder without it is no index
-    return {"rows": len(rows), "dim": meta["dim"], "skipped": skipped, "search": options.kind}
+    return meta
+
+
+def with_search(index_dir: Path | str, out_dir: Path | str,
+                options: SearchOptions) -> dict[str, Any]:
+    """A copy of a checked index with another search kind or settings, built from its stored
+    embeddings: no image is embedded again (a 123k-image collection takes seconds, not an
+    `index` stage run). The items and thumbnails are hard links where the filesystem allows."""
+    source = ImageIndex.load(index_dir)
+    options = options.resolved(*source.embeddings.shape)
+    out_dir = Path(out_dir)
+    if out_dir.resolve() == source.folder.resolve():
+        raise ImageIndexError(f"{out_dir}: the copy needs a folder of its own")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / INDEX_JSON).unlink(missing_ok=True)  # no index until the new index.json is written
+    for name in (EMBEDDINGS, ITEMS, THUMBNAILS):
+        _link_or_copy(source.folder / name, out_dir / name)
+    faiss_path = out_dir / FAISS
+    faiss_path.unlink(missing_ok=True)
+    if options.kind != "exact":
+        with atomic_write(faiss_path) as tmp:
+            FaissSearch.build(source.embeddings, options).save(tmp)
+    return _write_meta(out_dir, len(source), int(source.meta["dim"]), source.bundle_digest,
+                       options, int(source.meta["thumbnail_size"]))
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    import shutil
+
+    dst.unlink(missing_ok=True)
+    try:
+        dst.hardlink_to(src)
+    except OSError:  # another filesystem, or links not allowed
+        shutil.copyfile(src, dst)
 
 
 def _batches(items: Iterable[Item], size: int) -> Iterator[list[Item]]:

@@ -5,7 +5,8 @@ by `chunk_rows` x queries scores at a time, no extra files. `FaissSearch` wraps 
 index (`faiss-cpu`, the optional `serve` extra) for collections where a full scan per query is too
 slow: `hnsw` (a graph, no training) or `ivf` (k-means cells, `nprobe` of them scanned per query).
 How close the approximation comes is measured by `benchmarks/bench_index.py` (recall@10 against
-`ExactSearch`).
+`ExactSearch`) and, on a 123k-image collection, by `benchmarks/rehearsal_search.py`. The kind
+`auto` picks by size (`SearchOptions.resolved`): exact while a full scan is cheap, HNSW beyond.
 
 Every searcher answers `search(queries (Q, E) float32, k) -> (scores (Q, k), ids (Q, k))`, best
 first, ids into the collection's rows; k is cut to the collection's size.
@@ -13,13 +14,19 @@ first, ids into the collection's rows; k is cut to the collection's size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
 SEARCH_KINDS = ("exact", "hnsw", "ivf")
+AUTO = "auto"  # a setting, not a kind: resolved to one of SEARCH_KINDS by the collection's size
+# `auto` scans exactly up to this many cells (rows x dim) and uses HNSW beyond. A scan reads every
+# cell once per query, memory-bound: ~8 CPU-ms a query at 123,287 x 128 on the machine of
+# docs/scaling.md ("Search at MSCOCO size", with HNSW's recall and speed on a rehearsal's index);
+# the line is where a scan costs about 1 CPU-ms.
+AUTO_EXACT_MAX_CELLS = 2_000_000
 
 
 class Searcher(Protocol):
@@ -38,8 +45,15 @@ class SearchOptions:
     ivf_nprobe: int = 16  # cells scanned per query
 
     def __post_init__(self) -> None:
-        if self.kind not in SEARCH_KINDS:
-            raise ValueError(f"search kind {self.kind!r} is not one of {SEARCH_KINDS}")
+        if self.kind not in (*SEARCH_KINDS, AUTO):
+            raise ValueError(f"search kind {self.kind!r} is not one of {(*SEARCH_KINDS, AUTO)}")
+
+    def resolved(self, rows: int, dim: int) -> SearchOptions:
+        """These options for a collection of `rows` x `dim`: `auto` becomes `exact` up to
+        AUTO_EXACT_MAX_CELLS cells and `hnsw` beyond; any other kind stays as it is."""
+        if self.kind != AUTO:
+            return self
+        return replace(self, kind="exact" if rows * dim <= AUTO_EXACT_MAX_CELLS else "hnsw")
 
 
 class ExactSearch:

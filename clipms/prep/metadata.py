@@ -56,6 +56,9 @@ class MetadataSpec:
     num_images: int = 2000
     synthetic_image_size: int = 128
     seed: int = 0
+    synthetic_captions: str = "templates"  # templates | mscoco (MSCOCO's caption lengths)
+    synthetic_val_images: int | None = None  # the last N images are val (None: dedupe decides)
+    synthetic_url: str | None = None  # a base URL serving data/synthetic (None: file: URLs)
     url: str = MSCOCO_URL
     sha256: str | None = None
     retries: int = 3
@@ -163,19 +166,35 @@ def _reset_dir(path: Path) -> None:
 
 
 def synthetic_table(spec: MetadataSpec, image_dir: Path) -> pa.Table:
-    """Generate the synthetic images into `image_dir` and return one row per caption."""
-    records = synthetic.generate(image_dir, spec.num_images, spec.synthetic_image_size, spec.seed)
-    urls, texts, labels = [], [], []
-    for record in records:
-        url = file_url(image_dir / record.file_name)
+    """Generate the synthetic images into `image_dir` and return one row per caption.
+
+    URLs are `file:` URLs of the images, or `synthetic_url` + file name when a server (a loopback
+    mirror of `image_dir`) is to be downloaded from; with `synthetic_val_images` the last images
+    are the val split (as a split file would say), otherwise SPLIT is left to dedupe."""
+    records = synthetic.generate(image_dir, spec.num_images, spec.synthetic_image_size, spec.seed,
+                                 spec.synthetic_captions)
+    first_val = spec.num_images - (spec.synthetic_val_images or 0)
+    urls, texts, labels, splits = [], [], [], []
+    for position, record in enumerate(records):
+        url = synthetic_image_url(spec.synthetic_url, image_dir, record.file_name)
+        split = "val" if position >= first_val else "train"
         for caption in record.captions:
             urls.append(url)
             texts.append(caption)
             labels.append(record.labels_json)
+            splits.append(split)
     nulls = pa.nulls(len(urls), pa.string())
-    table = pa.table({"URL": urls, "TEXT": texts, "LABELS": labels, "ID": nulls, "SPLIT": nulls},
-                     schema=SCHEMA)
+    split_column = pa.array(splits, pa.string()) if spec.synthetic_val_images else nulls
+    table = pa.table({"URL": urls, "TEXT": texts, "LABELS": labels, "ID": nulls,
+                      "SPLIT": split_column}, schema=SCHEMA)
     return with_source_columns(table, SCHEMA)
+
+
+def synthetic_image_url(base_url: str | None, image_dir: Path, file_name: str) -> str:
+    """Where the download stage fetches a synthetic image: a `file:` URL, or under `base_url`."""
+    if base_url is None:
+        return file_url(image_dir / file_name)
+    return base_url.rstrip("/") + "/" + file_name
 
 
 def file_url(path: Path) -> str:

@@ -9,6 +9,12 @@ that retrieval and zero-shot classification on shape/colour are clearly above ch
 training.
 
 Image `i` depends only on (seed, i): growing `num_images` keeps the earlier images identical.
+
+Caption style `mscoco` (a rehearsal at MSCOCO's size, `benchmarks/rehearsal.py`) keeps the same
+images and the same duplicate rates but writes each caption at a length drawn from MSCOCO's
+caption-length distribution (`MSCOCO_CAPTION_WORDS`), and gives a few images a sixth or seventh
+caption as MSCOCO has; its captions come from a separate random stream, so the pixels are the
+default style's.
 """
 
 from __future__ import annotations
@@ -50,6 +56,22 @@ _SUPERSAMPLE = 2  # draw at 2x and downsample: smooth (anti-aliased) edges as in
 CAPTIONS_PER_IMAGE = 5
 EXACT_DUPLICATE_RATE = 0.15  # share of images whose last caption repeats the first verbatim
 NEAR_DUPLICATE_RATE = 0.25  # share of images with a case/spacing/punctuation variant of a caption
+CAPTION_STYLES = ("templates", "mscoco")
+
+# Words per caption (weights, /10,045) shaped to MSCOCO's published caption statistics, not
+# fitted to its files (none were at hand): mean ~10.5 words, annotators asked for at least 8
+# (Chen et al. 2015, "Microsoft COCO Captions"; a few shorter ones slipped through), most between
+# 8 and 15, a long thin tail to ~50. This table: mean 10.51, 94.3 % within 8-15, 1.5 % under 8,
+# longest 50 (docs/data-sources.md).
+MSCOCO_CAPTION_WORDS: dict[int, int] = {
+    5: 5, 6: 25, 7: 120, 8: 1650, 9: 2400, 10: 2000, 11: 1400, 12: 900, 13: 560, 14: 350,
+    15: 215, 16: 130, 17: 85, 18: 55, 19: 38, 20: 27,
+    **dict.fromkeys(range(21, 26), 10), **dict.fromkeys(range(26, 36), 2),
+    **dict.fromkeys(range(36, 51), 1),
+}
+# Captions per image in MSCOCO 2017: 591,753 for 118,287 train images (5.003 each): almost
+# always 5, now and then 6 or 7.
+MSCOCO_CAPTIONS_PER_IMAGE: dict[int, float] = {5: 0.9975, 6: 0.00225, 7: 0.00025}
 
 
 @dataclass(frozen=True)
@@ -279,20 +301,88 @@ def write_captions(scene: Scene, rng: random.Random) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------------------------------
+# MSCOCO-length captions
+
+# Lead-ins by object count (1: singular verb), and clauses that pad a caption to its length. None
+# names a colour, shape, background or count, even inside a word ("centred" holds "red").
+_LEADS = {1: ("There is", "A picture of", "A simple drawing showing", "An image with",
+              "You can see"),
+          2: ("There are", "A picture of", "A simple drawing showing", "An image with",
+              "You can see")}
+_PADDING = (
+    "here", "clearly", "again", "alone", "neatly",
+    "in focus", "at rest", "drawn flat", "with care", "shown plainly",
+    "with smooth edges", "seen from above", "and nothing else", "in flat colour",
+    "with nothing else around", "under even flat light", "as a clean graphic",
+    "in a simple picture", "with a lot of empty space", "and no other objects at all",
+    "with plenty of room around it", "in the manner of a clip art icon",
+)
+
+
+def caption_rng(seed: int, index: int) -> random.Random:
+    """The random stream of image `index`'s MSCOCO-style captions (apart from its pixels')."""
+    return random.Random(f"clipms-synthetic-captions:{seed}:{index}")
+
+
+def mscoco_caption(scene: Scene, words: int, rng: random.Random) -> str:
+    """A caption of exactly `words` words (at least 5) naming the scene's colour and shape: the
+    object, then a lead-in, its place and its background when they fit, then padding clauses."""
+    if words < 5:
+        raise ValueError(f"a caption needs at least 5 words, not {words}")
+    head = _object_phrase(scene, rng)
+    left = words - len(head.split())
+    lead = rng.choice(_LEADS[min(scene.count, 2)])
+    parts = [lead] if len(lead.split()) <= left - 2 else []  # keep room for a place
+    left -= sum(len(p.split()) for p in parts)
+    parts.append(head)
+    optional = [_where_phrase(scene, rng), _background_phrase(scene, rng)]
+    rng.shuffle(optional)
+    for phrase in optional:
+        if len(phrase.split()) <= left:
+            parts.append(phrase)
+            left -= len(phrase.split())
+    while left > 0:
+        clause = rng.choice([c for c in _PADDING if len(c.split()) <= left])
+        parts.append(clause)
+        left -= len(clause.split())
+    return _capitalise(" ".join(parts)) + "."
+
+
+def mscoco_captions(scene: Scene, rng: random.Random) -> tuple[str, ...]:
+    """5 captions (now and then 6 or 7) of MSCOCO's lengths, with the default style's duplicate
+    rates: a near duplicate of one of the first three, an exact repeat of the first."""
+    count = rng.choices(list(MSCOCO_CAPTIONS_PER_IMAGE),
+                        weights=list(MSCOCO_CAPTIONS_PER_IMAGE.values()))[0]
+    lengths = rng.choices(list(MSCOCO_CAPTION_WORDS), weights=list(MSCOCO_CAPTION_WORDS.values()),
+                          k=count)
+    captions = [mscoco_caption(scene, words, rng) for words in lengths]
+    if rng.random() < NEAR_DUPLICATE_RATE:
+        captions[3] = near_duplicate(captions[rng.randrange(3)], rng)
+    if rng.random() < EXACT_DUPLICATE_RATE:
+        captions[4] = captions[0]
+    return tuple(captions)
+
+
+# ---------------------------------------------------------------------------------------------
 # The dataset
 
 
-def make_image(seed: int, index: int, image_size: int) -> tuple[SyntheticImage, Image.Image]:
+def make_image(seed: int, index: int, image_size: int,
+               caption_style: str = "templates") -> tuple[SyntheticImage, Image.Image]:
     """Image `index` of the dataset of `seed`: its record and its pixels."""
+    if caption_style not in CAPTION_STYLES:
+        raise ValueError(f"caption style {caption_style!r} is not one of {CAPTION_STYLES}")
     rng = image_rng(seed, index)
     scene = sample_scene(rng)
-    captions = write_captions(scene, rng)
+    captions = write_captions(scene, rng)  # drawn in every style: the pixels' stream goes on
+    if caption_style == "mscoco":
+        captions = mscoco_captions(scene, caption_rng(seed, index))
     pixels = render(scene, image_size, rng)
     return SyntheticImage(f"{index:06d}.png", scene, captions), pixels
 
 
-def generate(out_dir: Path | str, num_images: int, image_size: int,
-             seed: int) -> list[SyntheticImage]:
+def generate(out_dir: Path | str, num_images: int, image_size: int, seed: int,
+             caption_style: str = "templates") -> list[SyntheticImage]:
     """Write images 1..num_images as PNGs into `out_dir` (which must exist); return their records.
 
     PNG is lossless, so the pixels are exactly what was drawn; img2dataset re-encodes them anyway.
@@ -300,7 +390,7 @@ def generate(out_dir: Path | str, num_images: int, image_size: int,
     out_dir = Path(out_dir)
     records = []
     for index in range(1, num_images + 1):
-        record, pixels = make_image(seed, index, image_size)
+        record, pixels = make_image(seed, index, image_size, caption_style)
         # optimize=False and no metadata chunks: the bytes depend on the pixels only.
         pixels.save(out_dir / record.file_name, format="PNG", optimize=False)
         records.append(record)

@@ -1,0 +1,165 @@
+"""The MSCOCO rehearsal command (benchmarks/rehearsal.py) and its meter (benchmarks/stage_clock.py):
+the meter's figures against a child that spends known amounts, the clone's wrapped dvc.yaml, and
+the whole command at a few hundred images so that it cannot rot (the full-size run is a
+benchmark: docs/scaling.md)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+
+import pytest
+import yaml
+
+from benchmarks import rehearsal
+from benchmarks.stage_clock import measure
+from harness import processes
+from tests.workspace import PROJECT_ROOT, TINY_PARAMS, tool_env
+
+# Ten stages, five of which compile MindSpore graphs: on a shared 2-core machine under load this
+# takes tens of minutes.
+COMMAND_TIMEOUT_S = 2400
+
+# A child that holds ~100 MB, writes 8 MB to disk and spins for ~0.2 CPU-s, in a grandchild
+# (the meter must see through the shell, as through `dvc repro` to a stage).
+SPENDER = ("import os, time\n"
+           "block = bytearray(100 * 2**20)\n"
+           "for i in range(0, len(block), 4096): block[i] = 1\n"
+           "with open({path!r}, 'wb') as f: f.write(bytes(8 * 2**20))\n"
+           "end = time.process_time() + 0.2\n"
+           "while time.process_time() < end: pass\n"
+           "time.sleep(0.4)\n")
+
+
+def test_the_meter_sees_cpu_memory_and_writes_of_grandchildren(tmp_path):
+    code = SPENDER.format(path=str(tmp_path / "written.bin"))
+    cost = measure(["bash", "-c", f"{shlex.quote(sys.executable)} -c {shlex.quote(code)}; true"],
+                   sample_s=0.1)
+    assert cost.exit_code == 0
+    assert 0.2 <= cost.cpu_s < 4
+    assert cost.wall_s > 0.6  # the spin and the sleep
+    assert 100 <= cost.peak_rss_mb < 250
+    assert 100 <= cost.peak_tree_rss_mb < 400 and cost.processes >= 2
+    assert 8 <= cost.written_mb < 12
+
+
+def test_the_meter_reports_a_failing_command():
+    cost = measure([sys.executable, "-c", "raise SystemExit(3)"], sample_s=None)
+    assert cost.exit_code == 3 and cost.peak_tree_rss_mb == 0.0
+
+
+def test_every_stage_command_is_wrapped_in_the_clock_in_dvc_yaml_order(tmp_path):
+    dvc_yaml = tmp_path / "dvc.yaml"
+    dvc_yaml.write_text((PROJECT_ROOT / "dvc.yaml").read_text())
+    stages = rehearsal.wrap_stage_commands(dvc_yaml, tmp_path / "clock")
+    original = yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())["stages"]
+    assert stages == list(original)
+    wrapped = yaml.safe_load(dvc_yaml.read_text())["stages"]
+    for name in stages:
+        clock = (f"python benchmarks/stage_clock.py --out {tmp_path / 'clock' / name}.json -- "
+                 f"{original[name]['cmd']}")
+        assert wrapped[name]["cmd"] == clock
+        assert {k: v for k, v in wrapped[name].items() if k != "cmd"} == {
+            k: v for k, v in original[name].items() if k != "cmd"}
+
+
+def test_the_val_split_is_mscocos_share_and_overrides_apply_in_order(tmp_path):
+    assert rehearsal.default_val_images(123_287) == 5_000
+    assert rehearsal.default_val_images(2_000) == 81 and rehearsal.default_val_images(10) == 1
+    args = rehearsal.parse_args(["--images", "500", "--set", "train.max_steps=7",
+                                 "--set", "download.image_size=128", "--workdir", str(tmp_path)])
+    found = rehearsal.overrides(args, 8123)
+    assert found["metadata.num_images"] == 500 and found["metadata.synthetic_val_images"] == 20
+    assert found["metadata.synthetic_url"] == "http://127.0.0.1:8123/"
+    assert found["train.max_steps"] == 7 and found["download.image_size"] == 128  # --set wins
+    assert found["metadata.synthetic_captions"] == "mscoco"  # from the profile
+
+
+def test_the_recorded_command_names_the_scratch_folder_by_its_role_not_its_path():
+    shown = rehearsal.shown_argv(["--images", "500", "--workdir", "/scratch/w", "--keep",
+                                  "--workdir=/scratch/v"])
+    assert shown == ["benchmarks/rehearsal.py", "--images", "500", "--workdir", "WORKDIR",
+                     "--keep", "--workdir=WORKDIR"]
+
+
+def test_a_result_recorded_per_size_is_rendered_by_its_benchmarks_renderer():
+    sys.path.insert(0, str(PROJECT_ROOT / "benchmarks"))
+    import render_results
+
+    assert render_results.renderer("rehearsal-123287") is render_results.rehearsal
+    assert render_results.renderer("rehearsal-240") is render_results.rehearsal
+    assert render_results.renderer("retrieval") is render_results.retrieval
+    assert render_results.renderer("rehearsal-x") is render_results.plain
+
+
+def test_the_profile_and_the_sizes_are_valid_params_of_every_section_they_set(tmp_path):
+    from clipms.runtime import RuntimeConfig
+    from pipeline.params import read_params, validate_section
+    from pipeline.preflight import apply_overrides
+    from stages.download import DownloadParams
+    from stages.metadata import MetadataParams
+    from stages.tokenizer import TokenizerParams
+    from stages.train import TrainParams
+
+    schemas = {"metadata": MetadataParams, "download": DownloadParams, "runtime": RuntimeConfig,
+               "tokenizer": TokenizerParams, "train": TrainParams}
+    found = rehearsal.overrides(rehearsal.parse_args(["--workdir", str(tmp_path)]), 8123)
+    params = apply_overrides(read_params(PROJECT_ROOT / "params.yaml"), found)
+    for section in {key.split(".")[0] for key in found}:
+        validate_section(section, schemas[section], params[section])  # raises on a bad value
+    assert params["metadata"]["num_images"] - params["metadata"]["synthetic_val_images"] == 118_287
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(COMMAND_TIMEOUT_S + 120)
+def test_the_rehearsal_command_runs_every_stage_at_a_few_hundred_images(tmp_path):
+    small_model = {k: v for k, v in TINY_PARAMS.items() if k.split(".")[0] in (
+        "train", "tokenizer", "evaluate", "export", "runtime") and k != "tokenizer.context_length"}
+    sets = [f"--set={k}={json.dumps(v)}" for k, v in small_model.items()]
+    out, log = tmp_path / "rehearsal.json", tmp_path / "rehearsal.log"
+    proc = processes.spawn([sys.executable, "benchmarks/rehearsal.py", "--images", "240",
+                            "--train-steps", "3", "--workdir", str(tmp_path / "work"), "--out",
+                            str(out), *sets], log, cwd=PROJECT_ROOT, env=tool_env())
+    try:
+        code = proc.wait(timeout=COMMAND_TIMEOUT_S)
+    finally:
+        processes.stop(proc, timeout=60)  # SIGTERM: it stops its stage and image server
+    assert code == 0, processes.tail(log, 6000)
+    recorded = json.loads(out.read_text())  # benchmarks/record.py's envelope
+    assert recorded["benchmark"] == "rehearsal-240" and recorded["meta"]["load_avg"]["end"]
+    assert "WORKDIR" in recorded["meta"]["command"] and str(tmp_path) not in recorded["meta"][
+        "command"]
+    result = recorded["results"]
+    dvc_stages = list(yaml.safe_load((PROJECT_ROOT / "dvc.yaml").read_text())["stages"])
+    assert [s["stage"] for s in result["stages"]] == dvc_stages and "failed" not in result
+    for stage in result["stages"]:
+        own, whole = stage["command"], stage["dvc_repro"]
+        assert own["exit_code"] == whole["exit_code"] == 0, stage
+        assert 0 < own["wall_s"] <= whole["wall_s"] and 0 < own["cpu_s"] <= whole["cpu_s"]
+        assert own["peak_rss_mb"] > 50, stage
+    by_stage = {s["stage"]: s for s in result["stages"]}
+    val = result["val_images"]
+    assert val == rehearsal.default_val_images(240) == 10
+    assert result["world"]["val_images"] == val and result["world"]["train_images"] == 230
+    assert by_stage["download"]["items"] == by_stage["index"]["items"] == 240  # over HTTP
+    assert by_stage["download"]["image_server_cpu_s"] > 0
+    assert by_stage["evaluate"]["items"] == val and by_stage["evaluate"]["captions"] >= 4 * val
+    assert 9.5 < result["world"]["caption_words"]["mean"] < 11.5
+    assert by_stage["train"]["steps"] == 3
+    assert not (tmp_path / "work" / "clone").exists()  # deleted without --keep
+
+
+def test_the_scaling_docs_tables_are_the_recorded_rehearsals():
+    """docs/scaling.md's measured tables have one owner: the result files, through
+    `rehearsal.py table` (a rerun that changes a figure fails here until the docs are redone)."""
+    doc = (PROJECT_ROOT / "docs" / "scaling.md").read_text()
+    found = re.search(r"<!-- rehearsal.py table: (?P<names>[\w .-]+) -->\n(?P<body>.*?)\n"
+                      r"<!-- /rehearsal.py table -->", doc, re.DOTALL)
+    assert found, "docs/scaling.md: the rehearsal's tables between their markers"
+    results = PROJECT_ROOT / "benchmarks" / "results"
+    paths = [results / f"{name}.json" for name in found["names"].split()]
+    assert len(paths) >= 2 and all(p.is_file() for p in paths), paths
+    assert found["body"].strip() == rehearsal.table(paths).strip(), (
+        "python benchmarks/rehearsal.py table " + " ".join(map(str, paths)))
