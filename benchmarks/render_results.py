@@ -294,11 +294,14 @@ def warm_start(record: Record) -> str:
                     "not trained again", "cold": "day 2: cold (tokenizer and weights new)"}.get(
                 name, f"day 2: warm from the champion, {name.removeprefix('warm-')} steps")
             evaluated = run["eval"]
+            load = run.get("load_1min")
             rows.append([seed, what, run.get("steps"), run.get("train_wall_time_s"),
-                         run.get("train_stage_s"), *[evaluated.get(k) for k in WARM_METRICS],
-                         evaluated.get("num_images")])
+                         run.get("train_stage_s"), run.get("samples_per_s"),
+                         f"{load[0]} / {load[1]}" if load else None,
+                         *[evaluated.get(k) for k in WARM_METRICS], evaluated.get("num_images")])
     return table(["train.seed", "model", "steps", "training wall s", "train stage s",
-                  *[f"`{k}`" for k in WARM_METRICS], "val images"], rows, right=8)
+                  "samples/s", "1-min load before / after", *[f"`{k}`" for k in WARM_METRICS],
+                  "val images"], rows, right=10)
 
 
 RENDERERS: dict[str, Callable[[Record], str]] = {
