@@ -16,8 +16,9 @@ order:
 
 Both start the stages as DVC does (a process each, imports included) and time them wall-clock,
 and count their CPU seconds (the stage's and every process it waited for: img2dataset's workers).
-Rounds alternate the two; the JSON holds every run, the medians and the ratios (incremental /
-full), with the load average before and after each run: the machine may be shared.
+Rounds alternate the two; the JSON (benchmarks/record.py's envelope, by default
+benchmarks/results/incremental_download.json) holds every run, the medians and the ratios
+(incremental / full), with the load average before and after each run: the machine may be shared.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import record  # noqa: E402 - benchmarks/record.py
+
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # img2dataset imports albumentations
 
 PARAMS = {
@@ -79,9 +84,9 @@ def metadata(records: list, base_url: str, out: Path) -> None:
     from clipms.prep.metadata import SCHEMA, write_table
 
     urls, texts = [], []
-    for record in records:
-        for caption in record.captions:
-            urls.append(f"{base_url}/{record.file_name}")
+    for image in records:
+        for caption in image.captions:
+            urls.append(f"{base_url}/{image.file_name}")
             texts.append(caption)
     nulls = [None] * len(urls)
     write_table(pa.table({"URL": urls, "TEXT": texts, "LABELS": nulls, "ID": nulls,
@@ -139,8 +144,10 @@ def main() -> int:
     parser.add_argument("--images", type=int, default=10000)
     parser.add_argument("--growth", type=float, default=0.1)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/"
+                        "incremental_download.json")
     args = parser.parse_args()
+    recording = record.start("incremental_download")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server, remove the scratch
     scratch = Path(tempfile.mkdtemp(prefix="bench-incremental-"))
     port = free_port()
@@ -156,8 +163,9 @@ def main() -> int:
         metadata(records[:base], url, scratch / "base.parquet")
         metadata(records, url, scratch / "grown.parquet")
         night_before = workspace(scratch / "night-before", scratch / "base.parquet")
-        prepared = {"download_s": stage(night_before, "download"),
-                    "shard_s": stage(night_before, "shard")}
+        prepared = {f"{name}_{unit}": value for name in ("download", "shard")
+                    for unit, value in zip(("s", "cpu_s"), stage_times(night_before, name),
+                                           strict=True)}
         runs: list[dict[str, object]] = []
         for index in range(args.rounds):
             for kind in ("full", "incremental"):
@@ -176,16 +184,14 @@ def main() -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     result = summarise(args, base, grown, prepared, runs)
     print(json.dumps(result["summary"], indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(recording.write(result, args.out))
     return 0
 
 
 def summarise(args: argparse.Namespace, base: int, grown: int, prepared: dict,
               runs: list[dict[str, object]]) -> dict[str, object]:
     def median(kind: str, key: str) -> float:
-        return statistics.median(float(r[key]) for r in runs if r["kind"] == kind)
+        return round(statistics.median(float(r[key]) for r in runs if r["kind"] == kind), 2)
 
     def ratios(key: str) -> list[float]:
         return [round(float(i[key]) / float(f[key]), 3)
@@ -207,11 +213,8 @@ def summarise(args: argparse.Namespace, base: int, grown: int, prepared: dict,
         "incremental_download_s_median": median("incremental", "download_s"),
         "incremental_shard_s_median": median("incremental", "shard_s"),
     }
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    return {"command": "python benchmarks/bench_incremental.py " + " ".join(sys.argv[1:]),
-            "commit": commit, "cpus": os.cpu_count(), "params": PARAMS,
-            "night_before": prepared, "runs": runs, "summary": summary}
+    return {"params": PARAMS, "growth": args.growth, "night_before": prepared, "runs": runs,
+            "summary": summary}
 
 
 if __name__ == "__main__":

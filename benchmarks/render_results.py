@@ -367,6 +367,58 @@ def _search_cells(summary: dict[str, dict[str, float]]) -> str:
                  right=len(levels))
 
 
+def incremental_download(record: Record) -> str:
+    """The medians side by side with their ratio, then every run in the order it ran."""
+    res = record["results"]
+    summ = res["summary"]
+
+    def ratio(full: float, incremental: float) -> str:
+        return f"{incremental / full:.3f}"
+
+    rows = []
+    for label, key, per_round in (("download + shard, wall s", "total_s", "ratio_per_round"),
+                                  ("download + shard, CPU s", "total_cpu_s",
+                                   "cpu_ratio_per_round"),
+                                  ("download, wall s", "download_s", None),
+                                  ("shard, wall s", "shard_s", None)):
+        full = summ[f"full_{key}_median"]
+        night = summ[f"incremental_{key}_median"]
+        rounds = ", ".join(f"{r:.3f}" for r in summ[per_round]) if per_round else "-"
+        rows.append([label, full, night, ratio(full, night), rounds])
+    medians = table(["median of the rounds", f"full run ({summ['grown_images']:,} images)",
+                     f"night ({summ['grown_images'] - summ['base_images']:,} new)",
+                     "night / full", "per round"], rows, right=4)
+    runs = [[r["round"] + 1, r["kind"], r["fetched"], r["reused"], r["samples"],
+             r["download_s"], r["shard_s"], r["download_cpu_s"], r["shard_cpu_s"],
+             f"{r['load_before']} / {r['load_after']}"] for r in res["runs"]]
+    every = table(["round", "run", "fetched", "reused", "samples in the shards", "download s",
+                   "shard s", "download CPU s", "shard CPU s", "1-min load before / after"],
+                  runs, right=8)
+    return medians + "\n" + every
+
+
+WARM_METRICS = ("i2t_R@1", "i2t_R@5", "t2i_R@5", "zeroshot_top1")
+
+
+def warm_start(record: Record) -> str:
+    """Per seed: day 1's champion, then each day-2 variant scored on day 2's val split."""
+    res, rows = record["results"], []
+    for seed, variants in res["seeds"].items():
+        for name, run in variants.items():
+            what = {"day1": "day 1: cold, the first champion", "kept": "day 2: the champion, "
+                    "not trained again", "cold": "day 2: cold (tokenizer and weights new)"}.get(
+                name, f"day 2: warm from the champion, {name.removeprefix('warm-')} steps")
+            evaluated = run["eval"]
+            load = run.get("load_1min")
+            rows.append([seed, what, run.get("steps"), run.get("train_wall_time_s"),
+                         run.get("train_stage_s"), run.get("samples_per_s"),
+                         f"{load[0]} / {load[1]}" if load else None,
+                         *[evaluated.get(k) for k in WARM_METRICS], evaluated.get("num_images")])
+    return table(["train.seed", "model", "steps", "training wall s", "train stage s",
+                  "samples/s", "1-min load before / after", *[f"`{k}`" for k in WARM_METRICS],
+                  "val images"], rows, right=10)
+
+
 RENDERERS: dict[str, Callable[[Record], str]] = {
     "speed_vs_openclip": speed_vs_openclip, "loader": loader, "retrieval": retrieval,
     "data_dedupe": data_dedupe, "data_shard": data_shard, "data_download": data_download,
@@ -377,6 +429,7 @@ RENDERERS: dict[str, Callable[[Record], str]] = {
     "time_to_quality_seed1": time_to_quality,
     "kill_recovery": kill_recovery,
     "rehearsal": rehearsal, "search_at_size": search_at_size,
+    "incremental_download": incremental_download, "warm_start": warm_start,
 }
 SIZE_SUFFIX = re.compile(r"-\d+$")  # rehearsal-2000, rehearsal-123287: one renderer per benchmark
 

@@ -18,10 +18,10 @@ For each seed, in a folder of its own under --work, the pipeline's stages run as
   each scored by the `evaluate` stage on the same day-2 val split. Cold and the warm variants
   alternate their order from seed to seed (the machine is shared: its load drifts).
 
-The JSON holds the commit, the command, the machine's load average before and after every
-training, and per seed and variant the evaluation metrics, the optimizer steps, the training
-stage's wall time and metrics/train.json's own wall time. It is rewritten after every variant, so
-an interrupted run keeps what it measured.
+The JSON (benchmarks/record.py's envelope: command, commit, machine, load at the start and end)
+holds the 1-minute load before and after every training, and per seed and variant the evaluation
+metrics, the optimizer steps, the training stage's wall time and metrics/train.json's own wall
+time. It is rewritten after every variant, so an interrupted run keeps what it measured.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -40,6 +39,10 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import record  # noqa: E402 - benchmarks/record.py
+
 DATA_STAGES = ("metadata", "dedupe", "download", "shard")
 CHAMPION = "models:/clip@champion"
 REPORTED = ("i2t_R@1", "i2t_R@5", "t2i_R@1", "t2i_R@5", "mAP@10", "zeroshot_top1",
@@ -135,13 +138,13 @@ def day_one(folder: Path, seed: int, overrides: dict[str, Any]) -> dict[str, Any
 
 
 def day_two(folder: Path, seed: int, grow: float, warm_steps: list[int],
-            record: dict[str, Any], save: Any) -> None:
+            seed_record: dict[str, Any], save: Any) -> None:
     images = yaml.safe_load((folder / "params.yaml").read_text())["metadata"]["num_images"]
     set_params(folder, {"metadata.num_images": round(images * (1 + grow))})
     for name in DATA_STAGES:
         stage(folder, name)
     stage(folder, "evaluate")  # day 1's model (still in models/) on day 2's val split
-    record["kept"] = {"eval": scored(folder)}
+    seed_record["kept"] = {"eval": scored(folder)}
     save()
     cold = {"tokenizer.pin": None, "train.init_from": None}
     variants = [("cold", cold)] + [
@@ -151,40 +154,28 @@ def day_two(folder: Path, seed: int, grow: float, warm_steps: list[int],
         variants.reverse()
     for name, overrides in variants:
         print(f" seed {seed} day 2 {name}", flush=True)
-        record[name] = train_and_score(folder, overrides)
+        seed_record[name] = train_and_score(folder, overrides)
         save()
-
-
-def git_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip() or "unknown"
 
 
 def main() -> None:
     args = _parse()
-    out: dict[str, Any] = {
-        "benchmark": "warm_start", "commit": os.environ.get("CLIPMS_BENCH_COMMIT") or git_commit(),
-        "command": "python benchmarks/warm_start.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, shared with other jobs",
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "load_1min_start": round(os.getloadavg()[0], 2), "grow": args.grow,
-        "params_overrides": overrides_of(args.set), "seeds": {}}
+    recording = record.start("warm_start")
+    results: dict[str, Any] = {"grow": args.grow, "warm_steps": args.warm_steps,
+                               "params_overrides": overrides_of(args.set), "seeds": {}}
 
     def save() -> None:
-        out["load_1min_now"] = round(os.getloadavg()[0], 2)
-        out["updated"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        recording.write(results, args.out)
 
     for seed in args.seeds:
         folder = args.work / f"seed-{seed}"
-        record: dict[str, Any] = {}
-        out["seeds"][str(seed)] = record
+        seed_record: dict[str, Any] = {}
+        results["seeds"][str(seed)] = seed_record
         print(f"seed {seed} day 1", flush=True)
-        record["day1"] = day_one(folder, seed, overrides_of(args.set))
+        seed_record["day1"] = day_one(folder, seed, overrides_of(args.set))
         save()
         print(f"seed {seed} day 2", flush=True)
-        day_two(folder, seed, args.grow, args.warm_steps, record, save)
+        day_two(folder, seed, args.grow, args.warm_steps, seed_record, save)
     save()
 
 

@@ -159,3 +159,27 @@ def test_a_tar_read_before_is_not_decoded_again_and_unused_checks_are_removed(tm
     build_shards(store, tmp_path / "first", SETTINGS, quiet, inputs=only_first,
                  checks_dir=checks)
     assert [p.stem for p in checks.iterdir()] == [cache.digest(store / "s/parts/00000/00000.tar")]
+
+
+def test_a_night_reads_each_input_tar_once_to_hash_it(tmp_path, monkeypatch):
+    """Telling cached tars from new ones and scanning them hash each tar once, not twice: on a
+    night that rewrites every shard, hashing all the store's tars is part of the fixed cost."""
+    store, checks = tmp_path / "store", tmp_path / "checks"
+    two_parts(store)
+    images = images_file(tmp_path, [1, 2, 3, 4, 5])
+    catalog_for(store, images, {i: "s/parts/00000/00000.tar" for i in (1, 2, 3)} | {
+        i: "s/parts/00001/00000.tar" for i in (4, 5)})
+    inputs = shard_inputs(images, read_catalog(store))
+    build_shards(store, tmp_path / "first", SETTINGS, quiet, inputs=inputs, checks_dir=checks)
+    hashed: list[str] = []
+    digest = ChecksCache.digest
+
+    def counting(path):
+        hashed.append(Path(path).relative_to(store).as_posix())
+        return digest(path)
+
+    monkeypatch.setattr(ChecksCache, "digest", staticmethod(counting))
+    warm = build_shards(store, tmp_path / "warm", SETTINGS, quiet, inputs=inputs,
+                        checks_dir=checks)
+    assert warm["input_shards_checked_before"] == 2
+    assert sorted(hashed) == ["s/parts/00000/00000.tar", "s/parts/00001/00000.tar"]

@@ -35,7 +35,7 @@ from typing import Any
 import pandas as pd
 import pyarrow.parquet as pq
 
-from clipms.prep import catalog, remote
+from clipms.prep import catalog, deferred_imports, remote
 from clipms.prep.engines import EngineSettings, engine_session
 from clipms.prep.store import (
     MARKER,
@@ -48,6 +48,10 @@ from clipms.prep.store import (
 )
 from clipms.prep.urlguard import FetchPolicy, precheck, refusal_counts
 from clipms.utils.redact import redact_text, redact_url
+
+# img2dataset's unused imports, deferred here: img2dataset's multiprocessing workers and logger
+# process re-import the stage's module (this one) before img2dataset, so they skip them too.
+deferred_imports.defer()
 
 # Columns img2dataset copies into each sample's json. It reserves `key` for its own shard-local key,
 # so our stable key travels as `image_key`.

@@ -28,10 +28,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from img2dataset.downloader import Downloader
 from PIL import Image
 
+from clipms.prep import deferred_imports
 from clipms.prep.urlguard import FetchPolicy, build_opener
+
+# Before img2dataset's first import in this process (a Spark executor or Ray worker unpickling the
+# downloader imports this module first): what it imports and the download never uses waits.
+deferred_imports.defer()
+
+from img2dataset.downloader import Downloader  # noqa: E402 - after defer()
 
 
 @dataclass(frozen=True)

@@ -94,16 +94,18 @@ class ShardError(ValueError):
 
 
 def scan_tar(path: str, min_image_size: int, records: Records | None = None,
-             name: str | None = None, checks_dir: str | None = None) -> TarScan:
+             name: str | None = None, checks_dir: str | None = None,
+             digest: str | None = None) -> TarScan:
     """Read and validate the samples of one input tar - every one, or with `records` only those
     whose `image_key` it lists, with its metadata; a corrupt tar gives `error`, no samples. With
     `checks_dir` (catalog mode), what decoding each image found is kept there under the tar's
-    sha256 and read back instead of decoding again: a download part's tar never changes."""
+    sha256 and read back instead of decoding again: a download part's tar never changes.
+    `digest`: the tar's `ChecksCache.digest`, when the caller has computed it already."""
     scan = TarScan(name=name or Path(path).name)
     cache = ChecksCache(checks_dir) if checks_dir and records is not None else None
     try:
         if cache is not None:
-            scan.digest = cache.digest(path)
+            scan.digest = digest or cache.digest(path)
             checks = cache.load(scan.digest)
             raws: list[webds.Sample | None] = [None] * len(checks or [])
             scan.from_cache = checks is not None
@@ -282,7 +284,8 @@ def _to_jpeg(image: Image.Image) -> bytes:
     return out.getvalue()
 
 
-def _scan_worker(args: tuple[str, int, Records | None, str | None, str | None]) -> TarScan:
+def _scan_worker(args: tuple[str, int, Records | None, str | None, str | None, str | None]
+                 ) -> TarScan:
     return scan_tar(*args)
 
 
@@ -292,12 +295,14 @@ def scan_all(tars: list[Path], settings: ShardSettings,
     """Scan tars in order, in `workers` processes (decoding is the costly part); `wanted`: each
     tar's records (catalog mode), `names`: how each tar is named in reports, `checks_dir`: the
     checks cache (catalog mode). Tars whose checks are cached are read here: starting worker
-    processes would cost more than reading their checks back."""
+    processes would cost more than reading their checks back. Each tar is hashed once: here when
+    some checks are cached (to tell which), else where it is scanned."""
     cache = None if checks_dir is None or wanted is None else str(checks_dir)
-    jobs = [(str(t), settings.min_image_size, wanted[i] if wanted else None,
-             names[i] if names else None, cache) for i, t in enumerate(tars)]
     known = ChecksCache(checks_dir).known() if cache else set()
-    decode = {i for i, job in enumerate(jobs) if not known or not _cached(job[0], known)}
+    digests = [ChecksCache.digest(t) if known else None for t in tars]
+    jobs = [(str(t), settings.min_image_size, wanted[i] if wanted else None,
+             names[i] if names else None, cache, digests[i]) for i, t in enumerate(tars)]
+    decode = {i for i, digest in enumerate(digests) if digest is None or digest not in known}
     if settings.workers <= 1 or len(decode) <= 1:
         yield from map(_scan_worker, jobs)
         return
@@ -306,9 +311,6 @@ def scan_all(tars: list[Path], settings: ShardSettings,
         for i, job in enumerate(jobs):
             yield next(decoded) if i in decode else _scan_worker(job)
 
-
-def _cached(path: str, known: set[str]) -> bool:
-    return ChecksCache.digest(path) in known
 
 
 # ---------------------------------------------------------------- writing
