@@ -306,7 +306,9 @@ def test_pages_of_other_sites_can_neither_post_nor_read(service) -> None:
 def test_a_password_in_an_image_url_is_never_printed_or_counted(tmp_path) -> None:
     """urllib quotes a request's host as `user:PASS@mirror` in its errors, and img2dataset's
     error texts became the keys of metrics/download.json (tracked by git)."""
-    from clipms.prep.download import summarise
+    import pandas as pd
+
+    from clipms.prep.download import Fetch, summarise
     from clipms.prep.urlguard import FetchPolicy, RefusedURL, build_opener, precheck
     from clipms.utils.redact import redact_text
     from registry.lineage import safe_params
@@ -326,8 +328,9 @@ def test_a_password_in_an_image_url_is_never_printed_or_counted(tmp_path) -> Non
     assert PASSWORD not in redact_text(host_string)
     stats = {"count": 2, "successes": 0, "failed_to_download": 2,
              "status_dict": {host_string: 1, f"nonsense user:{PASSWORD}@m.example": 1}}
-    (tmp_path / "00000_stats.json").write_text(json.dumps(stats))
-    metrics = summarise(str(tmp_path), 2, {}, 10)
+    frame = pd.DataFrame({"key": ["a", "b"], "status": ["failed", "failed"],
+                          "part": pd.array([0, 0], dtype="Int64")})
+    metrics = summarise(frame, {}, Fetch(parts=[], new=2, retried=0), [stats], held_keys=set())
     assert metrics["failure_reasons"] and PASSWORD not in json.dumps(metrics)
     assert PASSWORD not in json.dumps(safe_params({"metadata.path": f"user:{PASSWORD}@m:/x"}))
 

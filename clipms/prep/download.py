@@ -269,7 +269,9 @@ def build_catalog(images: pd.DataFrame, refused: pd.DataFrame, known: pd.DataFra
     frame["status"] = "failed"
     frame.loc[success & tonight, "status"] = "fetched"
     frame.loc[success & ~tonight, "status"] = "reused"
-    frame["reason"] = outcome["error_message"].where(~success, None).to_numpy()
+    # img2dataset's error texts may quote a URL with its user-info: the catalog keeps none
+    frame["reason"] = outcome["error_message"].where(~success, None).map(
+        redact_text, na_action="ignore").to_numpy()
     frame["part"] = outcome["part"].astype("Int64").to_numpy()
     frame["tar"] = outcome["tar"].where(success, None).to_numpy()
     for side in ("original_width", "original_height"):
