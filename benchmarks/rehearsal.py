@@ -335,7 +335,7 @@ def _num(value: float | None) -> str:
 def shown_argv(argv: list[str]) -> list[str]:
     """The command as recorded: this script, the scratch folder as WORKDIR."""
     return [str(Path(__file__).relative_to(ROOT)),
-            *record.with_placeholders(argv, {"--workdir": "WORKDIR"})]
+            *record.with_placeholders(argv, {"--workdir": "WORKDIR", "--out": "OUT"})]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
