@@ -243,6 +243,8 @@ def test_journal_replays_after_the_server_was_down(server: MlflowOnPostgres, bun
     (root / "params.yaml").write_text(
         f"register:\n  model_name: {model}\n  experiment: pg-exp\n  primary_metric: i2t_R@5\n")
     shutil.copytree(bundle, root / "models" / "export")
+    for name in ("clip.ckpt", "clip.json", "tokenizer.json"):  # register logs the checkpoint too
+        shutil.copy2(bundle.parent / "trained" / name, root / "models" / name)
     metrics = {"i2t_R@1": 0.25, "i2t_R@5": 0.5, "mAP@10": 0.2, "images": 10}
     write_json(root / "metrics" / "eval.json", metrics)
     monkeypatch.chdir(root)
