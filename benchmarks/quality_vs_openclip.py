@@ -3,17 +3,17 @@
     # 1. shards + OpenAI BPE tokenizer from any parquet of URL/TEXT, through the project's own data
     #    stages (metadata -> dedupe -> download -> shard -> tokenizer) in WORK/, e.g. a folder of
     #    images with its metadata.parquet whose URLs point at http://127.0.0.1:8123/:
-    python benchmarks/quality_vs_openclip.py prepare --work /tmp/qb \\
+    python benchmarks/quality_vs_openclip.py prepare --work WORK \\
         --parquet DATA/metadata.parquet --serve DATA/images --port 8123
     # 2. one training run per side and seed (ours in this process; open_clip in the peer venv,
     #    benchmarks/openclip_fit.py); each appends a JSON line to WORK/results.jsonl
-    python benchmarks/quality_vs_openclip.py run --work /tmp/qb --side ours --seed 0
-    python benchmarks/quality_vs_openclip.py run --work /tmp/qb --side openclip --seed 0 \\
+    python benchmarks/quality_vs_openclip.py run --work WORK --side ours --seed 0
+    python benchmarks/quality_vs_openclip.py run --work WORK --side openclip --seed 0 \\
         --peer-python PEER_VENV/bin/python
     # 3. the table (per seed and mean; then every arm, ours from each --init and open_clip, over
     #    all its seeds: n, mean +- sd, ratio of the means, Welch t, paired t over common seeds;
     #    and, for runs with --eval-every, each side's time to the quality both reached)
-    python benchmarks/quality_vs_openclip.py table --work /tmp/qb [--json-out RESULT.json]
+    python benchmarks/quality_vs_openclip.py table --work WORK [--json-out RESULT.json]
 
 The levers of open_clip's trainer, on both sides alike: `--loss siglip` (open_clip's SigLipLoss
 and `--siglip` initialisation: logit scale ln 10, bias -10) and `--patch-dropout P` (the image

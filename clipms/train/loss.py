@@ -52,23 +52,25 @@ def _cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     return -ops.mean(ops.gather_elements(log_probs, 1, labels))
 
 
+def _gathering_rank(loss: str) -> int:
+    """This process's rank, for a loss that gathers across ranks: get_rank() quietly answers 0
+    before init(), and the AllGather would then fail late, so say so now."""
+    from mindspore.communication import GlobalComm, get_rank
+
+    if not GlobalComm.INITED:
+        raise RuntimeError(f"{loss}(gather=True) needs mindspore.communication.init() first "
+                           "(launch the script with msrun)")
+    return get_rank()
+
+
 class ClipLoss(nn.Cell):
     """`construct(image_features, text_features, logit_scale) -> scalar loss` (CLIP's outputs)."""
 
     def __init__(self, gather: bool = False):
         super().__init__()
         self.gather = gather
-        self.rank = 0
+        self.rank = _gathering_rank(type(self).__name__) if gather else 0
         if gather:
-            from mindspore.communication import GlobalComm, get_rank
-
-            # get_rank() quietly answers 0 before init(); the AllGather would then fail late.
-            if not GlobalComm.INITED:
-                raise RuntimeError(
-                    "ClipLoss(gather=True) needs mindspore.communication.init() first "
-                    "(launch the script with msrun)"
-                )
-            self.rank = get_rank()
             self.all_gather = ops.AllGather()  # concatenates ranks along axis 0, rank order
 
     def construct(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor):
@@ -126,16 +128,8 @@ class SigLipLoss(nn.Cell):
     def __init__(self, gather: bool = False):
         super().__init__()
         self.gather = gather
-        self.rank = 0
+        self.rank = _gathering_rank(type(self).__name__) if gather else 0
         if gather:
-            from mindspore.communication import GlobalComm, get_rank
-
-            if not GlobalComm.INITED:
-                raise RuntimeError(
-                    "SigLipLoss(gather=True) needs mindspore.communication.init() first "
-                    "(launch the script with msrun)"
-                )
-            self.rank = get_rank()
             self.all_gather = ops.AllGather()
 
     def construct(self, image_features: Tensor, text_features: Tensor, logit_scale: Tensor,
