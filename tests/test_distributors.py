@@ -66,8 +66,11 @@ def nights(tmp_path_factory) -> dict[str, object]:
 
 
 def catalog_of(folder: Path) -> set[tuple[str, str, object]]:
+    """(key, status, the part folder of its tar): which img2dataset shard of a part holds an image
+    depends on the engine (multiprocessing cuts a small part into one shard per worker)."""
     frame = read_catalog(folder / "data/download").frame
-    return set(zip(frame["key"], frame["status"], frame["tar"], strict=True))
+    parts = [tar.rsplit("/", 1)[0] if isinstance(tar, str) else None for tar in frame["tar"]]
+    return set(zip(frame["key"], frame["status"], parts, strict=True))
 
 
 def listened(title: str, watch: ListenerWatch) -> None:

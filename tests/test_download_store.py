@@ -112,6 +112,11 @@ def test_a_success_wins_over_failures_and_failures_are_retried_unless_asked_not_
     assert list(wanted["key"]) == ["c", "e"] and (new, retried) == (1, 1)
     wanted, new, retried = to_fetch(today, known, retry_failed=False)
     assert list(wanted["key"]) == ["e"] and (new, retried) == (1, 0)
+    # c failed last in part 1: a run that has just resumed part 1 leaves it to the next run
+    wanted, new, retried = to_fetch(today, known, retry_failed=True, resumed={1})
+    assert list(wanted["key"]) == ["e"] and (new, retried) == (1, 0)
+    wanted, new, retried = to_fetch(today, known, retry_failed=True, resumed={0})
+    assert list(wanted["key"]) == ["c", "e"] and (new, retried) == (1, 1)
     wanted, new, retried = to_fetch(today, latest_outcomes(outcomes.iloc[:0]), True)
     assert list(wanted["key"]) == ["a", "b", "c", "e"] and (new, retried) == (4, 0)
 

@@ -5,9 +5,10 @@ pointer when the store is at a URL): one row per image of the images.parquet it 
 
     key, url, status, reason, part, tar, original_width, original_height
 
-`status` is `fetched` (arrived in this run's part), `reused` (held from an earlier run's part),
-`failed` (its latest attempt failed: `reason` is img2dataset's error) or `refused` (by the URL
-policy, before any fetch: `reason` is the refusal). `tar` is the img2dataset tar that holds the
+`url` is redacted (no user-info, query or fragment: `clipms.utils.redact`). `status` is
+`fetched` (arrived in this run's part), `reused` (held from an earlier run's part), `failed` (its
+latest attempt failed: `reason` is img2dataset's error) or `refused` (by the URL policy, before
+any fetch: `reason` is the refusal). `tar` is the img2dataset tar that holds the
 image, relative to the store root. The file's metadata names the sha256 of that images.parquet,
 so the shard stage refuses a catalog made for other images (a stale download). The shard stage
 reads the image bytes from the catalog's tars and everything else - captions, split, labels,

@@ -26,7 +26,8 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
@@ -129,15 +130,8 @@ def _version(distribution: str) -> str | None:
 def run_img2dataset(rows: pd.DataFrame, output: str, settings: DownloadSettings,
                     engine: EngineSettings, policy: FetchPolicy) -> None:
     """Hand `rows` (already checked; img2dataset's columns) to img2dataset on the engine, with the
-    policy and the size limits inside its workers; call under `if __name__ == "__main__"`."""
-    # The engine's session first: img2dataset imports ray when it is installed, and Ray reads the
-    # authentication settings a local Ray gets (clipms.prep.engines) once, when it is imported.
-    with engine_session(engine):
-        _img2dataset(rows, output, settings, engine, policy)
-
-
-def _img2dataset(rows: pd.DataFrame, output: str, settings: DownloadSettings,
-                 engine: EngineSettings, policy: FetchPolicy) -> None:
+    policy and the size limits inside its workers; call inside `engine_session(engine)`, under
+    `if __name__ == "__main__"`."""
     from img2dataset import download  # heavy (cv2, fsspec, ...): only where used
 
     from clipms.prep.img2dataset_guard import ImageLimits, guarded
@@ -198,14 +192,18 @@ class Fetch:
     retried: int = 0   # rows whose latest earlier attempt failed
 
 
-def to_fetch(allowed: pd.DataFrame, known: pd.DataFrame, retry_failed: bool
-             ) -> tuple[pd.DataFrame, int, int]:
+def to_fetch(allowed: pd.DataFrame, known: pd.DataFrame, retry_failed: bool,
+             resumed: Collection[int] = ()) -> tuple[pd.DataFrame, int, int]:
     """The allowed rows whose image the store does not hold (and, unless `retry_failed`, did not
-    fail to fetch before); with how many are new and how many retried."""
-    status = allowed["key"].map(known["status"]) if len(known) else pd.Series(
-        None, index=allowed.index, dtype=object)
+    fail to fetch before); with how many are new and how many retried. A failure in a `resumed`
+    part is not retried: the resume finishes the interrupted run, whose failures the next run
+    retries, as if it had not been interrupted."""
+    if not len(known):
+        return allowed.reset_index(drop=True), len(allowed), 0
+    status = allowed["key"].map(known["status"])
+    in_resumed = allowed["key"].map(known["part"]).isin(resumed)
     never = status.isna()
-    retried = status.notna() & (status != "success") & retry_failed
+    retried = status.notna() & (status != "success") & retry_failed & ~in_resumed
     return allowed[never | retried].reset_index(drop=True), int(never.sum()), int(retried.sum())
 
 
@@ -232,21 +230,31 @@ def fetch_missing(store: Store, allowed: pd.DataFrame, settings: DownloadSetting
     """Finish any part an interrupted run left, then fetch what the store still lacks as a new
     part."""
     fetch = Fetch(parts=[])
-    for part in store.parts():
-        if not store.is_complete(part):
-            print_fn(f"download: resuming part {part.name} ({len(store.finished_shards(part))} of "
-                     f"{part.shards_expected} img2dataset shard(s) finished are kept)")
+    with ExitStack() as session:
+        def run(part: Part) -> None:
+            # One engine session for every part, opened only when there is one: img2dataset
+            # imports ray when it is installed, and Ray reads the authentication a local Ray
+            # gets (clipms.prep.engines) once, on that import.
+            if not fetch.parts:
+                session.enter_context(engine_session(engine))
             run_part(store, part, settings, engine, policy)
             fetch.parts.append(part)
-    known = latest_outcomes(store.outcomes())
-    rows, fetch.new, fetch.retried = to_fetch(allowed, known, settings.retry_failed)
-    if len(rows):
-        part = store.new_part(img2dataset_rows(rows), part_shard_size(len(rows), settings,
-                                                                      engine))
-        print_fn(f"download: fetching {len(rows):,} image(s) into part {part.name} "
-                 f"({fetch.new:,} new, {fetch.retried:,} failed before)")
-        run_part(store, part, settings, engine, policy)
-        fetch.parts.append(part)
+
+        for part in store.parts():
+            if not store.is_complete(part):
+                print_fn(f"download: resuming part {part.name} "
+                         f"({len(store.finished_shards(part))} of {part.shards_expected} "
+                         "img2dataset shard(s) finished are kept)")
+                run(part)
+        known = latest_outcomes(store.outcomes())
+        rows, fetch.new, fetch.retried = to_fetch(allowed, known, settings.retry_failed,
+                                                  {p.number for p in fetch.parts})
+        if len(rows):
+            part = store.new_part(img2dataset_rows(rows),
+                                  part_shard_size(len(rows), settings, engine))
+            print_fn(f"download: fetching {len(rows):,} image(s) into part {part.name} "
+                     f"({fetch.new:,} new, {fetch.retried:,} failed before)")
+            run(part)
     return fetch
 
 
@@ -262,7 +270,8 @@ def run_part(store: Store, part: Part, settings: DownloadSettings, engine: Engin
 def build_catalog(images: pd.DataFrame, refused: pd.DataFrame, known: pd.DataFrame,
                   fetched_parts: set[int]) -> pd.DataFrame:
     """catalog.COLUMNS for every row of `images` (see clipms.prep.catalog)."""
-    frame = images[["key", "url"]].copy()
+    # the URL tells which image a row is: its user-info, query and fragment may be secrets
+    frame = pd.DataFrame({"key": images["key"], "url": images["url"].map(redact_url)})
     outcome = known.reindex(frame["key"])
     success = (outcome["status"] == "success").to_numpy()
     tonight = outcome["part"].isin(fetched_parts).to_numpy()
