@@ -248,8 +248,9 @@ class PipelineRun(RecordSender):
         """CPU/memory/disk/network of this machine, logged into the run while it trains (the
         monitor starts once the run exists on the server, from the sender thread)."""
         self._monitor_interval = sampling_interval
-        with self._lock:
-            ready = self.run_id is not None and not self._held and not self.pending
+        with self._lock:  # else the sender starts it once the run is created or RUNNING again
+            ready = self.run_id is not None and not self._held and not any(
+                isinstance(record, CreateRun | SetStatus) for record in self.pending)
         if ready:
             self._run_ready()
 
@@ -359,6 +360,12 @@ class PipelineRun(RecordSender):
 def _finish_quietly(monitor: Any) -> None:
     try:
         monitor.finish()
+        # MLflow's monitor publishes once per sampling interval and drops the samples of the
+        # unfinished last one: a stage shorter than the interval would log no system metrics.
+        last = monitor.aggregate_metrics()
+        if last:
+            monitor.publish_metrics(last)
+            monitor.mlflow_logger.flush()
     except Exception as err:  # noqa: BLE001 - monitoring is optional
         print(f"[mlflow] system metrics monitor did not stop cleanly: {err}", file=sys.stderr)
 
