@@ -71,6 +71,39 @@ def mode(request):
     ms.set_context(mode=previous)
 
 
+# ---------------------------------------------------------------- the order of the modules
+
+# `make test` runs two xdist workers, a whole module at a time each (--dist loadfile). xdist hands
+# out the modules with the most tests first, which put the one-test modules last - the longest
+# end-to-end runs of the suite - so one worker ran the tail alone while the other sat idle. Here the
+# modules go longest first, shortest last (the two workers then finish together): these modules
+# (the longest of a CI run, longest first), then the other modules with slow tests, then the rest;
+# pytest_configure below makes xdist keep this order.
+LONGEST_MODULES = (
+    "test_flows_nightly.py", "test_flows_deploy.py", "test_kill_recovery.py", "test_smoke.py",
+    "test_time_to_quality.py", "test_amp.py", "test_flows_secrets.py",
+)
+
+
+def pytest_configure(config):
+    """xdist's loadfile order is the collection order (`--no-loadscope-reorder`, always)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules longest first (above); a module's tests stay together and in their order."""
+    slow_modules = {item.path.name for item in items if item.get_closest_marker("slow")}
+
+    def rank(item) -> tuple[int, int]:
+        name = item.path.name
+        if name in LONGEST_MODULES:
+            return (0, LONGEST_MODULES.index(name))
+        return (1, 0) if name in slow_modules else (2, 0)
+
+    items.sort(key=rank)  # stable: collection order within each rank
+
+
 # ---------------------------------------------------------------- the fast tier's budget
 
 FAST_BUDGET_CPU_S = 2.0
