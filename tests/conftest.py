@@ -75,8 +75,9 @@ def mode(request):
 
 # `make test` runs two xdist workers, a whole module at a time each (--dist loadfile). xdist hands
 # out the modules with the most tests first, which put the one-test modules last - the longest
-# end-to-end runs of the suite - so one worker ran the tail alone while the other sat idle. Here the
-# modules go longest first, shortest last (the two workers then finish together): these modules
+# end-to-end runs of the suite - where one worker could be left running them while the other had
+# nothing left to take. Here the modules go longest first, shortest last (the two workers then
+# finish together, give or take the last fast module): these modules
 # (the longest of a CI run, longest first), then the other modules with slow tests, then the rest;
 # pytest_configure below makes xdist keep this order.
 LONGEST_MODULES = (
