@@ -78,10 +78,11 @@ def mode(request):
 # end-to-end runs of the suite - where one worker could be left running them while the other had
 # nothing left to take. Here the modules go longest first, shortest last (the two workers then
 # finish together, give or take the last fast module): these modules
-# (the longest of a CI run, longest first), then the other modules with slow tests, then the rest;
-# pytest_configure below makes xdist keep this order.
+# (the longest of a CI run, longest first, but the test_flows_* ones in the order they always ran
+# in: a worker's modules share one Prefect server, prefect_server.prefect_stack), then the other
+# modules with slow tests, then the rest; pytest_configure below makes xdist keep this order.
 LONGEST_MODULES = (
-    "test_flows_nightly.py", "test_flows_deploy.py", "test_kill_recovery.py", "test_smoke.py",
+    "test_flows_deploy.py", "test_flows_nightly.py", "test_kill_recovery.py", "test_smoke.py",
     "test_time_to_quality.py", "test_amp.py", "test_flows_secrets.py",
 )
 

@@ -33,6 +33,11 @@ def test_modules_go_longest_first_then_slow_then_fast_each_module_together():
     assert [i.name for i in items] == ["n", "k", "e1", "e2", "e3", "a1", "a2"]
 
 
+def test_the_flows_modules_keep_their_order_on_a_shared_prefect_server():
+    flows = [name for name in conftest.LONGEST_MODULES if name.startswith("test_flows_")]
+    assert flows == sorted(flows)
+
+
 def test_every_listed_longest_module_exists_and_is_marked_slow():
     for name in conftest.LONGEST_MODULES:
         text = (TESTS / name).read_text()
