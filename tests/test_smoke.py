@@ -65,13 +65,9 @@ def test_the_parity_line_shows_the_device_figures_beside_the_host_gate():
 @pytest.mark.timeout(3600)  # three compiles: ~2 CPU-minutes, far more wall time on a busy host
 def test_the_smoke_run_trains_twice_and_exports_on_this_cpu(tmp_path):
     env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT), "CLIPMS_KERNEL_CACHE": str(tmp_path)}
-    # Unfused, as the tests' tiny pipelines run (tests/workspace.py says why and where fused runs
-    # are tested): the amp training runs are unfused on CPU anyway (clipms.runtime.for_precision),
-    # and fusing the export's fp32 parity graphs would only add AKG kernel builds to the checks.
     proc = run(["python", "-m", "pipeline.preflight", "--params",
                 str(PROJECT_ROOT / "params.yaml"), "--manifest", str(tmp_path / "none.json"),
-                "--smoke", "--json", "-S", "runtime.compile_cache=true",
-                "-S", "runtime.kernel_fusion=false"],
+                "--smoke", "--json", "-S", "runtime.compile_cache=true"],
                cwd=tmp_path, env=env, check=False, timeout=2400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     checks = {c["name"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])["checks"]}
