@@ -1,6 +1,7 @@
 """The order `make test` hands modules to its two xdist workers (tests/conftest.py): the longest
-modules first, then the other modules with slow tests, then the fast ones, each module's tests
-together; and xdist keeps that order instead of its own (most tests first)."""
+modules first, then the other modules with slow tests (most slow tests first), then the fast
+ones, each module's tests together; and xdist keeps that order instead of its own (most tests
+first)."""
 
 from __future__ import annotations
 
@@ -28,9 +29,11 @@ def test_modules_go_longest_first_then_slow_then_fast_each_module_together():
     items = [Item("test_atomic.py", "a1"), Item("test_export.py", "e1"),
              Item("test_export.py", "e2", slow=True), Item("test_kill_recovery.py", "k", True),
              Item("test_atomic.py", "a2"), Item("test_flows_nightly.py", "n", True),
+             Item("test_index.py", "i1", slow=True), Item("test_index.py", "i2", slow=True),
              Item("test_export.py", "e3")]
     conftest.pytest_collection_modifyitems(None, items)
-    assert [i.name for i in items] == ["n", "k", "e1", "e2", "e3", "a1", "a2"]
+    # the listed longest in their order; then most slow tests first (index: 2, export: 1)
+    assert [i.name for i in items] == ["n", "k", "i1", "i2", "e1", "e2", "e3", "a1", "a2"]
 
 
 def test_the_flows_modules_keep_their_order_on_a_shared_prefect_server():
