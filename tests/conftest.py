@@ -20,6 +20,7 @@ import os
 import resource
 import shutil
 import tempfile
+from collections import Counter
 
 import pytest
 
@@ -69,6 +70,42 @@ def mode(request):
     ms.set_context(mode=modes[request.param])
     yield request.param
     ms.set_context(mode=previous)
+
+
+# ---------------------------------------------------------------- the order of the modules
+
+# `make test` runs two xdist workers, a whole module at a time each (--dist loadfile). xdist hands
+# out the modules with the most tests first, which put the one-test modules last - the longest
+# end-to-end runs of the suite - where one worker could be left running them while the other had
+# nothing left to take. Here the modules go longest first, shortest last (the two workers then
+# finish together, give or take the last fast module): these modules
+# (the longest of a CI run, longest first, but the test_flows_* ones in the order they always ran
+# in: a worker's modules share one Prefect server, prefect_server.prefect_stack), then the other
+# modules with slow tests, most slow tests first (the best guess of their length there is before
+# they run), then the rest; pytest_configure below makes xdist keep this order.
+LONGEST_MODULES = (
+    "test_flows_deploy.py", "test_flows_nightly.py", "test_kill_recovery.py", "test_smoke.py",
+    "test_time_to_quality.py", "test_amp.py", "test_flows_secrets.py",
+)
+
+
+def pytest_configure(config):
+    """xdist's loadfile order is the collection order (`--no-loadscope-reorder`, always)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules longest first (above); a module's tests stay together and in their order."""
+    slow_tests = Counter(item.path.name for item in items if item.get_closest_marker("slow"))
+
+    def rank(item) -> tuple[int, int]:
+        name = item.path.name
+        if name in LONGEST_MODULES:
+            return (0, LONGEST_MODULES.index(name))
+        return (1, -slow_tests[name]) if slow_tests[name] else (2, 0)
+
+    items.sort(key=rank)  # stable: collection order within each rank
 
 
 # ---------------------------------------------------------------- the fast tier's budget
