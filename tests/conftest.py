@@ -85,7 +85,7 @@ def mode(request):
 # they run), then the rest; pytest_configure below makes xdist keep this order.
 LONGEST_MODULES = (
     "test_flows_deploy.py", "test_flows_nightly.py", "test_kill_recovery.py", "test_smoke.py",
-    "test_time_to_quality.py", "test_amp.py", "test_flows_secrets.py",
+    "test_time_to_quality.py", "test_registry_server.py", "test_flows_secrets.py",
 )
 
 

@@ -26,7 +26,7 @@ from safetensors.numpy import load_file
 from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
 from clipms.model.convert import openclip_shapes
 from clipms.runtime import SWITCH
-from tests.workspace import PROJECT_ROOT, checkpoint_arrays, make_workspace, run
+from tests.workspace import PROJECT_ROOT, checkpoint_arrays, run
 
 # Trains a micro CLIP for 3 amp steps on random batches; writes the model as the train stage does
 # (clip.ckpt + the clip.json sidecar) and the losses.
@@ -161,21 +161,5 @@ def test_amp_with_fusion_on_trains_unfused_and_saves_a_loadable_convertible_chec
     np.testing.assert_array_equal(state["logit_scale"], saved["logit_scale"])
 
 
-@pytest.mark.slow
-def test_dvc_repro_with_amp_runs_train_evaluate_export_register_with_fusion_on(tmp_path):
-    # kernel fusion on, as users run it (the tiny test pipelines default to off): the fp32 graphs
-    # of evaluate and export compile fused kernels; amp's training step runs unfused on purpose
-    ws = make_workspace(tmp_path, {"train.precision": "amp", "train.max_steps": 2,
-                                   "train.checkpoint_every": 100, "runtime.kernel_fusion": True})
-    out = run(["dvc", "repro", "register"], cwd=ws, timeout=1500).stdout
-    assert "kernel fusion off for its graphs" in out
-    train = json.loads((ws / "models/clip.json").read_text())["train"]
-    assert train["precision"] == "amp" and train["runtime"]["kernel_fusion"] is True
-    metrics = json.loads((ws / "metrics/train.json").read_text())
-    assert metrics["steps"] == 2 and np.isfinite(metrics["final_loss"])
-    assert "i2t_R@5" in json.loads((ws / "metrics/eval.json").read_text())
-    export = json.loads((ws / "metrics/export.json").read_text())
-    # amp keeps fp32 master weights and the checkpoint holds them, so the exported fp32
-    # graphs meet the fp32 parity bar against it
-    assert export["passed"] and export["tolerance"] <= 1e-5
-    assert "version" in json.loads((ws / "metrics/register.json").read_text())
+# `dvc repro` of every stage with amp and kernel fusion on is
+# tests/test_registry_server.py::test_dvc_repro_logs_one_run_through_all_stages.

@@ -393,11 +393,21 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     from clipms.utils.jsonio import read_json
     from tests.workspace import make_workspace, run, tool_env
 
-    # every stage with the users' default CPU kernel fusion (the tiny workspace turns it off)
+    # every stage with the users' default CPU kernel fusion (the tiny workspace turns it off),
+    # trained with amp: the fp32 graphs of evaluate and export compile fused kernels, amp's
+    # training step runs unfused on purpose
     ws = make_workspace(tmp_path / "ws", {"register.model_name": "clip-e2e",
-                                          "runtime.kernel_fusion": True})
+                                          "runtime.kernel_fusion": True,
+                                          "train.precision": "amp"})
     env = {**tool_env(), "MLFLOW_TRACKING_URI": server.uri}
-    run(["dvc", "repro"], ws, env=env, timeout=1500)
+    out = run(["dvc", "repro"], ws, env=env, timeout=1500).stdout
+    assert "kernel fusion off for its graphs" in out
+    trained = read_json(ws / "models" / "clip.json")["train"]
+    assert trained["precision"] == "amp" and trained["runtime"]["kernel_fusion"] is True
+    # amp keeps fp32 master weights and the checkpoint holds them, so the exported fp32 graphs
+    # meet the fp32 parity bar against it
+    export = read_json(ws / "metrics" / "export.json")
+    assert export["passed"] and export["tolerance"] <= 1e-5
 
     info = read_json(ws / "models" / "mlflow_run.json")
     record = read_json(ws / "metrics" / "register.json")
