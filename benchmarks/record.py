@@ -132,9 +132,11 @@ class Recording:
     command: str
     started_utc: str = field(default_factory=utc_now)
     load_start: list[float] = field(default_factory=load_avg)
+    # the tree the benchmark measures: a long one may end after the checkout moved on
+    source: dict[str, Any] = field(default_factory=git_state)
 
     def meta(self) -> dict[str, Any]:
-        meta = {"command": self.command, **git_state(), "started_utc": self.started_utc,
+        meta = {"command": self.command, **self.source, "started_utc": self.started_utc,
                 "finished_utc": utc_now(), "machine": machine(),
                 "load_avg": {"start": self.load_start, "end": load_avg()}}
         if os.environ.get(NOTE_VARIABLE):

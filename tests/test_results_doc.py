@@ -120,3 +120,14 @@ def test_alternated_commands_rotate_their_order_each_round():
 def test_a_failing_benchmark_command_is_an_error_not_an_empty_result():
     with pytest.raises(RuntimeError, match="exited 3"):
         record.json_lines([sys.executable, "-c", "print('{\"x\": 1}'); raise SystemExit(3)"])
+
+
+def test_a_recording_names_the_commit_it_started_on(tmp_path, monkeypatch):
+    """A benchmark of an hour ends after the checkout may have moved on: the commit recorded is
+    the tree it measured, taken when it started."""
+    recording = record.Recording("x", "python benchmarks/x.py")
+    started_on = dict(recording.source)
+    monkeypatch.setattr(record, "git_state", lambda *_: {"commit": "later00", "dirty": None})
+    meta = json.loads(recording.write({"a": 1}, tmp_path / "x.json").read_text())["meta"]
+    assert meta["commit"] == started_on["commit"] != "later00"
+    assert meta["dirty"] == started_on["dirty"] is not None
