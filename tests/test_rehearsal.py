@@ -160,6 +160,62 @@ def test_the_rehearsal_command_runs_every_stage_at_a_few_hundred_images(tmp_path
     assert not (tmp_path / "work" / "clone").exists()  # deleted without --keep
 
 
+def _stage(name: str, exit_code: int = 0) -> dict:
+    return {"stage": name, "dvc_repro": {"exit_code": exit_code}}
+
+
+def test_a_resumed_run_skips_only_the_leading_stages_recorded_and_up_to_date():
+    stages = ["metadata", "dedupe", "download", "shard", "train"]
+    recorded = [_stage("metadata"), _stage("dedupe"), _stage("download", 1), _stage("train")]
+    assert rehearsal.stages_to_skip(stages, recorded, set()) == {"metadata", "dedupe"}
+    # dedupe's dvc.lock entry is out of date: it and everything after it run again
+    assert rehearsal.stages_to_skip(stages, recorded, {"dedupe"}) == {"metadata"}
+    # a stage that finished but whose figures were never written (the run stopped in between)
+    assert rehearsal.stages_to_skip(stages, [_stage("dedupe")], set()) == set()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_stopped_rehearsal_is_finished_by_resume_in_its_kept_clone(tmp_path):
+    """The first stages, then `--resume` after a change that makes `dedupe` out of date:
+    `metadata` is not run again and keeps its figures, `dedupe` and `download` run and are
+    merged into the same record, and the clone stays."""
+    work, out = tmp_path / "work", tmp_path / "rehearsal.json"
+    base = [sys.executable, "benchmarks/rehearsal.py", "--images", "240", "--workdir", str(work),
+            "--out", str(out)]
+
+    def run(*extra: str) -> dict:
+        log = tmp_path / "rehearsal.log"
+        proc = processes.spawn([*base, *extra], log, cwd=PROJECT_ROOT, env=tool_env())
+        try:
+            assert proc.wait(timeout=400) == 0, processes.tail(log, 6000)
+        finally:
+            processes.stop(proc, timeout=60)
+        return json.loads(out.read_text())
+
+    first = run("--until", "dedupe", "--keep")
+    assert [s["stage"] for s in first["results"]["stages"]] == ["metadata", "dedupe"]
+    clone = work / "clone"
+    metadata_clock = (work / "clock" / "metadata.json").stat().st_mtime_ns
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["dedupe"]["min_caption_chars"] += 1
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    second = run("--resume", "--until", "download")
+    stages = second["results"]["stages"]
+    assert [s["stage"] for s in stages] == ["metadata", "dedupe", "download"]
+    assert stages[0] == first["results"]["stages"][0]  # kept as recorded, not run again
+    assert (work / "clock" / "metadata.json").stat().st_mtime_ns == metadata_clock
+    assert stages[1] != first["results"]["stages"][1] and stages[1]["dvc_repro"][
+        "exit_code"] == 0
+    assert stages[2]["items"] == 240 and stages[2]["image_server_cpu_s"] > 0  # same port
+    part = second["results"]["earlier_parts"]
+    assert [p["stages"] for p in part] == [["metadata", "dedupe"]]
+    assert part[0]["started_utc"] == first["meta"]["started_utc"]
+    assert "--resume" in second["meta"]["command"] and clone.is_dir()
+    assert second["results"]["wall_s"] > first["results"]["wall_s"]
+
+
 def test_the_scaling_docs_tables_are_the_recorded_rehearsals():
     """docs/scaling.md's measured tables have one owner: the result files, through
     `rehearsal.py table` (a rerun that changes a figure fails here until the docs are redone)."""
