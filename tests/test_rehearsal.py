@@ -216,6 +216,30 @@ def test_a_stopped_rehearsal_is_finished_by_resume_in_its_kept_clone(tmp_path):
     assert second["results"]["wall_s"] > first["results"]["wall_s"]
 
 
+@pytest.mark.slow  # exports a tiny bundle
+def test_the_search_benchmark_measures_recall_against_an_exact_copy_of_an_hnsw_index(tmp_path):
+    """At MSCOCO size `index.search: auto` makes the rehearsal's index HNSW: compared with
+    itself as "exact", HNSW's recall would read 1.0 whatever it finds."""
+    pytest.importorskip("faiss")
+    from benchmarks import rehearsal_search
+    from clipms.deploy.index import ImageIndex, Item, build_index, bundle_digest
+    from clipms.deploy.infer import Encoder
+    from clipms.deploy.search import SearchOptions
+    from tests.tiny_model import export_tiny_bundle, jpeg_bytes, random_images
+
+    bundle = export_tiny_bundle(tmp_path / "bundle")
+    items = [Item(f"k{i:03d}", jpeg_bytes(image), f"caption {i}", "val")
+             for i, image in enumerate(random_images(80, seed=3, size=(48, 40)))]
+    build_index(Encoder(bundle, batch_size=16, kernel_fusion=False), items, tmp_path / "index",
+                bundle_digest(bundle), SearchOptions(kind="hnsw"))
+    folders, builds = rehearsal_search.build_variants(tmp_path / "index", tmp_path / "work")
+    assert folders["exact"] != tmp_path / "index" and set(builds) == {"exact", "hnsw", "ivf"}
+    assert {kind: ImageIndex.load(folder).meta["search"]["kind"]
+            for kind, folder in folders.items()} == {"exact": "exact", "hnsw": "hnsw",
+                                                     "ivf": "ivf"}
+    assert builds["exact"]["faiss_index_mb"] == 0.0 and builds["exact"]["exit_code"] == 0
+
+
 def test_the_scaling_docs_tables_are_the_recorded_rehearsals():
     """docs/scaling.md's measured tables have one owner: the result files, through
     `rehearsal.py table` (a rerun that changes a figure fails here until the docs are redone)."""
