@@ -68,10 +68,11 @@ def default_options(kind: str) -> Any:
 def build_variants(index_dir: Path, workdir: Path) -> tuple[dict[str, Path], dict[str, Any]]:
     """Each kind's index folder and what building it cost. Exact is the rehearsal's own index if
     it searches exactly; an index `index.search: auto` made HNSW (a large collection) gets an
-    exact copy, the baseline every recall is measured against."""
-    from clipms.deploy.index import ImageIndex
+    exact copy, the baseline every recall is measured against. Called before this process loads
+    the index: a child's peak RSS (ru_maxrss) starts at its parent's."""
+    from clipms.deploy.index import INDEX_JSON
 
-    own_kind = ImageIndex.load(index_dir).meta["search"]["kind"]
+    own_kind = json.loads((index_dir / INDEX_JSON).read_text())["search"]["kind"]
     folders, builds = {"exact": index_dir}, {}
     for kind in [k for k in KINDS if k != "exact" or own_kind != "exact"]:
         folders[kind] = workdir / f"index-{kind}"
@@ -282,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     recording = record.start(args.out.stem, [str(Path(__file__).relative_to(ROOT)),
                                              *record.with_placeholders(argv, PLACEHOLDERS)])
     result: dict[str, Any] = {}
+    folders, builds = build_variants(args.index, args.workdir)
     index = ImageIndex.load(args.index)
     result.update(rows=len(index), dim=int(index.meta["dim"]), k=K,
-                  defaults={kind: vars(default_options(kind)) for kind in KINDS})
-    folders, result["build"] = build_variants(args.index, args.workdir)
+                  defaults={kind: vars(default_options(kind)) for kind in KINDS}, build=builds)
     asked = queries(index, args.bundle, args.queries)
     del index
     result["search_alone"] = search_alone(folders, asked)
