@@ -315,9 +315,12 @@ def _runs(counts: dict[str, int]) -> str:
 
 
 def rehearsal(record: Record) -> str:
-    """One size of the MSCOCO rehearsal (benchmarks/rehearsal.py): a row per stage, the stage's
-    own command and the whole `dvc repro` of it; then the stages that did not run."""
+    """One size of the MSCOCO rehearsal (benchmarks/rehearsal.py): for a run finished with
+    `--resume`, each earlier part; a row per stage, the stage's own command and the whole `dvc
+    repro` of it; then the stages that did not run."""
     res, rows = record["results"], []
+    parts = "".join(f"Earlier part: {measured({'meta': part}).strip()} Its stages: "
+                    f"{', '.join(part['stages'])}.\n\n" for part in res.get("earlier_parts", []))
     for s in res["stages"]:
         own, whole = s["command"], s["dvc_repro"]
         rows.append([f"`{s['stage']}`", s.get("unit", "-"), s.get("items"),
@@ -328,6 +331,7 @@ def rehearsal(record: Record) -> str:
     text = table(["stage", "unit", "items", "wall s (stage / dvc repro)", "CPU s",
                   "CPU ms per item", "items/s", "peak RSS MB (largest / tree)", "written MB",
                   "outputs MB", "exit"], rows, right=9)
+    text = parts + text
     if res.get("not_run"):
         text += f"\nNot run at this size: {', '.join(res['not_run'])}.\n"
     return text

@@ -103,6 +103,26 @@ def test_a_result_recorded_per_size_is_rendered_by_its_benchmarks_renderer():
     assert render_results.renderer("rehearsal-x") is render_results.plain
 
 
+def test_a_resumed_rehearsals_table_names_each_earlier_part():
+    sys.path.insert(0, str(PROJECT_ROOT / "benchmarks"))
+    import render_results
+
+    meta = {"command": "python benchmarks/rehearsal.py --images 240", "commit": "abc1234",
+            "dirty": False, "started_utc": "2026-01-01T01:00:00Z",
+            "finished_utc": "2026-01-01T02:00:00Z",
+            "machine": {"cpu": "CPU", "cores": 2, "memory_gb": 8.0},
+            "load_avg": {"start": [1.0, 1.0, 1.0], "end": [2.0, 2.0, 2.0]}}
+    stage = {"stage": "register", "command": {"wall_s": 1.0, "cpu_s": 1.0, "peak_rss_mb": 9.0},
+             "dvc_repro": {"wall_s": 2.0, "peak_tree_rss_mb": 9.0, "written_mb": 1.0,
+                           "exit_code": 0}, "outputs_mb": 0.0}
+    record = {"meta": {**meta, "command": meta["command"] + " --resume", "commit": "def5678"},
+              "results": {"stages": [stage], "earlier_parts": [
+                  {**meta, "wall_s": 10.0, "stages": ["metadata", "dedupe"]}]}}
+    text = render_results.rehearsal(record)
+    assert "Earlier part: _`python benchmarks/rehearsal.py --images 240` at abc1234" in text
+    assert "Its stages: metadata, dedupe." in text and "| `register` |" in text
+
+
 def test_the_profile_and_the_sizes_are_valid_params_of_every_section_they_set(tmp_path):
     from clipms.runtime import RuntimeConfig
     from pipeline.params import read_params, validate_section
