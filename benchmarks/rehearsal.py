@@ -18,6 +18,11 @@ Writes one JSON (`--out`, default benchmarks/results/rehearsal-<images>.json) wi
 commit, machine, load before and after each stage, the world actually generated (caption-length
 statistics included) and the per-stage figures; the clone is deleted unless `--keep` (the search
 benchmark, benchmarks/rehearsal_search.py, serves its index).
+`--until STAGE` stops after that stage. `--resume` finishes a run that stopped (a failed stage, a
+timeout, `--until`) in its kept clone (`--workdir`, `--keep`): the clone's code, params and world
+are used as they are, a stage whose figures are in `--out` and whose dvc.lock entry is up to date
+is skipped with its figures kept, and from the first stage that is not, every stage runs again
+(`dvc repro --single-item --force`, measured the same way); the figures are merged into `--out`.
 `python benchmarks/rehearsal.py table A.json B.json ...` prints the tables of docs/scaling.md.
 """
 
@@ -203,14 +208,17 @@ def load() -> list[float]:
 
 
 def run_stage(clone: Path, stage: str, clock_dir: Path, logs: Path,
-              server: subprocess.Popen[bytes]) -> dict[str, Any]:
-    """`dvc repro --single-item <stage>` measured, with the stage command's own figures."""
+              server: subprocess.Popen[bytes], force: bool = False) -> dict[str, Any]:
+    """`dvc repro --single-item <stage>` measured, with the stage command's own figures;
+    `force`: run it even if its dvc.lock entry is up to date."""
     import psutil
 
     server_cpu = sum(psutil.Process(server.pid).cpu_times()[:2])
     entry: dict[str, Any] = {"stage": stage, "load_before": load()}
+    (clock_dir / f"{stage}.json").unlink(missing_ok=True)  # a figure of an earlier run is not this
+    repro = [str(BIN / "dvc"), "repro", "--single-item", *(["--force"] if force else []), stage]
     with open(logs / f"{stage}.log", "wb") as log:
-        cost = measure([str(BIN / "dvc"), "repro", "--single-item", stage], cwd=clone,
+        cost = measure(repro, cwd=clone,
                        env=stage_env(clone), stdout=log, stderr=subprocess.STDOUT,
                        start_new_session=True)  # interrupted: the whole stage is killed
     entry.update(load_after=load(), dvc_repro=cost.as_dict(),
@@ -230,26 +238,68 @@ def run_stage(clone: Path, stage: str, clock_dir: Path, logs: Path,
     return entry
 
 
-def rehearse(args: argparse.Namespace, clone: Path, result: dict[str, Any],
-             recording: record.Recording) -> bool:
-    """Build the clone, serve its images, run every stage; False when a stage failed."""
-    clock_dir, logs = args.workdir / "clock", args.workdir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+def prepare(args: argparse.Namespace, clone: Path, result: dict[str, Any]) -> tuple[list[str], int]:
+    """A new clone with the profile, the size and a free port for its image server applied, every
+    stage's command wrapped in the clock; its stages in order and the port."""
     workspace.copy_project(ROOT, clone)
     port = processes.free_port()
     applied = overrides(args, port)
     workspace.set_params(clone / "params.yaml", applied)
-    stages = wrap_stage_commands(clone / "dvc.yaml", clock_dir)
+    stages = wrap_stage_commands(clone / "dvc.yaml", args.workdir / "clock")
     workspace.commit_all(clone, "MSCOCO rehearsal")
     result["params"] = applied
+    return stages, port
+
+
+def reopen(clone: Path) -> tuple[list[str], int, set[str]]:
+    """A kept clone as it is: its stages in order (already wrapped), the port its world's URLs
+    name (a new port would change `metadata`'s params) and the stages DVC finds out of date."""
+    stages = list(yaml.safe_load((clone / "dvc.yaml").read_text())["stages"])
+    url = yaml.safe_load((clone / "params.yaml").read_text())["metadata"]["synthetic_url"]
+    port = int(url.rstrip("/").rsplit(":", 1)[1])
+    status = subprocess.run([str(BIN / "dvc"), "status", "--json"], cwd=clone, env=stage_env(clone),
+                            capture_output=True, text=True, check=True)
+    return stages, port, set(json.loads(status.stdout or "{}"))
+
+
+def stages_to_skip(stages: list[str], recorded: list[dict[str, Any]], stale: set[str]) -> set[str]:
+    """The leading stages that need not run again: figures recorded, exit 0, dvc.lock up to
+    date. The first that fails any of these and every stage after it run again."""
+    done = {s["stage"] for s in recorded if s["dvc_repro"]["exit_code"] == 0}
+    skip: set[str] = set()
+    for stage in stages:
+        if stage not in done or stage in stale:
+            break
+        skip.add(stage)
+    return skip
+
+
+def rehearse(args: argparse.Namespace, clone: Path, result: dict[str, Any],
+             recording: record.Recording) -> bool:
+    """Build (or, resuming, reopen) the clone, serve its images, run every stage; False when a
+    stage failed."""
+    logs = args.workdir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        stages, port, stale = reopen(clone)
+        skip = stages_to_skip(stages, result["stages"], stale)
+        result["stages"] = [s for s in result["stages"] if s["stage"] in skip]
+    else:
+        (stages, port), skip = prepare(args, clone, result), set()
+    if args.until:
+        if args.until not in stages:
+            raise SystemExit(f"--until {args.until!r}: not a stage of the clone's dvc.yaml "
+                             f"({', '.join(stages)})")
+        stages = stages[:stages.index(args.until) + 1]
     (clone / "data" / "synthetic").mkdir(parents=True, exist_ok=True)
     server = processes.spawn([str(BIN / "python"), "-m", "http.server", str(port), "--bind",
                               "127.0.0.1", "--directory", str(clone / "data" / "synthetic")],
                              None)
     try:
         processes.wait_until(processes.port_open(port), server, "image server", None, 30)
-        for stage in stages:
-            entry = run_stage(clone, stage, clock_dir, logs, server)
+        for stage in [s for s in stages if s not in skip]:
+            entry = run_stage(clone, stage, args.workdir / "clock", logs, server,
+                              force=args.resume)
             result["stages"].append(entry)
             print(progress_line(entry), flush=True)
             if stage == "dedupe" and entry["dvc_repro"]["exit_code"] == 0:
@@ -353,11 +403,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the clone (default: delete it)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON figures (default: benchmarks/results/rehearsal-<images>.json)")
+    p.add_argument("--until", metavar="STAGE", default=None,
+                   help="stop after this stage (default: run to the last)")
+    p.add_argument("--resume", action="store_true",
+                   help="finish the run recorded in --out in its kept clone in --workdir: "
+                   "skip the stages recorded and up to date in dvc.lock, run the rest, merge "
+                   "(the clone is kept)")
     args = p.parse_args(argv)
+    if args.resume and args.workdir is None:
+        p.error("--resume needs the --workdir of the run to finish")
     args.val_images = args.val_images or default_val_images(args.images)
     args.out = args.out or ROOT / "benchmarks" / "results" / f"rehearsal-{args.images}.json"
     args.workdir = args.workdir or Path(tempfile.mkdtemp(prefix="clipms-rehearsal-"))
     return args
+
+
+def fresh(args: argparse.Namespace, clone: Path) -> dict[str, Any]:
+    if clone.exists():
+        raise SystemExit(f"{clone} exists: give another --workdir, remove it, or --resume")
+    clone.mkdir(parents=True)
+    return {"machine": machine(), "images": args.images, "val_images": args.val_images,
+            "train_steps": args.train_steps, "stages": []}
+
+
+def resumed(args: argparse.Namespace, clone: Path) -> dict[str, Any]:
+    """The recorded run to finish, its envelope kept as an earlier part (command, commit,
+    times, load, wall) so that the merged record says which stages ran when."""
+    if not (clone / "dvc.yaml").is_file() or not args.out.is_file():
+        raise SystemExit(f"--resume: needs the kept clone {clone} and the run's figures "
+                         f"{args.out}; one is missing")
+    earlier = json.loads(args.out.read_text())
+    result = earlier["results"]
+    if result["images"] != args.images:
+        raise SystemExit(f"--resume: {args.out} records {result['images']:,} images, "
+                         f"not --images {args.images:,}")
+    parts = result.get("earlier_parts", [])
+    ran_before = {stage for part in parts for stage in part["stages"]}
+    part = {**earlier["meta"],
+            "wall_s": round(result.get("wall_s", 0.0) - sum(p["wall_s"] for p in parts), 1),
+            "stages": [s["stage"] for s in result["stages"] if s["stage"] not in ran_before]}
+    result["earlier_parts"] = [*parts, part]
+    result.pop("failed", None)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,24 +457,21 @@ def main(argv: list[str] | None = None) -> int:
     # are stopped and the figures so far written.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     clone = args.workdir / "clone"
-    if clone.exists():
-        raise SystemExit(f"{clone} exists: give another --workdir or remove it")
-    clone.mkdir(parents=True)
     recording = record.start(f"rehearsal-{args.images}", shown_argv(argv))
-    result: dict[str, Any] = {"machine": machine(), "images": args.images,
-                              "val_images": args.val_images, "train_steps": args.train_steps,
-                              "stages": []}
+    result = resumed(args, clone) if args.resume else fresh(args, clone)
     started, ok = time.perf_counter(), False
     try:
         ok = rehearse(args, clone, result, recording)
     finally:
         result["wall_s"] = round(time.perf_counter() - started, 1)
+        if args.resume:  # the whole rehearsal's: the earlier parts' and this one's
+            result["wall_s"] += sum(part["wall_s"] for part in result["earlier_parts"])
         recording.write(result, args.out)
-        if not args.keep:
+        if not (args.keep or args.resume):  # a clone kept once stays kept
             shutil.rmtree(clone, ignore_errors=True)
     print(f"rehearsal: {'done' if ok else 'FAILED at ' + result['failed']['stage']} in "
           f"{result['wall_s']:,.0f} s; figures in {args.out}"
-          + (f"; the clone is kept in {clone}" if args.keep else ""))
+          + (f"; the clone is kept in {clone}" if args.keep or args.resume else ""))
     return 0 if ok else 1
 
 

@@ -66,16 +66,23 @@ def default_options(kind: str) -> Any:
 
 # ------------------------------------------------------------------------------ build + recall
 def build_variants(index_dir: Path, workdir: Path) -> tuple[dict[str, Path], dict[str, Any]]:
-    """Each kind's index folder (exact: the rehearsal's own) and what building it cost."""
+    """Each kind's index folder and what building it cost. Exact is the rehearsal's own index if
+    it searches exactly; an index `index.search: auto` made HNSW (a large collection) gets an
+    exact copy, the baseline every recall is measured against. Called before this process loads
+    the index: a child's peak RSS (ru_maxrss) starts at its parent's."""
+    from clipms.deploy.index import INDEX_JSON
+
+    own_kind = json.loads((index_dir / INDEX_JSON).read_text())["search"]["kind"]
     folders, builds = {"exact": index_dir}, {}
-    for kind in KINDS[1:]:
+    for kind in [k for k in KINDS if k != "exact" or own_kind != "exact"]:
         folders[kind] = workdir / f"index-{kind}"
         cost = measure([sys.executable, __file__, "build", "--src", str(index_dir), "--dst",
                         str(folders[kind]), "--kind", kind], env={**os.environ})
         if cost.exit_code != 0:
             raise RuntimeError(f"building the {kind} index failed ({cost.exit_code})")
+        faiss = folders[kind] / "faiss.index"
         builds[kind] = {**cost.as_dict(), "faiss_index_mb": round(
-            (folders[kind] / "faiss.index").stat().st_size / 2**20, 1)}
+            faiss.stat().st_size / 2**20, 1) if faiss.is_file() else 0.0}
         print(json.dumps({"build": kind, **builds[kind]}), flush=True)
     return folders, builds
 
@@ -231,7 +238,7 @@ def build_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rehearsal_search.py build")
     p.add_argument("--src", type=Path, required=True)
     p.add_argument("--dst", type=Path, required=True)
-    p.add_argument("--kind", choices=KINDS[1:], required=True)
+    p.add_argument("--kind", choices=KINDS, required=True)
     args = p.parse_args(argv)
     from clipms.deploy.index import with_search
 
@@ -276,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     recording = record.start(args.out.stem, [str(Path(__file__).relative_to(ROOT)),
                                              *record.with_placeholders(argv, PLACEHOLDERS)])
     result: dict[str, Any] = {}
+    folders, builds = build_variants(args.index, args.workdir)
     index = ImageIndex.load(args.index)
     result.update(rows=len(index), dim=int(index.meta["dim"]), k=K,
-                  defaults={kind: vars(default_options(kind)) for kind in KINDS})
-    folders, result["build"] = build_variants(args.index, args.workdir)
+                  defaults={kind: vars(default_options(kind)) for kind in KINDS}, build=builds)
     asked = queries(index, args.bundle, args.queries)
     del index
     result["search_alone"] = search_alone(folders, asked)

@@ -1,14 +1,16 @@
-"""Render benchmarks/RESULTS.md's tables from the result files the benchmarks write.
+"""Render benchmarks/RESULTS.md's tables (and docs/scaling.md's) from the result files the
+benchmarks write.
 
     python benchmarks/render_results.py           # rewrite the tables from benchmarks/results/
     python benchmarks/render_results.py --check   # exit 1 if a table and its file disagree
 
-In RESULTS.md a table is the text between `<!-- rendered: NAME -->` and `<!-- /rendered -->`; it
-is rendered from benchmarks/results/NAME.json (benchmarks/record.py's envelope) by the function
-RENDERERS names for NAME, or as a plain table of the results when there is none. So each figure
-has one owner, the file the benchmark wrote; the prose around a table says what it measures and
-how to read it. A block whose file does not exist yet is left as it is and listed as pending:
-its figures predate the result files, and its section names the command that replaces them.
+In RESULTS.md (and the docs pages in DOCS) a table is the text between
+`<!-- rendered: NAME -->` and `<!-- /rendered -->`; it is rendered from
+benchmarks/results/NAME.json (benchmarks/record.py's envelope) by the function RENDERERS names
+for NAME, or as a plain table of the results when there is none. So each figure has one owner,
+the file the benchmark wrote; the prose around a table says what it measures and how to read
+it. A block whose file does not exist yet is left as it is and listed as pending: its figures
+predate the result files, and its section names the command that replaces them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "benchmarks" / "RESULTS.md"
+# Every document with rendered blocks: RESULTS.md holds a section per benchmark; a docs page may
+# render a result again where its readers need the figures (docs/scaling.md: search at size).
+DOCS = (DOC, ROOT / "docs" / "scaling.md")
 RESULTS = ROOT / "benchmarks" / "results"
 BLOCK = re.compile(r"(<!-- rendered: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /rendered -->)",
                    re.DOTALL)
@@ -310,9 +315,12 @@ def _runs(counts: dict[str, int]) -> str:
 
 
 def rehearsal(record: Record) -> str:
-    """One size of the MSCOCO rehearsal (benchmarks/rehearsal.py): a row per stage, the stage's
-    own command and the whole `dvc repro` of it; then the stages that did not run."""
+    """One size of the MSCOCO rehearsal (benchmarks/rehearsal.py): for a run finished with
+    `--resume`, each earlier part; a row per stage, the stage's own command and the whole `dvc
+    repro` of it; then the stages that did not run."""
     res, rows = record["results"], []
+    parts = "".join(f"Earlier part: {measured({'meta': part}).strip()} Its stages: "
+                    f"{', '.join(part['stages'])}.\n\n" for part in res.get("earlier_parts", []))
     for s in res["stages"]:
         own, whole = s["command"], s["dvc_repro"]
         rows.append([f"`{s['stage']}`", s.get("unit", "-"), s.get("items"),
@@ -323,6 +331,7 @@ def rehearsal(record: Record) -> str:
     text = table(["stage", "unit", "items", "wall s (stage / dvc repro)", "CPU s",
                   "CPU ms per item", "items/s", "peak RSS MB (largest / tree)", "written MB",
                   "outputs MB", "exit"], rows, right=9)
+    text = parts + text
     if res.get("not_run"):
         text += f"\nNot run at this size: {', '.join(res['not_run'])}.\n"
     return text
@@ -338,11 +347,13 @@ def search_at_size(record: Record) -> str:
         if row["kind"] != "exact" and not row.get("default"):
             continue
         kind, cost = row["kind"], build.get(row["kind"], {})
-        rows.append([kind, cost.get("wall_s"), cost.get("peak_rss_mb"),
+        # sampled, the build's own process: ru_maxrss of a child starts at its parent's
+        rows.append([kind, cost.get("wall_s"), cost.get("peak_tree_rss_mb"),
                      cost.get("faiss_index_mb"), res["server_rss_mb_idle"].get(kind),
                      row["text"]["recall@10"], row["text"]["tie_aware_recall@10"],
                      row["image"]["recall@10"], row["text"]["p50_ms"], row["text"]["p99_ms"]])
-    text = table(["kind (default settings)", "build s", "build peak RSS MB", "FAISS index MB",
+    text = table(["kind (default settings)", "build s", "build peak RSS MB (sampled)",
+                  "FAISS index MB",
                   "service RSS MB, idle", "recall@10, text", "tie-aware, text",
                   "recall@10, image", "search p50 ms", "search p99 ms"], rows, right=9)
     sweep = [[r["kind"], r.get("hnsw_ef_search", r.get("ivf_nprobe")),
@@ -465,9 +476,9 @@ def render(doc: str, results: Path = RESULTS) -> tuple[str, list[str]]:
     return BLOCK.sub(replace, doc), pending
 
 
-def orphans(doc: str, results: Path = RESULTS) -> list[str]:
-    """Result files that no block of the document renders."""
-    named = {m["name"] for m in BLOCK.finditer(doc)}
+def orphans(docs: list[str], results: Path = RESULTS) -> list[str]:
+    """Result files that no block of the documents renders."""
+    named = {m["name"] for doc in docs for m in BLOCK.finditer(doc)}
     return sorted(p.stem for p in results.glob("*.json") if p.stem not in named)
 
 
@@ -476,26 +487,30 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true",
                         help="change nothing; exit 1 if a table differs from its result file")
-    parser.add_argument("--doc", type=Path, default=DOC)
+    parser.add_argument("--doc", type=Path, action="append",
+                        help="a document to render (repeatable; default: RESULTS.md and the "
+                        "docs pages with rendered blocks)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    doc = args.doc.read_text()
-    new, pending = render(doc, args.results)
-    if pending:
-        print(f"pending (no result file yet): {', '.join(pending)}")
-    unused = orphans(doc, args.results)
+    paths = args.doc or list(DOCS)
+    docs = [path.read_text() for path in paths]
+    differs = False
+    for path, doc in zip(paths, docs, strict=True):
+        new, pending = render(doc, args.results)
+        if pending:
+            print(f"{path.name}: pending (no result file yet): {', '.join(pending)}")
+        if not args.check:
+            path.write_text(new)
+        elif new != doc:
+            sys.stdout.writelines(difflib.unified_diff(doc.splitlines(True), new.splitlines(True),
+                                                       str(path), "rendered"))
+            print(f"{path} differs from its result files: run python "
+                  "benchmarks/render_results.py", file=sys.stderr)
+            differs = True
+    unused = orphans(docs, args.results)
     if unused:
         print(f"result files no table renders: {', '.join(unused)}", file=sys.stderr)
-    if not args.check:
-        args.doc.write_text(new)
-        return 1 if unused else 0
-    if new != doc:
-        sys.stdout.writelines(difflib.unified_diff(doc.splitlines(True), new.splitlines(True),
-                                                   str(args.doc), "rendered"))
-        print(f"{args.doc} differs from its result files: run python "
-              "benchmarks/render_results.py", file=sys.stderr)
-        return 1
-    return 1 if unused else 0
+    return 1 if unused or differs else 0
 
 
 if __name__ == "__main__":

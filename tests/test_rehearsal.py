@@ -103,6 +103,26 @@ def test_a_result_recorded_per_size_is_rendered_by_its_benchmarks_renderer():
     assert render_results.renderer("rehearsal-x") is render_results.plain
 
 
+def test_a_resumed_rehearsals_table_names_each_earlier_part():
+    sys.path.insert(0, str(PROJECT_ROOT / "benchmarks"))
+    import render_results
+
+    meta = {"command": "python benchmarks/rehearsal.py --images 240", "commit": "abc1234",
+            "dirty": False, "started_utc": "2026-01-01T01:00:00Z",
+            "finished_utc": "2026-01-01T02:00:00Z",
+            "machine": {"cpu": "CPU", "cores": 2, "memory_gb": 8.0},
+            "load_avg": {"start": [1.0, 1.0, 1.0], "end": [2.0, 2.0, 2.0]}}
+    stage = {"stage": "register", "command": {"wall_s": 1.0, "cpu_s": 1.0, "peak_rss_mb": 9.0},
+             "dvc_repro": {"wall_s": 2.0, "peak_tree_rss_mb": 9.0, "written_mb": 1.0,
+                           "exit_code": 0}, "outputs_mb": 0.0}
+    record = {"meta": {**meta, "command": meta["command"] + " --resume", "commit": "def5678"},
+              "results": {"stages": [stage], "earlier_parts": [
+                  {**meta, "wall_s": 10.0, "stages": ["metadata", "dedupe"]}]}}
+    text = render_results.rehearsal(record)
+    assert "Earlier part: _`python benchmarks/rehearsal.py --images 240` at abc1234" in text
+    assert "Its stages: metadata, dedupe." in text and "| `register` |" in text
+
+
 def test_the_profile_and_the_sizes_are_valid_params_of_every_section_they_set(tmp_path):
     from clipms.runtime import RuntimeConfig
     from pipeline.params import read_params, validate_section
@@ -158,6 +178,86 @@ def test_the_rehearsal_command_runs_every_stage_at_a_few_hundred_images(tmp_path
     assert 9.5 < result["world"]["caption_words"]["mean"] < 11.5
     assert by_stage["train"]["steps"] == 3
     assert not (tmp_path / "work" / "clone").exists()  # deleted without --keep
+
+
+def _stage(name: str, exit_code: int = 0) -> dict:
+    return {"stage": name, "dvc_repro": {"exit_code": exit_code}}
+
+
+def test_a_resumed_run_skips_only_the_leading_stages_recorded_and_up_to_date():
+    stages = ["metadata", "dedupe", "download", "shard", "train"]
+    recorded = [_stage("metadata"), _stage("dedupe"), _stage("download", 1), _stage("train")]
+    assert rehearsal.stages_to_skip(stages, recorded, set()) == {"metadata", "dedupe"}
+    # dedupe's dvc.lock entry is out of date: it and everything after it run again
+    assert rehearsal.stages_to_skip(stages, recorded, {"dedupe"}) == {"metadata"}
+    # a stage that finished but whose figures were never written (the run stopped in between)
+    assert rehearsal.stages_to_skip(stages, [_stage("dedupe")], set()) == set()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_stopped_rehearsal_is_finished_by_resume_in_its_kept_clone(tmp_path):
+    """The first stages, then `--resume` after a change that makes `dedupe` out of date:
+    `metadata` is not run again and keeps its figures, `dedupe` and `download` run and are
+    merged into the same record, and the clone stays."""
+    work, out = tmp_path / "work", tmp_path / "rehearsal.json"
+    base = [sys.executable, "benchmarks/rehearsal.py", "--images", "240", "--workdir", str(work),
+            "--out", str(out)]
+
+    def run(*extra: str) -> dict:
+        log = tmp_path / "rehearsal.log"
+        proc = processes.spawn([*base, *extra], log, cwd=PROJECT_ROOT, env=tool_env())
+        try:
+            assert proc.wait(timeout=400) == 0, processes.tail(log, 6000)
+        finally:
+            processes.stop(proc, timeout=60)
+        return json.loads(out.read_text())
+
+    first = run("--until", "dedupe", "--keep")
+    assert [s["stage"] for s in first["results"]["stages"]] == ["metadata", "dedupe"]
+    clone = work / "clone"
+    metadata_clock = (work / "clock" / "metadata.json").stat().st_mtime_ns
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    params["dedupe"]["min_caption_chars"] += 1
+    (clone / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+    second = run("--resume", "--until", "download")
+    stages = second["results"]["stages"]
+    assert [s["stage"] for s in stages] == ["metadata", "dedupe", "download"]
+    assert stages[0] == first["results"]["stages"][0]  # kept as recorded, not run again
+    assert (work / "clock" / "metadata.json").stat().st_mtime_ns == metadata_clock
+    assert stages[1] != first["results"]["stages"][1] and stages[1]["dvc_repro"][
+        "exit_code"] == 0
+    assert stages[2]["items"] == 240 and stages[2]["image_server_cpu_s"] > 0  # same port
+    part = second["results"]["earlier_parts"]
+    assert [p["stages"] for p in part] == [["metadata", "dedupe"]]
+    assert part[0]["started_utc"] == first["meta"]["started_utc"]
+    assert "--resume" in second["meta"]["command"] and clone.is_dir()
+    assert second["results"]["wall_s"] > first["results"]["wall_s"]
+
+
+@pytest.mark.slow  # exports a tiny bundle
+def test_the_search_benchmark_measures_recall_against_an_exact_copy_of_an_hnsw_index(tmp_path):
+    """At MSCOCO size `index.search: auto` makes the rehearsal's index HNSW: compared with
+    itself as "exact", HNSW's recall would read 1.0 whatever it finds."""
+    pytest.importorskip("faiss")
+    from benchmarks import rehearsal_search
+    from clipms.deploy.index import ImageIndex, Item, build_index, bundle_digest
+    from clipms.deploy.infer import Encoder
+    from clipms.deploy.search import SearchOptions
+    from tests.tiny_model import export_tiny_bundle, jpeg_bytes, random_images
+
+    bundle = export_tiny_bundle(tmp_path / "bundle")
+    items = [Item(f"k{i:03d}", jpeg_bytes(image), f"caption {i}", "val")
+             for i, image in enumerate(random_images(80, seed=3, size=(48, 40)))]
+    build_index(Encoder(bundle, batch_size=16, kernel_fusion=False), items, tmp_path / "index",
+                bundle_digest(bundle), SearchOptions(kind="hnsw"))
+    folders, builds = rehearsal_search.build_variants(tmp_path / "index", tmp_path / "work")
+    assert folders["exact"] != tmp_path / "index" and set(builds) == {"exact", "hnsw", "ivf"}
+    assert {kind: ImageIndex.load(folder).meta["search"]["kind"]
+            for kind, folder in folders.items()} == {"exact": "exact", "hnsw": "hnsw",
+                                                     "ivf": "ivf"}
+    assert builds["exact"]["faiss_index_mb"] == 0.0 and builds["exact"]["exit_code"] == 0
 
 
 def test_the_scaling_docs_tables_are_the_recorded_rehearsals():

@@ -71,6 +71,28 @@ def test_a_hand_edited_figure_fails_the_check_and_rendering_restores_it(tmp_path
     assert render_results.main([*args, "--check"]) == 1
 
 
+def test_a_docs_page_renders_a_result_and_is_checked_with_results_md(tmp_path):
+    """docs/scaling.md shows the search benchmark's figures where its readers look: rendered from
+    the same file, checked by the same command."""
+    assert ROOT / "docs" / "scaling.md" in render_results.DOCS
+    results = tmp_path / "results"
+    record.Recording("retrieval", "clipms-bench retrieval").write(
+        [{"images": 50, "captions": 250, "dim": 8, "chunk": 16, "median_s": 0.5,
+          "times_s": [0.5, 0.6], "cpu_s_per_run": 0.4}], results / "retrieval.json")
+    main_doc, page = tmp_path / "RESULTS.md", tmp_path / "scaling.md"
+    block = "<!-- rendered: retrieval -->\nold\n<!-- /rendered -->\n"
+    main_doc.write_text("# R\n\n" + block)
+    page.write_text("# S\n\n" + block)
+    args = ["--doc", str(main_doc), "--doc", str(page), "--results", str(results)]
+    assert render_results.main([*args, "--check"]) == 1
+    assert render_results.main(args) == 0
+    for doc in (main_doc, page):
+        assert "| 50 | 250 | 8 | 16 | 0.5 | 0.5, 0.6 | 0.4 |" in doc.read_text(), doc.name
+    assert render_results.main([*args, "--check"]) == 0
+    page.write_text(page.read_text().replace("| 0.5 | 0.5, 0.6 |", "| 0.45 | 0.5, 0.6 |"))
+    assert render_results.main([*args, "--check"]) == 1  # a hand edit in the page fails too
+
+
 def test_a_result_file_no_table_renders_fails_the_check(tmp_path):
     results = tmp_path / "results"
     record.Recording("orphan", "true").write({"x": 1}, results / "orphan.json")
