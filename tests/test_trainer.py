@@ -147,8 +147,9 @@ def test_a_run_resumed_from_a_checkpoint_ends_bitwise_where_an_uninterrupted_one
         assert whole.summary["logit_bias"] != -10.0  # SigLIP's bias trains
 
 
-def test_patch_dropout_draws_once_per_forward_and_the_loss_is_the_gradients_loss():
-    """MindSpore runs the step's forward once (the loss it returns and the gradient share the
+@pytest.mark.parametrize("mode", ["graph"], indirect=True)
+def test_patch_dropout_draws_once_per_forward_and_the_loss_is_the_gradients_loss(mode):
+    """A graph-mode step runs its forward once (the loss it returns and the gradient share the
     draw): one step, one draw; and that loss is what the same draw's forward gives."""
     from clipms.model.patch_dropout import start_patch_dropout
     from clipms.train.loss import SigLipLoss
@@ -169,6 +170,15 @@ def test_patch_dropout_draws_once_per_forward_and_the_loss_is_the_gradients_loss
     assert float(forward(images, Tensor(tokens)).asnumpy()) == float(loss.asnumpy())
     unseen = float(forward(images, Tensor(tokens)).asnumpy())  # draw 1: other patches
     assert unseen != float(loss.asnumpy())
+
+
+@pytest.mark.parametrize("mode", ["pynative"], indirect=True)
+def test_patch_dropout_refuses_pynative_mode(mode):
+    """A PyNative step runs the forward twice: its gradient would see another draw than its
+    loss, so training with patch dropout there stops, naming the setting to change."""
+    cfg = TrainConfig(model=MICRO_SIGLIP_PD, batch_size=4, max_steps=1, loss="siglip")
+    with pytest.raises(ValueError, match="patch_dropout needs runtime.mode: graph"):
+        Training.build(cfg, 1)
 
 
 def test_the_loss_and_the_models_logit_bias_must_agree():

@@ -417,8 +417,18 @@ def _build_step(cfg: TrainConfig, model: Any, trainable: list[tuple[str, Any]], 
 def _start_patch_dropout(model: Any, cfg: TrainConfig, distributed: bool) -> None:
     """Seed the model's patch dropout (if any) with the run's seed; this rank's rows are samples
     rank * batch_size.. of each global batch (clipms.model.patch_dropout)."""
-    from clipms.model.patch_dropout import start_patch_dropout
+    import mindspore as ms
 
+    from clipms.model.patch_dropout import PatchDropout, start_patch_dropout
+
+    dropping = any(isinstance(cell, PatchDropout) and cell.prob > 0
+                   for _, cell in model.cells_and_names())
+    if dropping and ms.get_context("mode") != ms.GRAPH_MODE:
+        # A PyNative step runs the forward twice (the draw counter advances by two): the
+        # gradient then follows another draw of patches than the loss it reports, and a step's
+        # update differs from graph mode's (the same step without patch dropout agrees).
+        raise ValueError("train.model.vision.patch_dropout needs runtime.mode: graph (in "
+                         "pynative mode the gradient would see another patch draw than the loss)")
     rank = 0
     if distributed:
         from mindspore.communication import get_rank
