@@ -144,12 +144,31 @@ def test_a_failing_benchmark_command_is_an_error_not_an_empty_result():
         record.json_lines([sys.executable, "-c", "print('{\"x\": 1}'); raise SystemExit(3)"])
 
 
-def test_a_recording_names_the_commit_it_started_on(tmp_path, monkeypatch):
+def test_a_recording_names_the_commit_it_started_on(tmp_path):
     """A benchmark of an hour ends after the checkout may have moved on: the commit recorded is
-    the tree it measured, taken when it started."""
-    recording = record.Recording("x", "python benchmarks/x.py")
-    started_on = dict(recording.source)
-    monkeypatch.setattr(record, "git_state", lambda *_: {"commit": "later00", "dirty": None})
-    meta = json.loads(recording.write({"a": 1}, tmp_path / "x.json").read_text())["meta"]
-    assert meta["commit"] == started_on["commit"] != "later00"
-    assert meta["dirty"] == started_on["dirty"] is not None
+    the tree it measured, taken when it started. record.py in a git repository of its own, whose
+    HEAD moves on between the start and the write."""
+    repo = tmp_path / "repo"
+    (repo / "benchmarks").mkdir(parents=True)
+    source = ROOT / "benchmarks" / "record.py"
+    (repo / "benchmarks" / "record.py").write_bytes(source.read_bytes())
+    git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@example.com"]
+
+    def head() -> str:
+        return subprocess.run(git + ["rev-parse", "--short=7", "HEAD"], cwd=repo, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "measured"]):
+        subprocess.run(git + args, cwd=repo, check=True)
+    measured = head()
+    benchmark = (
+        "import subprocess, sys\n"
+        "sys.path.insert(0, 'benchmarks')\n"
+        "import record\n"
+        "recording = record.Recording('x', 'python benchmarks/x.py')\n"
+        f"subprocess.run({git + ['commit', '-q', '--allow-empty', '-m', 'later']!r}, check=True)\n"
+        "recording.write({'a': 1}, record.Path('x.json'))\n")
+    subprocess.run([sys.executable, "-c", benchmark], cwd=repo, check=True)
+    meta = json.loads((repo / "x.json").read_text())["meta"]
+    assert meta["commit"] == measured != head()
+    assert meta["dirty"] is False
