@@ -1,9 +1,10 @@
 """Data sinking (runtime `data_sink`, Ascend/GPU only) as far as it runs on CPU.
 
-`clipms.train.feed.DeviceQueue` is MindSpore's data-sink sequence with three changes; two of them
-run here: the training pipeline itself (not a second pipeline around it) goes to MindSpore's
-dataset transfer once, built once, and it stops at the run's last batch -- MindSpore's engine
-accepts the transfer on CPU and sends into its CPU data queue. What cannot run here is the device
+`clipms.train.feed.DeviceQueue` is MindSpore's data-sink sequence with three changes, all shown
+here on the sending side: the training pipeline itself (not a second pipeline around it) goes to
+MindSpore's dataset transfer once, built once, it stops at the run's last batch, and `close()`
+releases the transfer -- MindSpore's engine accepts the transfer on CPU and sends into its CPU
+data queue. What cannot run here is the device
 end: registering the queue and `GetNext` have no CPU kernel in MindSpore 2.10 ("Unsupported op
 [GetNext] on CPU"). Where a test needs batches out of the queue, `HostQueue` stands in for that
 end only: it takes the same dataset's batches on the host, in order.
@@ -35,15 +36,17 @@ def shards(tmp_path_factory):
 
 
 class Counted:
-    """How often the training pipeline is built and how many samples it has decoded."""
+    """How often the training pipeline is built (and what was built) and how many samples it has
+    decoded."""
 
     def __init__(self, monkeypatch) -> None:
-        self.builds, self.samples = 0, 0
+        self.builds, self.samples, self.built = 0, 0, []
         build, getitem = shard_dataset.build_train_dataset, shard_dataset.TrainSamples.__getitem__
 
         def counted_build(*args, **kwargs):
             self.builds += 1
-            return build(*args, **kwargs)
+            self.built.append(build(*args, **kwargs))
+            return self.built[-1]
 
         def counted_getitem(samples, index):
             self.samples += 1
@@ -79,11 +82,16 @@ def test_a_sunk_run_sends_its_training_pipeline_once_and_nothing_decodes_after_i
     counted = Counted(monkeypatch)
     source = shard_source(shards)  # 6 batches an epoch
     start, stop = 4, 9  # a resumed run's remaining batches, across an epoch boundary
-    queue = CpuEndQueue(feed.sink_dataset(source, start, stop), BatchSignature(BATCH, 16, CTX))
+    sunk = feed.sink_dataset(source, start, stop)
+    assert counted.builds == 1 and counted.built[0] is sunk  # the shards' own pipeline, not
+    # a second one around it (whose inner pipeline would be built later, by the engine)
+    queue = CpuEndQueue(sunk, BatchSignature(BATCH, 16, CTX))
     sent = counted.settled()
     assert counted.builds == 1  # the pipeline itself, built once (no getter run first)
     assert sent == (stop - start) * BATCH  # exactly the run's batches, then the end
+    transfer = queue.transfer._to_device  # MindSpore 2.10's sender (datasets._ToDevice)
     queue.close()
+    assert not hasattr(transfer, "_runtime_context")  # released: MindSpore's release() ran
     queue.close()  # idempotent: the loop closes whatever feed it has
     time.sleep(1.0)
     assert counted.samples == sent

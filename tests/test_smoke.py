@@ -64,7 +64,10 @@ def test_the_parity_line_shows_the_device_figures_beside_the_host_gate():
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # three compiles: ~2 CPU-minutes, far more wall time on a busy host
 def test_the_smoke_run_trains_twice_and_exports_on_this_cpu(tmp_path):
-    env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT), "CLIPMS_KERNEL_CACHE": str(tmp_path)}
+    scratch = tmp_path / "tmp"  # where the smoke's temporary folder goes (TMPDIR)
+    scratch.mkdir()
+    env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT), "CLIPMS_KERNEL_CACHE": str(tmp_path),
+           "TMPDIR": str(scratch)}
     proc = run(["python", "-m", "pipeline.preflight", "--params",
                 str(PROJECT_ROOT / "params.yaml"), "--manifest", str(tmp_path / "none.json"),
                 "--smoke", "--json", "-S", "runtime.compile_cache=true"],
@@ -75,3 +78,4 @@ def test_the_smoke_run_trains_twice_and_exports_on_this_cpu(tmp_path):
         assert checks[name]["status"] == OK, checks[name]
     assert "(bar 1e-05, CPU (host))" in checks["smoke: export parity"]["detail"]
     assert len(list((tmp_path / "graphs").iterdir())) == 2  # one keyed folder per lr
+    assert not list(scratch.glob("clipms-smoke-*"))  # its runs and bundle removed afterwards
