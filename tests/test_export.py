@@ -261,38 +261,6 @@ def test_bench_encode_bundle_and_retrieval_report_rates(exported):
             assert result["captions"] == 250 and result["median_s"] > 0
 
 
-@pytest.mark.slow
-def test_dvc_repro_to_export_on_the_tiny_synthetic_config(tmp_path):
-    """The real pipeline (metadata .. train, evaluate, export) in a fresh git + DVC workspace."""
-    import json
-
-    from tests.workspace import make_workspace, run
-
-    ws = make_workspace(tmp_path / "ws")
-    # evaluate and export are sibling stages after train (register needs both)
-    run(["dvc", "repro", "evaluate", "export"], cwd=ws, timeout=900)
-    found = json.loads((ws / "metrics" / "eval.json").read_text())
-    keys = ["i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mAP@10",
-            "zeroshot_top1", "zeroshot_top5", "zeroshot_mean_per_class_recall", "num_images",
-            "num_captions"]
-    assert all(0.0 <= found[k] <= 1.0 for k in keys[:10]), found
-    assert found["num_captions"] >= found["num_images"] > 0
-    exported = json.loads((ws / "metrics" / "export.json").read_text())
-    assert exported["passed"] is True and exported["image_max_abs_error"] <= 1e-5
-
-    shown = json.loads(run(["dvc", "metrics", "show", "--json"], cwd=ws).stdout)
-    workspace_metrics = shown[""]["data"]  # DVC 3 keys the working tree as ""
-    eval_entry = workspace_metrics["metrics/eval.json"]["data"]
-    assert set(keys) <= set(eval_entry)
-    assert "text_max_abs_error" in workspace_metrics["metrics/export.json"]["data"]
-    # Up to date: a second repro runs nothing.
-    again = run(["dvc", "repro", "evaluate", "export"], cwd=ws, timeout=300)
-    assert "Running stage" not in again.stdout
-    hits = run(["python", "-m", "clipms.deploy.infer", "search", "--bundle", "models/export",
-                "--shards", "data/shards/val", "--top", "3", "a red circle"], cwd=ws)
-    assert len(hits.stdout.strip().splitlines()) == 4
-
-
 # ---------------------------------------------------------------- export: the parity decision
 # Edges `make mutation` (benchmarks/mutation.py) found untested; each docstring names the
 # mutants (mutmut's names) the test kills.

@@ -388,6 +388,30 @@ def wait_for(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> Non
 # the whole pipeline: `dvc repro` on the tiny synthetic config, tracked to the test server
 
 
+EVAL_KEYS = ("i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10", "mAP@10",
+             "zeroshot_top1", "zeroshot_top5", "zeroshot_mean_per_class_recall")
+
+
+def _metrics_are_shown_and_the_pipeline_is_up_to_date(ws: Path, env: dict[str, str]) -> None:
+    """What a user sees after `dvc repro`: every metric in range and in `dvc metrics show`, a
+    second repro that runs nothing, and the exported bundle answering a text query."""
+    from clipms.utils.jsonio import read_json
+    from tests.workspace import run
+
+    found = read_json(ws / "metrics" / "eval.json")
+    assert all(0.0 <= found[k] <= 1.0 for k in EVAL_KEYS), found
+    assert found["num_captions"] >= found["num_images"] > 0
+    shown = json.loads(run(["dvc", "metrics", "show", "--json"], ws).stdout)
+    workspace_metrics = shown[""]["data"]  # DVC 3 keys the working tree as ""
+    assert set(EVAL_KEYS) <= set(workspace_metrics["metrics/eval.json"]["data"])
+    assert "text_max_abs_error" in workspace_metrics["metrics/export.json"]["data"]
+    again = run(["dvc", "repro"], ws, env=env, timeout=300)
+    assert "Running stage" not in again.stdout, again.stdout
+    hits = run(["python", "-m", "clipms.deploy.infer", "search", "--bundle", "models/export",
+                "--shards", "data/shards/val", "--top", "3", "a red circle"], ws)
+    assert len(hits.stdout.strip().splitlines()) == 4  # a header and three hits
+
+
 def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: MlflowServer,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from clipms.utils.jsonio import read_json
@@ -408,6 +432,7 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     # meet the fp32 parity bar against it
     export = read_json(ws / "metrics" / "export.json")
     assert export["passed"] and export["tolerance"] <= 1e-5
+    _metrics_are_shown_and_the_pipeline_is_up_to_date(ws, env)
 
     info = read_json(ws / "models" / "mlflow_run.json")
     record = read_json(ws / "metrics" / "register.json")

@@ -42,10 +42,10 @@ TINY_PARAMS: dict[str, Any] = {
     "evaluate.batch_size": 16,
     "export.batch_sizes": [1, 3, 8],
     # CPU kernel fusion (the users' default) compiles AKG kernels in every stage process: measured
-    # 778 s vs 521 s wall for test_export's tiny `dvc repro` to export (run side by side, load
-    # ~20). Fused runs are exercised where fusion is the subject: tests/test_runtime.py,
-    # tests/test_amp.py (train -> register, fused and unfused) and the one full default pipeline
-    # of tests/test_registry_server.py, which sets it back to True.
+    # 778 s vs 521 s wall for the tiny `dvc repro` to export (run side by side, load ~20). Fused
+    # runs are exercised where fusion is the subject: tests/test_runtime.py, tests/test_amp.py
+    # and the one full pipeline of tests/test_registry_server.py (amp, fused), which sets it back
+    # to True.
     "runtime.kernel_fusion": False,
 }
 
