@@ -295,7 +295,9 @@ def run(args: argparse.Namespace) -> None:
     if BASELINE not in args.candidates:
         print(f"time_to_quality: no {BASELINE!r} among the candidates: no ratios",
               file=sys.stderr)
-    recording = record.start(args.out.stem)  # results/<name>.json holds benchmark <name>
+    # results/<name>.json holds benchmark <name>; the checkout is where the reader puts theirs
+    shown = [sys.argv[0], *record.with_placeholders(sys.argv[1:], {"--work": "WORK"})]
+    recording = record.start(args.out.stem, shown)
     result: dict[str, Any] = {
         "target": {"zeroshot_top1": args.target, "eval_every": args.eval_every},
         "old_default": OLD_DEFAULT, "candidates": {n: CANDIDATES[n] for n in args.candidates},

@@ -29,6 +29,7 @@ def test_the_benchmark_runs_alternates_checks_and_stops_lever_runs_at_the_target
     record = json.loads(out.read_text())
     assert record["benchmark"] == out.stem  # benchmarks/record.py's envelope: results/<name>.json
     assert {"command", "commit", "load_avg", "machine"} <= record["meta"].keys()
+    assert " --work WORK " in record["meta"]["command"]  # the reader's checkout, not this one
     record = record["results"]
     # the old default first (its time bounds the lever runs), then the lever
     assert [(r["candidate"], r["seed"]) for r in record["runs"]] == [
