@@ -437,7 +437,7 @@ RENDERERS: dict[str, Callable[[Record], str]] = {
     "export_fp16_parity": export_fp16_parity, "mutation": mutation,
     "mutation_tiers": mutation_tiers, "serving": serving,
     "default_run": default_run, "time_to_quality": time_to_quality,
-    "time_to_quality_seed1": time_to_quality,
+    "time_to_quality_seed1": time_to_quality, "time_to_quality_levers": time_to_quality,
     "kill_recovery": kill_recovery,
     "rehearsal": rehearsal, "search_at_size": search_at_size,
     "incremental_download": incremental_download, "warm_start": warm_start,
