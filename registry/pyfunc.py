@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -107,6 +110,26 @@ def _check_active_run(project_uri: str) -> None:
                            "both") from None
 
 
+@contextmanager
+def _fluent_tracking_uri(uri: str) -> Iterator[None]:
+    """Point MLflow's fluent API (the only way to log a pyfunc) at `uri` for the block, then put
+    back what the caller had. Left set, the process-global URI outranks MLFLOW_TRACKING_URI in
+    every later MLflow call of the process, which would then read and write the wrong store."""
+    import mlflow
+    from mlflow.tracking._tracking_service import utils  # MLflow has no public getter for it
+
+    previous_global, previous_variable = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous_global)  # which also sets or unsets the variable
+        if previous_variable is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous_variable
+
+
 def log_model(bundle_dir: Path | str, name: str = "clip", run_id: str | None = None,
               step: int = 0) -> Any:
     """Log the bundle as a pyfunc into run `run_id` (opened against the project's tracking URI)
@@ -117,9 +140,7 @@ def log_model(bundle_dir: Path | str, name: str = "clip", run_id: str | None = N
     from registry.settings import tracking_uri
 
     bundle = check_bundle(bundle_dir)
-    if run_id is not None:
-        mlflow.set_tracking_uri(tracking_uri())
-    else:
+    if run_id is None:
         _check_active_run(tracking_uri())
     with tempfile.TemporaryDirectory() as tmp:
         code = Path(tmp) / "clipms"  # the package without bytecode caches
@@ -130,5 +151,5 @@ def log_model(bundle_dir: Path | str, name: str = "clip", run_id: str | None = N
             pip_requirements=pinned_requirements(), step=step)
         if run_id is None:
             return mlflow.pyfunc.log_model(**kwargs)
-        with mlflow.start_run(run_id=run_id):
+        with _fluent_tracking_uri(tracking_uri()), mlflow.start_run(run_id=run_id):
             return mlflow.pyfunc.log_model(**kwargs)

@@ -224,8 +224,12 @@ def test_what_cannot_be_carried_over_stops_with_a_message(
 
 
 def test_a_version_registered_without_its_checkpoint_cannot_be_warm_started(
-        champion: str, bundle: Path, tmp_path: Path) -> None:
-    """A version registered before checkpoints were logged with versions (or by hand)."""
+        champion: str, bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A version registered before checkpoints were logged with versions (or by hand). Registering
+    leaves no process-global tracking URI behind: one left set outranked MLFLOW_TRACKING_URI and
+    sent a later test's registry calls of this process to this test's server."""
+    import mlflow
+
     from registry.carryover import CarryOverError
     from registry.registration import register_version
     from registry.run import PipelineRun
@@ -241,3 +245,5 @@ def test_a_version_registered_without_its_checkpoint_cannot_be_warm_started(
                                              r"logged with it"):
         fetch(f"models:/{champion}@champion", tmp_path, bundle / "tokenizer.json",
               champion_model(bundle))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "elsewhere").as_uri())
+    assert mlflow.get_tracking_uri() == (tmp_path / "elsewhere").as_uri()
