@@ -293,60 +293,83 @@ def describe(key: tuple) -> str:
 
 
 def table(args: argparse.Namespace) -> None:
-    """Per setting: every run's recalls (both directions), mean +- sample sd over the seeds both
-    sides ran, and ours / open_clip of the R@5 means; then per setting every arm (ours from each
-    init, open_clip) over all its seeds, compared (`comparison`); then, where both sides
-    checked quality as they trained, each side's time to the quality both reached
-    (`equal_quality`). `--json-out` writes the same as JSON."""
+    """Print `tables` of WORK/results.jsonl; `--json-out` also writes its runs and comparisons
+    in benchmarks/record.py's envelope, from which benchmarks/RESULTS.md renders the same
+    tables."""
     rows = [json.loads(line) for line in (args.work / "results.jsonl").read_text().splitlines()
             if line.strip()]
+    print("\n".join(tables(rows)))
+    out = getattr(args, "json_out", None)
+    if out:
+        import record  # benchmarks/record.py: the result file's envelope (command, commit, load)
+
+        shown = [sys.argv[0], *record.with_placeholders(sys.argv[1:], {"--work": "WORK"})]
+        record.start(out.stem, shown).write(summary(rows), out)
+
+
+def groups_of(rows: list[dict]) -> dict[tuple, dict[str, dict[int, dict]]]:
+    """`setting` (ours from another init a setting of its own) -> side -> seed -> row; the last
+    run of each counts."""
     groups: dict[tuple, dict[str, dict[int, dict]]] = {}
-    for row in rows:  # the last run of each (setting, side, seed) counts
+    for row in rows:
         key = setting(row)
-        if row.get("init", "own") != "own":  # a setting of its own, on our side
+        if row.get("init", "own") != "own":
             key = (key[0], f"{key[1]}, init {row['init']}", *key[2:])
         groups.setdefault(key, {}).setdefault(row["side"], {})[row["seed"]] = row
+    return groups
+
+
+def tables(rows: list[dict]) -> list[str]:
+    """Markdown, per setting: every run's recalls (both directions), mean +- sample sd over the
+    seeds both sides ran, and ours / open_clip of the R@5 means; then per setting every arm (ours
+    from each init, open_clip) over all its seeds, compared (`comparison`); then, where both
+    sides checked quality as they trained, each side's time to the quality both reached
+    (`equal_quality`)."""
+    lines: list[str] = []
+    groups = groups_of(rows)
     for key, sides in sorted(groups.items()):
         both = sorted(set(sides.get("ours", {})) & set(sides.get("open_clip", {})))
-        print(f"\n{describe(key)}; seeds with both sides {both}\n")
-        print("| side | seed | " + " | ".join(TABLED) + " | load 1m |")
-        print("|---" * (len(TABLED) + 3) + "|")
+        lines += [f"\n{describe(key)}; seeds with both sides {both}\n",
+                  "| side | seed | " + " | ".join(TABLED) + " | final loss | train s | load 1m |",
+                  "|---" * (len(TABLED) + 5) + "|"]
         for side in ("ours", "open_clip"):
             by_seed = sides.get(side, {})
             for seed in sorted(by_seed):
-                print(f"| {side} | {seed} | " + " | ".join(
-                    f"{by_seed[seed][k]:.3f}" for k in TABLED) +
-                      f" | {by_seed[seed]['load_avg_1m']} |")
+                run = by_seed[seed]
+                lines.append(f"| {side} | {seed} | " + " | ".join(
+                    f"{run[k]:.3f}" for k in TABLED) + f" | {run['final_loss']:.3f} | "
+                    f"{run['train_s']:.0f} | {run['load_avg_1m']} |")
             seeds = both or sorted(by_seed)
             if len(seeds) > 1:
-                print(f"| {side} | mean +- sd {seeds} | " + " | ".join(
-                    _mean_sd([by_seed[s][k] for s in seeds]) for k in TABLED) + " | |")
+                lines.append(f"| {side} | mean +- sd {seeds} | " + " | ".join(
+                    _mean_sd([by_seed[s][k] for s in seeds]) for k in TABLED) + " | | | |")
         if both:
             ratio = {k: statistics.mean(sides["ours"][s][k] for s in both)
                      / statistics.mean(sides["open_clip"][s][k] for s in both)
                      for k in ("i2t_R@5", "t2i_R@5")}
-            print(f"\nours / open_clip (means over {both}): i2t R@5 {ratio['i2t_R@5']:.2f}, "
-                  f"t2i R@5 {ratio['t2i_R@5']:.2f}")
+            lines.append(f"\nours / open_clip (means over {both}): i2t R@5 "
+                         f"{ratio['i2t_R@5']:.2f}, t2i R@5 {ratio['t2i_R@5']:.2f}")
     for key, by_arm in sorted(arms(rows).items()):
         if len(by_arm) > 1:
-            print(f"\nComparison of the arms, {describe(key)} (mean +- sample sd over each arm's "
-                  "seeds)\n")
-            print("\n".join(comparison(by_arm)))
-    timed = {key: equal_quality(sides) for key, sides in sorted(groups.items())}
-    for key, found in timed.items():
+            lines += [f"\nComparison of the arms, {describe(key)} (mean +- sample sd over each "
+                      "arm's seeds)\n", *comparison(by_arm)]
+    for key, sides in sorted(groups.items()):
+        found = equal_quality(sides)
         if found:
-            print(f"\nTime to equal quality, {describe(key)}\n")
-            print("\n".join(equal_quality_table(found)))
-    out = getattr(args, "json_out", None)
-    if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({
-            "benchmark": "quality_vs_openclip", "quality": QUALITY, "runs": rows,
-            "settings": [{"setting": describe(key), "equal_quality": found,
+            lines += [f"\nTime to equal quality, {describe(key)}\n", *equal_quality_table(found)]
+    return lines
+
+
+def summary(rows: list[dict]) -> dict[str, Any]:
+    """The JSON of `table --json-out`: every run (the tables are made again from them) and, per
+    setting, the time to equal quality and each arm's mean and sd."""
+    groups = groups_of(rows)
+    return {"quality": QUALITY, "runs": rows,
+            "settings": [{"setting": describe(key), "equal_quality": equal_quality(sides),
                           "arms": {arm: {k: _mean_sd_pair([r[k] for r in by_seed.values()])
                                          for k in COMPARED} | {"seeds": sorted(by_seed)}
                                    for arm, by_seed in arms(rows).get(key, {}).items()}}
-                         for key, found in timed.items()]}, indent=1) + "\n")
+                         for key, sides in sorted(groups.items())]}
 
 
 QUALITY = "R@5, both directions' mean"

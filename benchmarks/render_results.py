@@ -265,6 +265,13 @@ def time_to_quality(record: Record) -> str:
     return "\n".join(ttq.tables(record["results"])) + "\n"
 
 
+def quality_vs_openclip(record: Record) -> str:
+    """The benchmark's own tables (benchmarks/quality_vs_openclip.py `table`), from its runs."""
+    import quality_vs_openclip as qvo  # benchmarks/quality_vs_openclip.py, beside this file
+
+    return "\n".join(qvo.tables(record["results"]["runs"])).strip("\n") + "\n"
+
+
 def kill_recovery(record: Record) -> str:
     """Each planned kill: where it landed and what it left; then the checks after the last
     `dvc repro`, against the uninterrupted reference."""
@@ -438,7 +445,8 @@ RENDERERS: dict[str, Callable[[Record], str]] = {
     "mutation_tiers": mutation_tiers, "serving": serving,
     "default_run": default_run, "time_to_quality": time_to_quality,
     "time_to_quality_seed1": time_to_quality, "time_to_quality_levers": time_to_quality,
-    "kill_recovery": kill_recovery,
+    "kill_recovery": kill_recovery, "quality_vs_openclip": quality_vs_openclip,
+    "quality_vs_openclip_levers": quality_vs_openclip,
     "rehearsal": rehearsal, "search_at_size": search_at_size,
     "incremental_download": incremental_download, "warm_start": warm_start,
 }

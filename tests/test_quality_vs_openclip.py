@@ -48,7 +48,8 @@ def row(side: str, seed: int, value: float, init: str = "own") -> dict:
                                   "t2i_R@10", "mAP@10")}
     recalls["t2i_R@5"] = value / 2
     return {"side": side, "seed": seed, "init": init, "preset": "mini", "wd_rule": "openclip",
-            "steps": 160, "lr": 5e-4, "batch_size": 64, "load_avg_1m": 1.0, **recalls}
+            "steps": 160, "lr": 5e-4, "batch_size": 64, "load_avg_1m": 1.0,
+            "final_loss": 2.5, "train_s": 60.0, **recalls}
 
 
 def test_table_compares_every_arm_over_its_seeds(bench, tmp_path, capsys):
@@ -88,7 +89,7 @@ def curve(points: list[tuple[int, float, float]]) -> list[dict]:
 
 
 def test_time_to_equal_quality_is_each_sides_first_check_at_the_quality_both_reached(
-        bench, tmp_path, capsys):
+        bench, tmp_path, capsys, monkeypatch):
     """Per seed: the lower final R@5 of the two sides is the quality; each side's time is its
     first check at or above it. Settings (loss, patch dropout) are compared apart."""
     siglip = {"loss": "siglip", "patch_dropout": 0.5, "eval_every": 20}
@@ -104,10 +105,14 @@ def test_time_to_equal_quality_is_each_sides_first_check_at_the_quality_both_rea
         row("ours", 0, 0.5),  # the softmax loss without dropout: another setting
     ]
     (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.syspath_prepend(str(PROJECT_ROOT / "benchmarks"))  # its `import record`
     bench.table(argparse.Namespace(work=tmp_path, json_out=tmp_path / "out.json"))
     out = capsys.readouterr().out
     assert "loss siglip, patch dropout 0.5" in out and "loss clip, patch dropout 0;" in out
-    found = json.loads((tmp_path / "out.json").read_text())["settings"]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["benchmark"] == "out" and "commit" in result["meta"]  # record.py's envelope
+    assert "\n".join(bench.tables(result["results"]["runs"])) in out  # what RESULTS.md renders
+    found = result["results"]["settings"]
     timed = next(s for s in found if "siglip" in s["setting"])["equal_quality"]
     # seed 0: quality 0.28 (open_clip's end); ours first at 0.30 (step 60, 30 s), open_clip at
     # its step 60 (120 s). Seed 1: quality 0.21 (ours); ours at step 40, open_clip at step 40.
