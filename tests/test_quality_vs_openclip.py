@@ -124,3 +124,11 @@ def test_time_to_equal_quality_is_each_sides_first_check_at_the_quality_both_rea
     assert [t.get("ours_over_open_clip_s_after_first_step") for t in timed] == [0.2, None]
     assert "| 0 | 0.280 | 60 | 30 | 60 | 120 | 0.25 | 0.20 |" in out
     assert "| 1 | 0.210 | 40 | 24 | 40 | 60 | 0.40 | - |" in out
+
+
+def test_arms_of_one_seed_each_get_no_table_of_tests(bench):
+    """A t needs two seeds on each side: one seed each lists the arms and nothing else."""
+    lines = bench.comparison({"ours, init own": {0: row("ours", 0, 0.1)},
+                              "open_clip": {0: row("open_clip", 0, 0.2)}})
+    assert any(line.startswith("| ours, init own | 1 |") for line in lines)
+    assert not any("arm - reference" in line for line in lines)
