@@ -136,11 +136,15 @@ def pytest_runtest_call(item):
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item):
+def pytest_runtest_teardown(item, nextitem):
     start = _cpu_s()
     yield
+    # Before another module's test (or none), module and session fixtures end too: the servers
+    # they stop are reaped here, and their CPU is not this test's.
+    ends_wider_fixtures = nextitem is None or nextitem.path != item.path
+    teardown = 0.0 if ends_wider_fixtures else _cpu_s() - start
     # user_properties reach the teardown report, which pytest-xdist sends to the controller
-    item.user_properties.append(("cpu_s", item.stash.get(_CPU_KEY, 0.0) + _cpu_s() - start))
+    item.user_properties.append(("cpu_s", item.stash.get(_CPU_KEY, 0.0) + teardown))
     item.user_properties.append(("slow", item.get_closest_marker("slow") is not None))
 
 
