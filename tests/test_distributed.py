@@ -30,6 +30,7 @@ from clipms.parallel.launch import (
     free_port,
     msrun_command,
     run_workers,
+    worker_env,
     worker_logs_tail,
 )
 from tests.workspace import checkpoint_arrays
@@ -260,6 +261,43 @@ def test_a_run_fails_by_a_workers_exit_code_not_by_a_traceback_in_its_log(tmp_pa
     failing.mkdir()
     with pytest.raises(LaunchError, match="msrun exited 1"):
         run_workers(Cluster(workers=2), failing, SHUTDOWN_NOISE, ["fail"], timeout=300)
+
+
+# Each worker records the interpreter that runs it.
+WHICH_PYTHON = textwrap.dedent("""
+    import json, os, sys
+    if os.environ.get("MS_ROLE") == "MS_WORKER":
+        with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK_ID']}.json"), "w") as f:
+            json.dump([sys.executable, sys.prefix], f)
+""")
+
+
+def _another_python_first_on_path(tmp_path: Path, monkeypatch) -> None:
+    """PATH as a shell without the venv activated has it: another interpreter's `python` first
+    (this venv's base interpreter, linked from outside the venv, so without its packages)."""
+    other = tmp_path / "other-bin"
+    other.mkdir()
+    (other / "python").symlink_to(Path(sys.executable).resolve())
+    monkeypatch.setenv("PATH", os.pathsep.join([str(other), os.environ.get("PATH", "")]))
+
+
+def test_the_workers_python_is_the_interpreter_that_launched_them(tmp_path, monkeypatch):
+    _another_python_first_on_path(tmp_path, monkeypatch)
+    env = worker_env(tmp_path / "logs")
+    probe = subprocess.run(["python", "-c", "import sys; print(sys.executable, sys.prefix)"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert probe.stdout.split() == [sys.executable, sys.prefix]
+
+
+@pytest.mark.slow  # starts msrun
+def test_msrun_starts_the_workers_with_the_launchers_interpreter(tmp_path, monkeypatch):
+    _another_python_first_on_path(tmp_path, monkeypatch)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    run_workers(Cluster(workers=2), logs, WHICH_PYTHON, [str(tmp_path)], timeout=300)
+    for rank in (0, 1):
+        ran = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert ran == [sys.executable, sys.prefix], f"rank {rank} ran {ran}"
 
 
 def test_the_train_stage_refuses_a_cluster_msrun_cannot_start(tmp_path):

@@ -21,6 +21,12 @@ msrun 2.10's `run.py`/`process_entity/_bind.py`: affinity from the device topolo
 otherwise): 8 workers with up to 16 decode processes each would otherwise float over every core
 of a multi-NUMA host. CPU runs stay unbound (their workers share a few cores).
 
+msrun starts every worker (and its scheduler) as `python SCRIPT ...`, the first `python` on PATH
+(`_generate_cmd_args_list` in `process_entity/_utils.py`; msrun 2.10 has no option for another
+interpreter). A stage started as `.venv/bin/python -m stages.train` without an activated environment
+would get the system's python there, so the launcher puts a folder whose `python` runs this
+process's interpreter (`sys.executable`) first on the workers' PATH.
+
 A failed run is msrun's exit code: with `--join=True` msrun polls every worker and exits non-zero
 when one exits non-zero (or its scheduler does), killing the others (`join_processes` in
 `process_entity/_api.py`). The worker logs are for the message only: a traceback a library prints
@@ -32,6 +38,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -145,7 +152,8 @@ def run_workers(cluster: Cluster, log_dir: Path, script_text: str, args: list[st
     script.write_text(script_text)
     cmd = msrun_command(cluster, log_dir, script, args, device)
     log.info("launching node %d of %d: %s", cluster.node_rank, cluster.nodes, " ".join(cmd))
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=worker_env(log_dir), capture_output=True, text=True,
+                          timeout=timeout)
     if proc.returncode != 0:
         raise LaunchError(f"msrun exited {proc.returncode} (a worker or the scheduler failed)\n"
                           f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n"
@@ -157,12 +165,26 @@ def _check_workers(cluster: Cluster) -> None:
         raise ValueError(f"launch needs at least 2 workers in all, got {cluster.workers}")
 
 
-def worker_env() -> dict[str, str]:
-    """This process's environment with the project on PYTHONPATH (the workers import clipms)."""
+def worker_env(log_dir: Path) -> dict[str, str]:
+    """This process's environment with the project on PYTHONPATH (the workers import clipms) and
+    `python` running this process's interpreter first on PATH (msrun starts `python`)."""
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    env["PATH"] = os.pathsep.join(p for p in (str(python_shim(log_dir)), env.get("PATH")) if p)
     return env
+
+
+def python_shim(log_dir: Path) -> Path:
+    """A folder in `log_dir` whose `python` execs `sys.executable`. A script, not a symlink: a
+    venv's interpreter finds its site-packages from the path it is started by (pyvenv.cfg beside
+    it), which a symlink elsewhere would lose."""
+    folder = Path(log_dir) / "bin"
+    folder.mkdir(parents=True, exist_ok=True)
+    shim = folder / "python"
+    shim.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    shim.chmod(0o755)
+    return folder
 
 
 def worker_logs_tail(log_dir: Path, chars: int = 3000) -> str:
