@@ -43,6 +43,11 @@ HCCL_PORTS_FROM = ((8, 2), 32)  # (first CANN version, ports); before it 16
 RESERVED_PORTS = Path("/proc/sys/net/ipv4/ip_local_reserved_ports")
 # msrun sets these for every worker; a value already in the environment would fight it.
 MSRUN_OWNED = ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_WORKER_NUM", "MS_NODE_ID")
+# The one file MindSpore 2.10 reads the usable cores from (`_get_available_cpus` in
+# mindspore/runtime/thread_bind_core.py, called by msrun's `process_entity/_bind.py`): cgroup v1's
+# cpuset. Without it (cgroup v2 hosts) msrun logs "Will not enable bind core feature" and runs
+# every worker unbound.
+CPUSET_CPUS = "sys/fs/cgroup/cpuset/cpuset.cpus"  # under the host's root
 MSCOCO_TRAIN_IMAGES = 118_287  # MSCOCO 2017 train: the figure used when no manifest exists yet
 SHM_SHARE = 0.8  # MindSpore refuses shared-memory queues above 80% of free /dev/shm
 OPENAI_VOCAB = 49408  # ids of the OpenAI CLIP vocabulary (tokenizer.kind: openai)
@@ -196,12 +201,65 @@ def check_launcher(plan: RunPlan) -> list[Check]:
     if plan.device_target == "Ascend" and plan.ranks > 1:
         checks.append(check_hccl_ports(cann_version(os.environ), os.environ,
                                        _read(RESERVED_PORTS)))
+    binding = check_core_binding(plan)
+    if binding:
+        checks.append(binding)
     if plan.device_target == "Ascend" and plan.nodes > 1:
         iface = os.environ.get("HCCL_IF_IP") or os.environ.get("HCCL_SOCKET_IFNAME")
         checks.append(Check("hccl", OK if iface else WARN, f"HCCL host NIC: {iface}" if iface
                             else "neither HCCL_IF_IP nor HCCL_SOCKET_IFNAME is set: HCCL picks "
                             "a NIC by name order, and it must reach node 0's"))
     return checks
+
+
+def cpuset_cpus(text: str) -> list[int]:
+    """The cores of a cpuset list such as `0-23,48-71`, parsed as MindSpore 2.10 parses it
+    (`_get_available_cpus`): any malformed segment or a range that runs backwards gives no cores
+    at all, empty segments are skipped."""
+    cpus: set[int] = set()
+    for segment in filter(None, (s.strip() for s in text.strip().split(","))):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", segment)
+        if not match:
+            return []
+        start = int(match.group(1))
+        end = int(match.group(2)) if match.group(2) else start
+        if start > end:
+            return []
+        cpus.update(range(start, end + 1))
+    return sorted(cpus)
+
+
+def check_core_binding(plan: RunPlan, root: Path = Path("/")) -> Check | None:
+    """Whether msrun's `--bind_core=True` (the launcher's on Ascend) will bind this host's
+    workers, judged as msrun 2.10 judges it (`_generate_bind_context`): `taskset` on PATH, cores
+    read from the cgroup-v1 cpuset file, at least one core a worker. None when nothing is bound
+    (one rank runs without msrun; CPU runs stay unbound)."""
+    from clipms.parallel.launch import BIND_CORE_DEVICES
+
+    if plan.device_target not in BIND_CORE_DEVICES or plan.ranks < 2:
+        return None
+    name, path = "core binding", root / CPUSET_CPUS
+    unbound = (f"msrun logs 'Will not enable bind core feature' and the {plan.local_ranks} "
+               "workers (and their decode processes) float over every core")
+    if not shutil.which("taskset"):
+        return Check(name, WARN, f"taskset not found: {unbound}; install util-linux")
+    text = _read(path)
+    cpus = cpuset_cpus(text) if text is not None else []
+    if not cpus:
+        found = ("missing" if text is None else f"{text.strip()!r}, which MindSpore cannot "
+                 "parse")
+        v2 = " (this host mounts cgroup v2)" if (
+            root / "sys/fs/cgroup/cgroup.controllers").exists() else ""
+        return Check(name, WARN, f"MindSpore reads the usable cores only from /{CPUSET_CPUS} "
+                     f"(cgroup v1), {found}{v2}: {unbound}. Make that file list the cores "
+                     "(mount cgroup v1's cpuset there, or boot with "
+                     "systemd.unified_cgroup_hierarchy=0), or bind each rank's cores yourself "
+                     "(taskset -c / numactl --cpunodebind per NPU's NUMA node)")
+    if len(cpus) < plan.local_ranks:
+        return Check(name, WARN, f"/{CPUSET_CPUS} lists {len(cpus)} cores for "
+                     f"{plan.local_ranks} workers, fewer than one each: {unbound}")
+    return Check(name, OK, f"msrun binds {plan.local_ranks} workers to the {len(cpus)} cores of "
+                 f"/{CPUSET_CPUS} ({text.strip()}), by NPU NUMA affinity or an even split")
 
 
 def cann_version(environ: Mapping[str, str]) -> tuple[int, int] | None:

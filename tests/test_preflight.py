@@ -211,3 +211,65 @@ def test_importing_preflight_leaves_the_download_stack_out():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True, cwd=PROJECT_ROOT)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# --- core binding: msrun's --bind_core against a fake host root --------------------------------
+def _host(root: Path, cpuset: str | None, v2: bool = False) -> Path:
+    """A host's /sys/fs/cgroup as the preflight sees it: the cgroup-v1 cpuset file MindSpore
+    reads (`cpuset` None: absent), and cgroup v2's root marker file."""
+    cgroup = root / "sys" / "fs" / "cgroup"
+    cgroup.mkdir(parents=True)
+    if cpuset is not None:
+        (cgroup / "cpuset").mkdir()
+        (cgroup / "cpuset" / "cpuset.cpus").write_text(cpuset)
+    if v2:
+        (cgroup / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    return root
+
+
+@pytest.mark.parametrize("text", ["0-191\n", "0-23,48-71", "0,2,4-5", " 3 ", "", "0-3,,8",
+                                  "7-3", "0-3,x", "0-3-5", "1 2"])
+def test_the_cpuset_is_parsed_as_mindspore_parses_it(tmp_path, monkeypatch, text):
+    import builtins
+
+    from mindspore.runtime import thread_bind_core
+
+    fake = tmp_path / "cpuset.cpus"
+    fake.write_text(text)
+    # MindSpore's own reader, pointed at the fake file (its path is fixed in the function)
+    monkeypatch.setattr(thread_bind_core, "open",
+                        lambda _path, *a, **k: builtins.open(fake, *a, **k),  # noqa: SIM115
+                        raising=False)
+    assert preflight.cpuset_cpus(text) == thread_bind_core._get_available_cpus()
+
+
+@pytest.mark.skipif(not shutil.which("taskset"), reason="taskset is not installed here")
+def test_core_binding_is_reported_from_the_cgroup_v1_cpuset_file(tmp_path):
+    eight = preflight.RunPlan(ranks=8, device_target="Ascend")
+    bound = preflight.check_core_binding(eight, _host(tmp_path / "v1", "0-191\n"))
+    assert bound.status == preflight.OK and "binds 8 workers to the 192 cores" in bound.detail
+
+    v2 = preflight.check_core_binding(eight, _host(tmp_path / "v2", None, v2=True))
+    assert v2.status == preflight.WARN
+    assert "/sys/fs/cgroup/cpuset/cpuset.cpus (cgroup v1), missing" in v2.detail
+    assert "this host mounts cgroup v2" in v2.detail
+    assert "Will not enable bind core feature" in v2.detail  # what msrun's log will say
+    assert "systemd.unified_cgroup_hierarchy=0" in v2.detail and "numactl" in v2.detail
+
+    garbled = preflight.check_core_binding(eight, _host(tmp_path / "bad", "0-3,x"))
+    assert garbled.status == preflight.WARN and "'0-3,x', which MindSpore cannot" in garbled.detail
+    few = preflight.check_core_binding(eight, _host(tmp_path / "few", "0-3"))
+    assert few.status == preflight.WARN and "4 cores for 8 workers" in few.detail
+
+    # nothing is bound on CPU, nor for one rank (no msrun): nothing to report
+    assert preflight.check_core_binding(dataclasses.replace(eight, device_target="CPU"),
+                                        tmp_path / "v2") is None
+    assert preflight.check_core_binding(dataclasses.replace(eight, ranks=1),
+                                        tmp_path / "v2") is None
+
+
+def test_core_binding_without_taskset_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # msrun binds with taskset; here there is none
+    plan = preflight.RunPlan(ranks=8, device_target="Ascend")
+    check = preflight.check_core_binding(plan, _host(tmp_path / "v1", "0-191"))
+    assert check.status == preflight.WARN and "taskset not found" in check.detail
