@@ -9,7 +9,8 @@ host's parity, and the device's figures are reported beside it (`device_figures`
 
 A process chooses its device once, so the host parity runs in a process of its own:
 `host_parity(...)` writes the inputs to a temporary file and runs `python -m
-clipms.deploy.hostparity` on CPU, which loads the checkpoint and both MindIR graphs there.
+clipms.deploy.hostparity` on CPU, which loads the checkpoint and both MindIR graphs there, with
+CPU kernel fusion off (nothing for AKG to compile on the host, x86 or aarch64).
 """
 
 from __future__ import annotations
@@ -74,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(parser.parse_args(argv).spec.read_text())
     from clipms.runtime import RuntimeConfig, configure, for_precision
 
-    configure(for_precision(RuntimeConfig(device_target="CPU"), spec["precision"]))
+    # Without CPU kernel fusion: AKG's CPU code generator has only run on x86 here, while Atlas
+    # hosts are often aarch64 (Kunpeng), and a check that runs each graph a few times gains
+    # nothing from fused kernels.
+    configure(for_precision(RuntimeConfig(device_target="CPU", kernel_fusion=False),
+                            spec["precision"]))
     from clipms.deploy.export import parity_report
     from clipms.train.trained import load_clip
 
