@@ -9,11 +9,22 @@ Three checks, one line each, on the device the params (and `--profile`) name:
 - `smoke: export parity`: the first run's model exported as an fp32 MindIR bundle and checked
   against its checkpoint on the host CPU, where the bar was calibrated; on a device the device's
   own errors are printed beside it (clipms.deploy.hostparity).
-Each run is a process of its own (`python -m pipeline.smoke train|export`), as each stage is.
+- `smoke: data parallel` (a profile of several ranks): the distributed path through msrun, as the
+  run takes it (`clipms.parallel.launch`): ranks train a few fp32 steps on their slices of random
+  global batches, and a single process trains the same steps on the whole global batches. Every
+  rank's loss and gradient norm must equal the single process's within DP_SAME (relative): a
+  rank whose gradients were not averaged (the reducer) would show its own half's norm, a loss
+  over its own negatives only (no AllGather, or its gradient wrong from step 2 on) its own loss.
+  A rank that fails is named, with its error.
+Each run is a process of its own (`python -m pipeline.smoke train|export|dp-single`, msrun's
+workers), as each stage is.
 
 On a device the runs use the profile's model and per-device batch, so the smoke also shows that
 the batch fits in device memory. On CPU the model is the `mini` preset (the tokenizer's
-vocabulary) at batch 8, so the smoke ends in a few minutes on 2 cores.
+vocabulary) at batch 8, so the smoke ends in a few minutes on 2 cores. The data-parallel check
+runs the profile's model at DP_BATCH a rank on each NPU of this host, its single process on the
+global batch on one; on CPU, 2 workers (as tests/test_distributed.py runs them) of a model of one
+layer a tower.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +49,11 @@ STEPS = 8  # amp skips the first steps while its loss scale falls from 2**16
 CPU_PRESET, CPU_BATCH = "mini", 8
 PARITY_BATCHES = (1, 4)
 SAME = 1e-3  # relative: first-step losses of two runs, and an lr-0 run's losses, agree
+# The data-parallel check: steps, batch per rank on a device (its single process holds the global
+# batch on one NPU), CPU's workers and batch per rank, and the agreement asked of the ranks and
+# the single process (the msrun tests see 1e-5 at step 1 and <1e-3 later: summation order).
+DP_STEPS, DP_BATCH, CPU_RANKS, CPU_DP_BATCH = 3, 8, 2, 4
+DP_SAME = 1e-3
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,9 @@ class SmokePlan:
     lr: float
     seed: int
     steps: int = STEPS
+    ranks: int = 1  # the data-parallel check's msrun workers; 1: the run has one rank, no check
+    dp_model: dict[str, Any] | None = None  # the model of the data-parallel check
+    dp_batch: int = DP_BATCH  # a rank's batch there
 
     @property
     def device(self) -> str:
@@ -63,15 +83,36 @@ def smoke_plan(params: dict[str, Any], model: Any) -> SmokePlan:
     train, runtime = params.get("train") or {}, dict(params.get("runtime") or {})
     defaults = TrainSettings()
     batch = int(train.get("batch_size", defaults.batch_size))
+    dist = train.get("distributed") or {}
+    ranks = int(dist.get("workers", 1)) // max(1, int(dist.get("nodes", 1)))  # on this host
+    dp_model, dp_batch = model, DP_BATCH
     if runtime.get("device_target", "CPU") == "CPU":
         small = get_preset(CPU_PRESET)
         model = dataclasses.replace(small, text=dataclasses.replace(
             small.text, vocab_size=model.text.vocab_size,
             context_length=model.text.context_length))
         batch = CPU_BATCH
+        dp_model, dp_batch, ranks = cpu_dp_model(), CPU_DP_BATCH, CPU_RANKS
+    several = int(dist.get("workers", 1)) > 1
     return SmokePlan(runtime=runtime, model=model.to_dict(), batch_size=batch,
                      lr=float(train.get("lr", defaults.lr)),
-                     seed=int(train.get("seed", defaults.seed)))
+                     seed=int(train.get("seed", defaults.seed)),
+                     ranks=max(2, ranks) if several else 1,
+                     dp_model=dp_model.to_dict() if several else None, dp_batch=dp_batch)
+
+
+def cpu_dp_model() -> Any:
+    """The data-parallel check's model on CPU: the `tiny` preset cut to one layer a tower at
+    width 32 (the check is about the collectives, not the model), as tests/test_distributed.py's."""
+    from clipms.model.config import get_preset
+
+    tiny = get_preset("tiny")
+    return dataclasses.replace(
+        tiny, embed_dim=16,
+        vision=dataclasses.replace(tiny.vision, image_size=16, patch_size=8, width=32, layers=1,
+                                   head_width=16, stem="patch", patch_dropout=0.0),
+        text=dataclasses.replace(tiny.text, context_length=8, vocab_size=40, width=32, heads=2,
+                                 layers=1))
 
 
 # --- the checks (pure functions of what the runs returned) ------------------------------------
@@ -110,8 +151,44 @@ def check_parity(report: dict[str, Any]) -> Check:
     return Check(name, OK if report["passed"] else FAIL, figures)
 
 
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= SAME * max(abs(a), abs(b), 1e-12)
+def check_data_parallel(single: list[dict[str, float]] | str,
+                        ranks: dict[int, list[dict[str, float]] | str], launch_error: str,
+                        plan: SmokePlan) -> Check:
+    """`ranks`: each msrun rank's rows (loss, grad_norm a step) or what went wrong; `single`:
+    the single process's rows on the global batches, or its error; `launch_error`: msrun's."""
+    name = "smoke: data parallel"
+    what = (f"{plan.ranks} msrun ranks x batch {plan.dp_batch} on {plan.device}, "
+            f"{DP_STEPS} fp32 steps")
+    failed = {rank: got for rank, got in ranks.items() if isinstance(got, str)}
+    if failed:  # the ranks that failed themselves first, then those stopped with them
+        order = sorted(failed, key=lambda rank: (not failed[rank].startswith("failed"), rank))
+        return Check(name, FAIL, f"{what}: " + "; ".join(
+            f"rank {rank} {failed[rank]}" for rank in order))
+    if launch_error:
+        return Check(name, FAIL, f"{what}: every rank finished, but {launch_error}")
+    if isinstance(single, str):
+        return Check(name, FAIL, f"{what}: the single-process reference failed: {single}")
+    for rank, rows in sorted(ranks.items()):
+        for key in ("loss", "grad_norm"):
+            got, want = [r[key] for r in rows], [r[key] for r in single]
+            if len(got) != len(want) or not all(
+                    _close(a, b, DP_SAME) for a, b in zip(got, want, strict=False)):
+                return Check(name, FAIL, f"{what}: rank {rank}'s {key} {_fmt(got)} is not one "
+                             f"process's on the global batch, {_fmt(want)} (within "
+                             f"{DP_SAME:g} relative): " + _dp_hint(key))
+    return Check(name, OK, f"{what}: every rank's global loss ({_fmt([r['loss'] for r in single])})"
+                 f" and gradient norm ({_fmt([r['grad_norm'] for r in single])}) are one "
+                 f"process's on the global batch within {DP_SAME:g}: gradients averaged, "
+                 "features all-gathered")
+
+
+def _dp_hint(key: str) -> str:
+    return ("the gradient reducer did not average the ranks' gradients" if key == "grad_norm"
+            else "the features were not all-gathered, or their gradient is wrong")
+
+
+def _close(a: float, b: float, rel: float = SAME) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
 def _fmt(losses: list[float]) -> str:
@@ -134,6 +211,8 @@ def run_smoke(plan: SmokePlan, workdir: Path | None = None, timeout: float = 180
             checks.append(check_parity(_child(["export", str(root)], timeout)))
         except RuntimeError as err:
             checks.append(Check("smoke: export parity", FAIL, str(err)))
+        if plan.ranks > 1:
+            checks.append(run_data_parallel(root, plan, timeout))
         if workdir is None:
             shutil.rmtree(root, ignore_errors=True)
     return checks
@@ -150,6 +229,96 @@ def _child(args: list[str], timeout: float) -> Any:
         raise RuntimeError(f"`{args[0]}` failed (exit {proc.returncode}): "
                            f"{proc.stderr.strip()[-1500:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# What each msrun worker of the data-parallel check runs (a script outside the package, as the
+# launcher's own).
+_DP_WORKER = "import sys\nfrom pipeline.smoke import dp_child\ndp_child(sys.argv[1], True)\n"
+
+
+def run_data_parallel(root: Path, plan: SmokePlan, timeout: float) -> Check:
+    """The data-parallel check's runs (`root/plan.json` is the plan) and its verdict."""
+    try:
+        single: list[dict[str, float]] | str = _child(["dp-single", str(root)], timeout)
+    except RuntimeError as err:
+        single = str(err)
+    return check_data_parallel(single, *run_ranks(root, plan, timeout), plan)
+
+
+def run_ranks(root: Path, plan: SmokePlan,
+              timeout: float) -> tuple[dict[int, list[dict[str, float]] | str], str]:
+    """(each rank's rows or what went wrong, msrun's error or ""), from `plan.ranks` msrun
+    workers started by the run's own launcher (`clipms.parallel.launch.run_workers`)."""
+    from clipms.parallel.launch import Cluster, LaunchError, run_workers
+
+    logs = root / "dp-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    launch_error = ""
+    try:
+        run_workers(Cluster(workers=plan.ranks), logs, _DP_WORKER, [str(root)], plan.device,
+                    timeout)
+    except LaunchError as err:
+        launch_error = str(err).splitlines()[0]
+    return ({rank: _rank_outcome(root, logs, rank, launch_error)
+             for rank in range(plan.ranks)}, launch_error)
+
+
+def _rank_outcome(root: Path, logs: Path, rank: int,
+                  launch_error: str) -> list[dict[str, float]] | str:
+    """A rank's rows, its own error, or what msrun and its log say when it left neither."""
+    rows, error = root / f"dp-rank{rank}.json", root / f"dp-rank{rank}.error"
+    if error.exists():
+        return "failed: " + error.read_text().strip().splitlines()[-1]
+    if rows.exists():
+        return json.loads(rows.read_text())
+    log = logs / f"worker_{rank}.log"
+    tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+    return (f"no result ({launch_error or 'msrun exited 0'}: stopped when another rank failed, "
+            f"or crashed; {log})" + (" ... " + " | ".join(tail) if tail else ""))
+
+
+def dp_child(root: Path | str, distributed: bool) -> list[dict[str, float]]:
+    """DP_STEPS fp32 steps of the plan's data-parallel model: on this rank's slice of the random
+    global batches (`distributed`, an msrun worker: writes `dp-rank<R>.json`, or `.error`), or
+    in one process on the whole global batches."""
+    root = Path(root)
+    if distributed and os.environ.get("MS_ROLE") == "MS_SCHED":
+        # msrun runs the script as its scheduler too: that process only serves the cluster
+        from clipms.parallel.comm import init_distributed
+
+        init_distributed()
+        return []
+    rank = int(os.environ.get("RANK_ID", "0")) if distributed else 0  # msrun's global rank
+    try:
+        rows = _dp_train(root, distributed)
+        if distributed:
+            (root / f"dp-rank{rank}.json").write_text(json.dumps(rows))
+    except BaseException:
+        if distributed:
+            (root / f"dp-rank{rank}.error").write_text(traceback.format_exc()[-3000:])
+        raise
+    return rows
+
+
+def _dp_train(root: Path, distributed: bool) -> list[dict[str, float]]:
+    from clipms.model.config import CLIPConfig
+    from clipms.parallel.comm import init_distributed
+    from clipms.runtime import RuntimeConfig
+    from clipms.train.config import TrainConfig
+    from clipms.train.feed import RandomBatches
+    from clipms.train.loop import train
+
+    plan = SmokePlan(**json.loads((root / "plan.json").read_text()))
+    model = CLIPConfig.from_dict(plan.dp_model or plan.model)
+    rank, size = init_distributed() if distributed else (0, 1)
+    batch = plan.dp_batch if distributed else plan.dp_batch * plan.ranks
+    cfg = TrainConfig(model=model, batch_size=batch, precision="fp32", lr=plan.lr,
+                      warmup_steps=0, max_steps=DP_STEPS, seed=plan.seed,
+                      runtime=RuntimeConfig(**plan.runtime))
+    # the same global batches either way: RandomBatches draws batch x group rows per index
+    source = RandomBatches(model, batch, DP_STEPS, seed=plan.seed, rank=rank, group_size=size)
+    result = train(cfg, source, distributed=distributed)
+    return [{"loss": row["loss"], "grad_norm": row["grad_norm"]} for row in result.history]
 
 
 def train_child(root: Path, lr: float, name: str) -> list[float]:
@@ -211,7 +380,8 @@ def export_child(root: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipeline.smoke train ROOT LR NAME | export ROOT`: one smoke run (internal)."""
+    """`python -m pipeline.smoke train ROOT LR NAME | export ROOT | dp-single ROOT`: one smoke
+    run (internal)."""
     parser = argparse.ArgumentParser(prog="python -m pipeline.smoke", description=main.__doc__)
     sub = parser.add_subparsers(dest="what", required=True)
     one = sub.add_parser("train")
@@ -219,9 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("lr", type=float)
     one.add_argument("name")
     sub.add_parser("export").add_argument("root", type=Path)
+    sub.add_parser("dp-single").add_argument("root", type=Path)
     args = parser.parse_args(argv)
     if args.what == "train":
         print(json.dumps(train_child(args.root, args.lr, args.name)))
+    elif args.what == "dp-single":
+        print(json.dumps(dp_child(args.root, distributed=False)))
     else:
         print(json.dumps(export_child(args.root)))
     return 0

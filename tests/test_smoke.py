@@ -79,3 +79,77 @@ def test_the_smoke_run_trains_twice_and_exports_on_this_cpu(tmp_path):
     assert "(bar 1e-05, CPU (host))" in checks["smoke: export parity"]["detail"]
     assert len(list((tmp_path / "graphs").iterdir())) == 2  # one keyed folder per lr
     assert not list(scratch.glob("clipms-smoke-*"))  # its runs and bundle removed afterwards
+
+
+# --- the data-parallel check --------------------------------------------------------------------
+def test_a_profile_of_several_ranks_gets_a_data_parallel_check_on_this_hosts_devices():
+    eight = plan_of(yaml.safe_load((PROJECT_ROOT / "profiles" / "vit-b-32-8npu.yaml").read_text()))
+    assert (eight.ranks, eight.dp_batch) == (8, smoke.DP_BATCH)  # one rank on each NPU
+    assert eight.dp_model["vision"]["width"] == 768  # the run's model, at a small batch
+    two_hosts = plan_of(yaml.safe_load(
+        (PROJECT_ROOT / "profiles" / "vit-b-32-2x8npu.yaml").read_text()))
+    assert two_hosts.ranks == 8  # this host's share of the 16
+    one = plan_of(yaml.safe_load((PROJECT_ROOT / "profiles" / "vit-b-32-1npu.yaml").read_text()))
+    assert one.ranks == 1 and one.dp_model is None  # one rank: no msrun, no check
+    cpu = plan_of({"train.distributed.workers": 8})
+    assert (cpu.device, cpu.ranks, cpu.dp_batch) == ("CPU", 2, smoke.CPU_DP_BATCH)
+    assert cpu.dp_model["vision"]["layers"] == 1 and cpu.dp_model["text"]["layers"] == 1
+
+
+ROWS = [{"loss": 2.08, "grad_norm": 1.91}, {"loss": 1.72, "grad_norm": 2.40}]
+
+
+def test_the_data_parallel_check_wants_every_rank_to_be_the_single_process():
+    plan = plan_of({"train.distributed.workers": 2})
+    ok = smoke.check_data_parallel(ROWS, {0: ROWS, 1: ROWS}, "", plan)
+    assert ok.status == OK and "gradients averaged, features all-gathered" in ok.detail
+    within = [{k: v * (1 + 0.5 * smoke.DP_SAME) for k, v in row.items()} for row in ROWS]
+    assert smoke.check_data_parallel(ROWS, {0: within, 1: within}, "", plan).status == OK
+    # without the reducer each rank's norm is its own half's
+    unreduced = [{**row, "grad_norm": row["grad_norm"] * 1.4} for row in ROWS]
+    bad = smoke.check_data_parallel(ROWS, {0: ROWS, 1: unreduced}, "", plan)
+    assert bad.status == FAIL and "rank 1's grad_norm" in bad.detail
+    assert "reducer did not average" in bad.detail
+    local = [{**ROWS[0], "loss": 1.39}, ROWS[1]]  # its own negatives only: a smaller loss
+    bad = smoke.check_data_parallel(ROWS, {0: local, 1: local}, "", plan)
+    assert bad.status == FAIL and "rank 0's loss" in bad.detail and "all-gathered" in bad.detail
+
+
+def test_a_rank_that_fails_is_named_before_the_ranks_stopped_with_it():
+    plan = plan_of({"train.distributed.workers": 2})
+    check = smoke.check_data_parallel(
+        ROWS, {0: "no result (msrun exited 1 ...)", 1: "failed: RuntimeError: HCCL timeout"},
+        "msrun exited 1", plan)
+    assert check.status == FAIL
+    assert check.detail.index("rank 1 failed: RuntimeError: HCCL timeout") < check.detail.index(
+        "rank 0 no result")
+    late = smoke.check_data_parallel(ROWS, {0: ROWS, 1: ROWS}, "msrun exited 1", plan)
+    assert late.status == FAIL and "every rank finished, but msrun exited 1" in late.detail
+    ref = smoke.check_data_parallel("`dp-single` failed (exit 1): boom", {0: ROWS, 1: ROWS}, "",
+                                    plan)
+    assert ref.status == FAIL and "single-process reference failed" in ref.detail
+
+
+@pytest.mark.slow  # msrun with 2 workers and a single process, each compiling a train step
+@pytest.mark.timeout(1800)
+def test_the_data_parallel_smoke_runs_two_msrun_ranks_on_this_cpu(tmp_path):
+    import dataclasses
+
+    plan = plan_of({"train.distributed.workers": 2})
+    (tmp_path / "plan.json").write_text(json.dumps(dataclasses.asdict(plan)))
+    check = smoke.run_data_parallel(tmp_path, plan, timeout=1200)
+    assert check.status == OK, check.detail
+    rows = {rank: json.loads((tmp_path / f"dp-rank{rank}.json").read_text()) for rank in (0, 1)}
+    assert len(rows[0]) == smoke.DP_STEPS and rows[0] == rows[1]  # the ranks agree exactly
+    assert rows[0][-1]["loss"] < rows[0][0]["loss"]  # and trained
+
+    # rank 1 trains, then cannot write its result (a folder is in the way): named as rank 1
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "plan.json").write_text(json.dumps(dataclasses.asdict(plan)))
+    (again / "dp-rank1.json").mkdir()
+    ranks, launch_error = smoke.run_ranks(again, plan, timeout=1200)
+    failed = smoke.check_data_parallel(rows[0], ranks, launch_error, plan)
+    assert failed.status == FAIL and "rank 1 failed: IsADirectoryError" in failed.detail, failed
+    # rank 0 finished, or msrun stopped it when rank 1 exited: either way not called failed
+    assert ranks[0] == rows[0] or ranks[0].startswith("no result"), ranks[0]
