@@ -7,7 +7,8 @@ checkpoints -- and the plan -- a full global batch from the train split of the s
 steps than warmup -- and prints what the run would do and the `dvc exp run` command that applies
 the overrides. It exits 1 when a check fails. Nothing is trained or written; `run_check()` runs
 one multiplication on MindSpore's default device. With `--smoke` it then trains a few amp steps
-twice and exports on the run's device (pipeline/smoke.py), one line per check. docs/ascend.md
+twice and exports on the run's device and, on a profile of several ranks, runs a short
+data-parallel check through msrun (pipeline/smoke.py), one line per check. docs/ascend.md
 explains each check.
 """
 
@@ -556,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoints", type=Path, default=Path("models/checkpoints"))
     parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
     parser.add_argument("--smoke", action="store_true",
-                        help="then train a few amp steps twice and export on the device "
+                        help="then train a few amp steps twice and export on the device, and "
+                             "check data parallel through msrun on a profile of several ranks "
                              "(pipeline/smoke.py; minutes)")
     args = parser.parse_args(argv)
 
