@@ -64,20 +64,26 @@ def test_the_parity_line_shows_the_device_figures_beside_the_host_gate():
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # three compiles: ~2 CPU-minutes, far more wall time on a busy host
 def test_the_smoke_run_trains_twice_and_exports_on_this_cpu(tmp_path):
+    """With 2 ranks asked for, the data-parallel check runs too (2 msrun workers)."""
     scratch = tmp_path / "tmp"  # where the smoke's temporary folder goes (TMPDIR)
     scratch.mkdir()
     env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT), "CLIPMS_KERNEL_CACHE": str(tmp_path),
            "TMPDIR": str(scratch)}
     proc = run(["python", "-m", "pipeline.preflight", "--params",
                 str(PROJECT_ROOT / "params.yaml"), "--manifest", str(tmp_path / "none.json"),
-                "--smoke", "--json", "-S", "runtime.compile_cache=true"],
+                "--smoke", "--json", "-S", "runtime.compile_cache=true",
+                "-S", "train.distributed.workers=2"],
                cwd=tmp_path, env=env, check=False, timeout=2400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     checks = {c["name"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])["checks"]}
-    for name in ("smoke: loss", "smoke: lr reaches the graph", "smoke: export parity"):
+    for name in ("smoke: loss", "smoke: lr reaches the graph", "smoke: export parity",
+                 "smoke: data parallel"):
         assert checks[name]["status"] == OK, checks[name]
     assert "(bar 1e-05, CPU (host))" in checks["smoke: export parity"]["detail"]
-    assert len(list((tmp_path / "graphs").iterdir())) == 2  # one keyed folder per lr
+    assert checks["smoke: data parallel"]["detail"].startswith("2 msrun ranks x batch 4 on CPU")
+    # one keyed folder per lr, one for the data-parallel check's single process, one for its ranks
+    keys = [json.loads((d / "key.json").read_text()) for d in (tmp_path / "graphs").iterdir()]
+    assert len(keys) == 4, keys
     assert not list(scratch.glob("clipms-smoke-*"))  # its runs and bundle removed afterwards
 
 
