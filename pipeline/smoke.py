@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -268,13 +269,37 @@ def _rank_outcome(root: Path, logs: Path, rank: int,
     """A rank's rows, its own error, or what msrun and its log say when it left neither."""
     rows, error = root / f"dp-rank{rank}.json", root / f"dp-rank{rank}.error"
     if error.exists():
-        return "failed: " + error.read_text().strip().splitlines()[-1]
+        return "failed: " + _exception_line(error.read_text())
     if rows.exists():
         return json.loads(rows.read_text())
     log = logs / f"worker_{rank}.log"
-    tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+    error_line = _last_error(log)
     return (f"no result ({launch_error or 'msrun exited 0'}: stopped when another rank failed, "
-            f"or crashed; {log})" + (" ... " + " | ".join(tail) if tail else ""))
+            f"or crashed; {log})" + (f": {error_line}" if error_line else ""))
+
+
+def _exception_line(text: str) -> str:
+    """The `SomeError: message` line of a traceback; MindSpore's put the message on the lines
+    after an empty `RuntimeError:` (under a dashed header) and end in a C++ call stack."""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    found = [i for i, line in enumerate(lines)
+             if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b", line)]
+    if not found:
+        return (lines[-1] if lines else "no message")[:500]
+    head, rest = lines[found[-1]], lines[found[-1] + 1:]
+    if head.endswith(":"):  # the message follows: its first line that is not a header
+        words = [line for line in rest if line and not line.startswith("-")]
+        head = f"{head} {words[0]}" if words else head
+    return head[:500]
+
+
+def _last_error(log: Path) -> str:
+    """The last `[ERROR]` line of a worker's log (MindSpore's own), or ""."""
+    if not log.exists():
+        return ""
+    errors = [line for line in log.read_text(errors="replace").splitlines()
+              if line.startswith("[ERROR]")]
+    return errors[-1][:500] if errors else ""
 
 
 def dp_child(root: Path | str, distributed: bool) -> list[dict[str, float]]:
