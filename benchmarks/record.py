@@ -71,16 +71,32 @@ def git_state(root: Path = ROOT) -> dict[str, Any]:
     return {"commit": commit, "dirty": bool(changed)}
 
 
-def machine() -> dict[str, Any]:
-    """What the figures depend on: the CPU model, how many cores this process may use, memory."""
-    cpu = platform.processor() or platform.machine()
+# The widest vector extension first: MindSpore's CPU kernels pick their code path by it, so two
+# machines with different ones train to different weights (docs/evaluation-and-export.md).
+SIMD_LEVELS = ("avx512f", "avx2", "avx", "sse4_2", "asimd")
+
+
+def cpu_fields() -> dict[str, str]:
+    """/proc/cpuinfo's first processor block as name -> value (empty where it cannot be read)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        block = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
     except OSError:
-        pass
+        return {}
+    pairs = (line.partition(":") for line in block.splitlines())
+    return {name.strip(): value.strip() for name, _, value in pairs}
+
+
+def simd(flags: str) -> str | None:
+    """The widest of SIMD_LEVELS among the CPU's flags (x86 `flags`, arm `Features`)."""
+    have = set(flags.split())
+    return next((level for level in SIMD_LEVELS if level in have), None)
+
+
+def machine() -> dict[str, Any]:
+    """What the figures depend on: the CPU model and its vector extension, how many cores this
+    process may use, memory."""
+    fields = cpu_fields()
+    cpu = fields.get("model name") or platform.processor() or platform.machine()
     memory_gb = None
     try:
         kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
@@ -88,7 +104,8 @@ def machine() -> dict[str, Any]:
         memory_gb = round(kb / 2**20, 1)
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gb": memory_gb}
+    return {"cpu": cpu, "simd": simd(fields.get("flags") or fields.get("Features") or ""),
+            "cores": len(os.sched_getaffinity(0)), "memory_gb": memory_gb}
 
 
 def shown_path(arg: str) -> str:

@@ -68,7 +68,8 @@ def measured(record: Record) -> str:
     if meta.get("dirty"):
         commit += " (with uncommitted changes)"
     load = meta["load_avg"]
-    line = (f"_`{meta['command']}` at {commit}; {m['cpu']}, {m['cores']} cores, "
+    cpu = f"{m['cpu']} ({m['simd']})" if m.get("simd") else m["cpu"]
+    line = (f"_`{meta['command']}` at {commit}; {cpu}, {m['cores']} cores, "
             f"{m['memory_gb']} GB; 1-minute load {load['start'][0]} at the start, "
             f"{load['end'][0]} at the end")
     if meta.get("note"):

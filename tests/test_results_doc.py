@@ -121,6 +121,20 @@ def test_the_record_names_the_commit_the_machine_and_the_load(tmp_path, monkeypa
     assert meta["note"] == "idle: nothing else ran"
 
 
+def test_the_machine_names_its_widest_vector_extension():
+    # Training differs across vector extensions, so a figure must carry the one it ran on.
+    assert record.simd("fpu sse4_2 avx avx2 avx512f avx512bw") == "avx512f"
+    assert record.simd("fpu sse4_2 avx avx2") == "avx2"
+    assert record.simd("fp asimd evtstrm aes") == "asimd"
+    assert record.simd("fpu") is None
+    body = render_results.measured({"meta": {
+        "command": "c", "commit": "abc1234", "dirty": False, "note": None,
+        "machine": {"cpu": "CPU X", "simd": "avx2", "cores": 2, "memory_gb": 8},
+        "load_avg": {"start": [1.0, 1, 1], "end": [2.0, 2, 2]},
+        "started_utc": "2026-01-02T03:04:05Z", "finished_utc": "2026-01-02T03:05:05Z"}})
+    assert "CPU X (avx2), 2 cores" in body and "2026" not in body
+
+
 def test_commands_are_recorded_as_typed_in_the_repository():
     shown = record.shown_command([sys.executable, str(ROOT / "benchmarks" / "bench_data.py"),
                                   "shard", "--out", str(ROOT / "x.json"), "/elsewhere/y"])
