@@ -48,7 +48,7 @@ test: env
 	pytest -q -n 2 --dist loadfile
 
 # The fast tier: every test not marked slow (tests/conftest.py says which must be), the same two
-# workers; about 140 CPU-seconds. `make test` stays the whole suite, as CI runs it.
+# workers (its budget: docs/testing.md). `make test` stays the whole suite, as CI runs it.
 .PHONY: test-fast
 test-fast: env
 	pytest -q -n 2 --dist loadfile -m "not slow"

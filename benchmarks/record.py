@@ -7,7 +7,7 @@ the tables from these files):
     {"benchmark": "<name>",
      "meta": {"command": "...", "commit": "1a2b3c4", "dirty": false,
               "started_utc": "...", "finished_utc": "...",
-              "machine": {"cpu": "...", "cores": 2, "memory_gb": 23.5},
+              "machine": {"cpu": "...", "simd": "avx2", "cores": 2, "memory_gb": 23.5},
               "load_avg": {"start": [1m, 5m, 15m], "end": [1m, 5m, 15m]},
               "note": "..."},
      "results": ...}
