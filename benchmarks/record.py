@@ -15,9 +15,11 @@ the tables from these files):
 `note` comes from the environment variable CLIPMS_BENCH_NOTE (for example "shared with other
 work"): a benchmark cannot tell whether the machine was shared; the load average only hints.
 
-As a command, it records any command that prints JSON lines (`clipms-bench` prints one per run):
+As a command, it records any command that prints JSON lines (`python -m benchmarks.throughput`
+prints one per run):
 
-    python benchmarks/record.py loader --repeat 2 -- clipms-bench loader --batches 30
+    python benchmarks/record.py loader --repeat 2 -- python -m benchmarks.throughput loader
+    --batches 30
 
 runs the command `--repeat` times and writes the last JSON line of each run to
 benchmarks/results/loader.json (`--results` for another path).
@@ -125,7 +127,7 @@ def shown_command(argv: Sequence[str]) -> str:
     if argv and Path(argv[0]).name.startswith("python"):
         shown[0] = "python"
     elif argv and Path(argv[0]).parent == Path(sys.executable).parent:
-        shown[0] = Path(argv[0]).name  # clipms-bench, clipms-serve
+        shown[0] = Path(argv[0]).name  # clipms-serve
     return shlex.join(shown)
 
 

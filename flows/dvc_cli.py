@@ -230,7 +230,7 @@ def apply_overrides(workdir: Path, overrides: dict[str, Any]) -> None:
     """Apply overrides to `workdir`'s params.yaml exactly as `dvc exp run -S` does.
 
     This is DVC's own `-S` code path (`dvc.utils.hydra.apply_overrides`), so the syntax and the
-    errors are DVC's. The flow calls it on its private workspace only (flows/workspace.py), never
+    errors are DVC's. The flow calls it on its private workspace only (flows/worktree.py), never
     on the user's checkout.
     """
     from dvc.utils.hydra import apply_overrides as dvc_apply

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from registry.gate import decided_alias, logged_metrics
-from registry.journal import mlflow_key
+from tracking.journal import mlflow_key
 
 DEFAULT_METRICS = ("i2t_R@1", "i2t_R@5", "t2i_R@1", "t2i_R@5", "mAP@10", "zeroshot_top1")
 

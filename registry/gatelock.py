@@ -29,7 +29,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from registry.prefect_limits import ensure_one_slot_limit
-from registry.settings import sqlite_path
+from tracking.settings import sqlite_path
 
 LIMIT_PREFIX = "mlflow-gate-"
 

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 from clipms.eval.metrics import metric_direction
 from registry import gate, pyfunc
 from registry.gatelock import gate_lock
-from registry.journal import mlflow_key, now_ms
-from registry.lineage import val_digest
-from registry.run import PipelineRun
-from registry.settings import RegisterParams, client, tracking_uri
 from registry.versions import checkpoint_path
+from tracking.journal import mlflow_key, now_ms
+from tracking.lineage import val_digest
+from tracking.run import PipelineRun
+from tracking.settings import RegisterParams, client, tracking_uri
 
 if TYPE_CHECKING:
     from registry.rescore import EvaluationSet

@@ -5,7 +5,7 @@ another set than the champion was. Before deciding, the gate scores the champion
 version's set (as MLflow's evaluate scores a baseline model on the candidate's data): the
 champion's export bundle is downloaded from the registry (`registry.versions`: its MindIR graphs,
 its own tokenizer and preprocessing), opened with `clipms.deploy.infer.Encoder`, and scored by
-`clipms.eval.evaluate.evaluate_towers`, the code the `evaluate` stage runs, with the same shards,
+`clipms.eval.scoring.evaluate_towers`, the code the `evaluate` stage runs, with the same shards,
 split, batch size and zero-shot settings. So every metric `evaluate` writes, retrieval and
 zero-shot alike, can be the primary one.
 
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from registry import gate
 
 if TYPE_CHECKING:
-    from clipms.eval.evaluate import ZeroShotSpec
+    from clipms.eval.scoring import ZeroShotSpec
 
 
 class RescoreError(gate.GateError):
@@ -42,7 +42,7 @@ class EvaluationSet:
 
     shards_dir: Path  # a folder in the shard stage's format (manifest.json + <split>/*.tar)
     split: str
-    digest: str | None  # registry.lineage.val_digest of that split: which samples, exactly
+    digest: str | None  # tracking.lineage.val_digest of that split: which samples, exactly
     name: str  # how decisions name it, e.g. "split val of data/shards"
     zeroshot: ZeroShotSpec
     batch_size: int
@@ -77,7 +77,7 @@ def _score(mlflow_client: Any, model_name: str, version: str,
            evaluation_set: EvaluationSet) -> dict[str, float]:
     """Every metric of the `evaluate` stage, for the registered version's bundle."""
     from clipms.deploy.infer import Encoder
-    from clipms.eval.evaluate import evaluate_towers
+    from clipms.eval.scoring import evaluate_towers
     from registry.versions import download_bundle, resolve
 
     found = resolve(mlflow_client, f"models:/{model_name}/{version}")

@@ -99,12 +99,12 @@ def check_bind(host: str, token: str | None) -> None:
 def default_model_name() -> str:
     """register.model_name of the project's params.yaml (the name the pipeline registers)."""
     from pipeline.params import PARAMS_FILE, ParamsError
-    from registry.settings import register_params
+    from tracking.settings import register_params
 
     try:
         return register_params(PARAMS_FILE).model_name
     except ParamsError:  # not in a project checkout: the pipeline's default name
-        from registry.settings import RegisterParams
+        from tracking.settings import RegisterParams
 
         return RegisterParams().model_name
 
@@ -169,7 +169,7 @@ def build(args: argparse.Namespace) -> Any:
     from serving.app import create_app
     from serving.engine import BatchSettings
     from serving.hosts import HostPolicy
-    from serving.metrics import ServiceMetrics
+    from serving.prometheus import ServiceMetrics
     from serving.state import ServiceState
 
     token = read_token(args)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from clipms.deploy.index import ImageIndex
+from clipms.deploy.searchindex import ImageIndex
 from serving.batcher import Batcher
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from serving.batcher import Returning
 from serving.engine import BatchSettings, Engine
-from serving.metrics import ServiceMetrics
+from serving.prometheus import ServiceMetrics
 from serving.source import Fetched, RegistrySource, SourceError
 
 log = logging.getLogger("clipms.serving")
@@ -34,7 +34,7 @@ class NotReady(RuntimeError):
 
 def open_index(fetched: Fetched) -> tuple[str, Any]:
     """(bundle digest, the checked index); numpy and files only, safe beside the model thread."""
-    from clipms.deploy.index import ImageIndex, bundle_digest
+    from clipms.deploy.searchindex import ImageIndex, bundle_digest
 
     digest = bundle_digest(fetched.bundle_dir)
     return digest, ImageIndex.load(fetched.index_dir, bundle_digest=digest)
@@ -43,8 +43,8 @@ def open_index(fetched: Fetched) -> tuple[str, Any]:
 def open_encoder(fetched: Fetched, index: Any, max_batch: int, runtime: Any = None) -> Any:
     """The bundle's Encoder on `runtime` (a clipms.runtime.RuntimeConfig; None: CPU defaults);
     MindSpore, so run in the model thread."""
-    from clipms.deploy.index import ImageIndexError
     from clipms.deploy.infer import Encoder
+    from clipms.deploy.searchindex import ImageIndexError
 
     encoder = Encoder(fetched.bundle_dir, batch_size=max_batch, device=runtime or "CPU")
     if index.meta["dim"] != encoder.embed_dim:
@@ -72,8 +72,8 @@ def broken_version(err: Exception) -> bool:
     """True for what is wrong with the version itself (its index, bundle or artifacts); other
     errors (the registry unreachable mid-download, a full disk) are retried at the next poll."""
     from clipms.data.preprocess import PreprocessError
-    from clipms.deploy.index import ImageIndexError
     from clipms.deploy.infer import BundleError
+    from clipms.deploy.searchindex import ImageIndexError
 
     return isinstance(err, ImageIndexError | BundleError | PreprocessError | SourceError)
 

@@ -8,7 +8,7 @@ server process (MLflow, Prefect, PostgreSQL, the search service) or runs `dvc` o
 that compiles a MindSpore training step, exports or loads MindIR, compiles fused kernels or runs a
 stage on data is always over the budget; one that starts a stage only to see it refuse bad
 params, before anything heavy loads, usually is not, nor is a loopback server in a thread of the
-test process (tests/image_site.py).
+test process (harness/image_site.py).
 Every run ends by listing the unmarked tests over the budget, in CPU seconds (this process and the
 children it waited for), which a loaded machine changes far less than wall time.
 """
@@ -31,7 +31,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("GLOG_v", "3")
 
 # CPU graph-kernel fusion (clipms.runtime): the commands tests start (stages, `dvc repro`, servers;
-# tests/workspace.py's tool_env) run fused, as users run them, compiling into a kernel cache of
+# harness/dvc_workspace.py's tool_env) run fused, as users run them, compiling into a kernel cache
+# of
 # their own that starts empty. This pytest process itself stays unfused: after ~80 tests had
 # compiled hundreds of unrelated graphs in it, MindSpore's AKG kernel-build client was found closed
 # ("Send request before Open()"), which no single stage or inference process ever showed.

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
+from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig
 from clipms.model.convert import openclip_shapes
 from clipms.runtime import SWITCH
-from tests.workspace import PROJECT_ROOT, checkpoint_arrays, run
+from harness.dvc_workspace import PROJECT_ROOT, checkpoint_arrays, run
 
 # Trains a micro CLIP for 3 amp steps on random batches; writes the model as the train stage does
 # (clip.ckpt + the clip.json sidecar) and the losses.
@@ -35,7 +35,7 @@ import json, logging, sys
 from pathlib import Path
 import clipms
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, force=True)
-from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
+from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig
 from clipms.runtime import RuntimeConfig
 from clipms.train.loop import RandomBatches, TrainConfig, save_model, train
 out = Path(sys.argv[1])
@@ -58,7 +58,7 @@ MICRO = CLIPConfig(
     text=TextConfig(context_length=8, vocab_size=40, width=32, heads=2, layers=1))
 # Max abs difference of the L2-normalised amp and fp32 embeddings of the same weights: fp16 keeps
 # 11 significant bits (unit roundoff 4.9e-4) and every layer rounds again; the export's fp16 bar
-# (clipms.deploy.export.PARITY) for the same reason. Measured here: see the test's assertion
+# (clipms.deploy.mindir.PARITY) for the same reason. Measured here: see the test's assertion
 # message (pytest -s prints it).
 AMP_EMBEDDING_BAR = 2e-3
 

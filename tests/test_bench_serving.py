@@ -1,8 +1,8 @@
 """benchmarks/bench_serving.py end to end on a tiny bundle: real services on 127.0.0.1, the real
-load client and real `clipms-bench encode` runs. What is checked is how the service-vs-model
-ratio is measured (the model-alone "limit"), not the speed: the pinned mode's service is started
-on the server CPU, and every batched text cell at concurrency 32 is paired with a model-alone run
-on the CPUs and thread count the service had, in the same minute."""
+load client and real `python -m benchmarks.throughput encode` runs. What is checked is how the
+service-vs-model ratio is measured (the model-alone "limit"), not the speed: the pinned mode's
+service is started on the server CPU, and every batched text cell at concurrency 32 is paired with
+a model-alone run on the CPUs and thread count the service had, in the same minute."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny_model import jpeg_bytes, random_images
-from tests.workspace import tool_env
+from harness.dvc_workspace import tool_env
+from harness.tiny_model import jpeg_bytes, random_images
 
 pytestmark = pytest.mark.slow  # its module fixture runs the benchmark: real services
 
@@ -28,10 +28,10 @@ ROUNDS = 2
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the pinned mode needs two CPUs")
-    from clipms.deploy.index import Item, build_index, bundle_digest
     from clipms.deploy.infer import Encoder
     from clipms.deploy.search import SearchOptions
-    from tests.tiny_model import export_tiny_bundle
+    from clipms.deploy.searchindex import Item, build_index, bundle_digest
+    from harness.tiny_model import export_tiny_bundle
 
     root = tmp_path_factory.mktemp("bench-serving")
     bundle = export_tiny_bundle(root)

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from clipms.prep.captions import (
+from pipeline.params import ParamsError, load_section
+from prep.captions import (
     MetadataError,
     check_usable,
     comparison_keys,
@@ -19,10 +20,9 @@ from clipms.prep.captions import (
     scheme_array,
     write_images,
 )
-from clipms.prep.download import read_parquet
-from clipms.prep.identity import IdentityError, assign_splits, image_identities, stable_keys
-from clipms.prep.urlguard import allowed_schemes, url_scheme
-from pipeline.params import ParamsError, load_section
+from prep.fetch import read_parquet
+from prep.identity import IdentityError, assign_splits, image_identities, stable_keys
+from prep.urlguard import allowed_schemes, url_scheme
 from stages.dedupe import DedupeParams
 from stages.download import load_download
 
@@ -293,7 +293,7 @@ def test_dedupe_stage_stops_when_nothing_useful_is_left(tmp_path):
     import subprocess
     import sys
 
-    from tests.image_site import stage_env
+    from harness.image_site import stage_env
 
     (tmp_path / "data").mkdir()
     (tmp_path / "params.yaml").write_text("metadata:\n  source: local\n  path: x.parquet\n")
@@ -311,7 +311,7 @@ def test_nothing_left_names_what_removed_the_rows_and_the_summary_adds_up():
     removal reasons (x_check_usable__mutmut_4/5/7/10/11), the stage's closing summary, which no
     fast test read (x_summary__mutmut_*), and the index of the public normalising helpers
     (x_normalise_captions__mutmut_2, x_comparison_keys__mutmut_2)."""
-    from clipms.prep.captions import summary
+    from prep.captions import summary
 
     stats = dedupe(frame([("ftp://x/1", "a caption"), ("http://x/2.jpg", "tiny"),
                           ("", "no url at all")]), HTTP, log=quiet).stats

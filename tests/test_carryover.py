@@ -17,19 +17,19 @@ import numpy as np
 import pytest
 import yaml
 
-from registry import settings
-from tests import mlflow_server as server_fixtures
+from harness import mlflow_server as server_fixtures
+from harness.dvc_workspace import PROJECT_ROOT, checkpoint_arrays, tool_env
+from harness.mlflow_server import MlflowServer
+from harness.tiny_model import CAPTIONS, make_train_and_val_shards
 from tests import test_registry_server
-from tests.mlflow_server import MlflowServer
 from tests.test_registry_server import prepare_workspace, register_in
-from tests.tiny_model import CAPTIONS, make_train_and_val_shards
-from tests.workspace import PROJECT_ROOT, checkpoint_arrays, tool_env
+from tracking import settings
 
 pytestmark = pytest.mark.slow
 mlflow_server = server_fixtures.mlflow_server  # session fixtures, found by name
 bundle = test_registry_server.bundle
 
-# The tiny architecture of tests/tiny_model.py as train params (vocabulary and context: the
+# The tiny architecture of harness/tiny_model.py as train params (vocabulary and context: the
 # tokenizer's, 600 and 16 for the champion's).
 TINY_TRAIN = {
     "preset": "tiny", "batch_size": 4, "workers": 0, "log_every": 1, "checkpoint_every": 1,
@@ -75,7 +75,7 @@ def record(root: Path) -> dict:
 
 def test_a_pinned_tokenizer_is_the_champions_and_a_retrain_builds_another(
         champion: str, bundle: Path, tmp_path: Path) -> None:
-    from clipms.text.tokenizer import Tokenizer
+    from clipms.text.clip_tokenizer import Tokenizer
 
     pin = f"models:/{champion}@champion"
     root = night(tmp_path / "night", {"tokenizer": {"pin": pin, "vocab_size": 560,
@@ -176,9 +176,9 @@ def test_a_warm_start_begins_from_the_champions_weights_and_names_it(
 
 
 def champion_model(bundle: Path) -> dict:
-    """The champion's architecture: tests/tiny_model.py's, with its tokenizer's vocabulary."""
-    from clipms.text.tokenizer import Tokenizer
-    from tests.tiny_model import tiny_config
+    """The champion's architecture: harness/tiny_model.py's, with its tokenizer's vocabulary."""
+    from clipms.text.clip_tokenizer import Tokenizer
+    from harness.tiny_model import tiny_config
 
     return tiny_config(Tokenizer.load(bundle / "tokenizer.json").vocab_size).to_dict()
 
@@ -191,8 +191,8 @@ def fetch(uri: str, root: Path, tokenizer: Path, model: dict):  # noqa: ANN201
 
 def test_what_cannot_be_carried_over_stops_with_a_message(
         champion: str, bundle: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness.tiny_model import write_trained
     from registry.carryover import CarryOverError
-    from tests.tiny_model import write_trained
 
     tokenizer, model = bundle / "tokenizer.json", champion_model(bundle)
     good = fetch(f"models:/{champion}@champion", tmp_path, tokenizer, model)
@@ -232,9 +232,9 @@ def test_a_version_registered_without_its_checkpoint_cannot_be_warm_started(
 
     from registry.carryover import CarryOverError
     from registry.registration import register_version
-    from registry.run import PipelineRun
-    from registry.settings import RegisterParams
-    from stages.tracking import FILES
+    from tracking.files import FILES
+    from tracking.run import PipelineRun
+    from tracking.settings import RegisterParams
 
     root = prepare_workspace(tmp_path / "v2", bundle, {"i2t_R@5": 0.9}, champion)
     with chdir(root):

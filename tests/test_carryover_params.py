@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from pipeline.params import ParamsError, validate_section
-from registry.lineage import carried_over
 from registry.versions import VersionError, is_model_uri, parse_model_uri
 from stages.tokenizer import TokenizerParams
 from stages.train import TrainParams
+from tracking.lineage import carried_over
 
 
 def test_tokenizer_pin_takes_a_registered_model_uri_and_nothing_else() -> None:

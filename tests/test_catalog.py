@@ -12,14 +12,14 @@ import pandas as pd
 import pytest
 
 from clipms.data import webds
-from clipms.prep.catalog import (
+from prep.catalog import (
     CatalogError,
     file_sha256,
     read_catalog,
     shard_inputs,
     write_catalog,
 )
-from clipms.prep.shards import ChecksCache, ShardSettings, build_shards
+from prep.shards import ChecksCache, ShardSettings, build_shards
 from tests.test_shard import good, write_tar
 
 SETTINGS = ShardSettings(samples_per_shard=2, workers=1)

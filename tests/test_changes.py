@@ -1,4 +1,4 @@
-"""The data-change report (clipms.prep.changes): what it counts against the last accepted run, how
+"""The data-change report (prep.delta): what it counts against the last accepted run, how
 the snapshots rotate (a rerun of a night reports the same; a failed check keeps the baseline), and
 each threshold stopping the run with a message naming the problem and the param. The inputs are
 the files the stages write, made here: metadata.parquet (with the source's columns, as the
@@ -15,11 +15,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from clipms.prep.catalog import file_sha256, read_catalog, write_catalog
-from clipms.prep.changes import ChangesError, Thresholds, run
-from clipms.prep.metadata import SCHEMA
-from clipms.prep.sourceschema import with_source_columns
-from clipms.text.tokenizer import Tokenizer
+from clipms.text.clip_tokenizer import Tokenizer
+from prep.catalog import file_sha256, read_catalog, write_catalog
+from prep.delta import ChangesError, Thresholds, run
+from prep.sources import SCHEMA
+from prep.sourceschema import with_source_columns
 
 SOURCE = pa.schema([("URL", pa.string()), ("TEXT", pa.string())])
 LIMITS = Thresholds(min_new=2)

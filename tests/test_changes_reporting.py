@@ -11,14 +11,14 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 
-from clipms.prep.metadata import read_captions, write_table
-from clipms.prep.sourceschema import source_columns
 from flows import summary
-from registry import run as tracking_run
-from registry.journal import LogArtifact, LogMetrics
-from registry.settings import TrackingFiles
-from stages import paths
-from stages.tracking import FILES
+from pipeline import paths
+from prep.sources import read_captions, write_table
+from prep.sourceschema import source_columns
+from tracking import run as tracking_run
+from tracking.files import FILES
+from tracking.journal import LogArtifact, LogMetrics
+from tracking.settings import TrackingFiles
 
 REPORT = {
     "baseline": {"first_run": False, "images": 2000, "rows": 10000},

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.nightly_world import GrowingSource
-from tests.workspace import make_workspace, run
+from harness.dvc_workspace import make_workspace, run
+from harness.nightly_world import GrowingSource
 
 
 def nightly(ws: Path, target: str, check: bool = True):

@@ -17,7 +17,7 @@ import clipms  # noqa: F401  (sets MindSpore's environment before mindspore is i
 # isort: split
 import mindspore as ms
 
-from clipms.model.config import CLIPConfig
+from clipms.model.architecture import CLIPConfig
 from clipms.model.convert import (
     ConversionError,
     clip_params,

@@ -23,7 +23,7 @@ from clipms.data.dataset import (
     webds,
 )
 from clipms.data.preprocess import PreprocessConfig, preprocess_image
-from clipms.text.tokenizer import Tokenizer
+from clipms.text.clip_tokenizer import Tokenizer
 
 CAPTIONS = 3
 PRE = PreprocessConfig(image_size=16)
@@ -215,7 +215,7 @@ def test_bad_shards_give_clear_errors(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_loader_benchmark_command_runs_on_generated_shards(capsys) -> None:
-    from clipms.bench import main
+    from benchmarks.throughput import main
 
     assert main(["loader", "--samples", "40", "--source-size", "48", "--image-size", "32",
                  "--batch-size", "8", "--warmup", "1", "--batches", "4", "--workers", "2"]) == 0
@@ -227,7 +227,7 @@ def test_loader_benchmark_command_runs_on_generated_shards(capsys) -> None:
 def test_eval_reader_counts_bombs_and_broken_images_as_bad_samples(tmp_path: Path) -> None:
     """Evaluate and zero-shot on labels read the val split through this reader; an
     image the decoder refuses is left out and named, never a crash."""
-    from tests.hostile_images import png_bomb
+    from harness.hostile_images import png_bomb
 
     broken = jpeg(3)
     broken = broken[:len(broken) * 2 // 3]  # cut inside the image data, not the header

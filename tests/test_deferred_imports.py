@@ -1,5 +1,5 @@
 """The packages img2dataset imports but the download stage does not use wait until first used
-(clipms.prep.deferred_imports): a night's fixed cost, paid in every process img2dataset spawns."""
+(prep.deferred_imports): a night's fixed cost, paid in every process img2dataset spawns."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from clipms.prep import deferred_imports
+from prep import deferred_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_download_stage_imports_img2dataset_without_wandb_or_albumentations():
     # A fresh interpreter, as a spawned img2dataset worker starts: the stage's module first.
     code = ("import sys, stages.download; from img2dataset import download; "
-            "import clipms.prep.img2dataset_guard; "
+            "import prep.img2dataset_guard; "
             "print(sorted(m for m in ('wandb.sdk', 'albumentations.augmentations') "
             "if m in sys.modules))")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_ALBUMENTATIONS_UPDATE": "1"}

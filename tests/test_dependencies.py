@@ -15,7 +15,7 @@ import tomllib
 from functools import cache
 from importlib.metadata import packages_distributions
 
-from tests.packages import PROJECT_PACKAGES, ROOT, imported_roots
+from harness.packages import PROJECT_PACKAGES, ROOT, imported_roots
 
 PYPROJECT = ROOT / "pyproject.toml"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*")

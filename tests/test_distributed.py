@@ -32,7 +32,7 @@ from clipms.parallel.launch import (
     run_workers,
     worker_logs_tail,
 )
-from tests.workspace import checkpoint_arrays
+from harness.dvc_workspace import checkpoint_arrays
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -42,9 +42,9 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     import clipms
     import mindspore as ms
-    from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
-    from clipms.parallel.comm import init_distributed
-    from clipms.train.config import LOSS_INIT
+    from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig
+    from clipms.train.collectives import init_distributed
+    from clipms.train.recipe import LOSS_INIT
     from clipms.train.loop import RandomBatches, TrainConfig, save_model, train
 
     out, mode = sys.argv[1], sys.argv[2]
@@ -263,7 +263,7 @@ def test_a_run_fails_by_a_workers_exit_code_not_by_a_traceback_in_its_log(tmp_pa
 
 
 def test_the_train_stage_refuses_a_cluster_msrun_cannot_start(tmp_path):
-    from tests.workspace import PROJECT_ROOT, run, tool_env
+    from harness.dvc_workspace import PROJECT_ROOT, run, tool_env
 
     env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT)}
     (tmp_path / "params.yaml").write_text(

@@ -6,8 +6,8 @@ without its `_stats.json`, on any distributor), and the same second night (only 
 the earlier failures are fetched, into a new part of the store).
 
 Servers listen on 127.0.0.1 only: the settings that make Spark and Ray do so are in
-clipms/prep/engines.py (and, for the test's Ray head, tests/distributor_runs.py); every socket
-the test's processes listen on while an engine runs is sampled with `ss` (tests/listeners.py) and
+prep/engines.py (and, for the test's Ray head, harness/distributor_runs.py); every socket
+the test's processes listen on while an engine runs is sampled with `ss` (harness/listeners.py) and
 must be a loopback one.
 
 Needs the `distributed` extra (`pip install -e '.[distributed]'`, which `make test` installs).
@@ -26,9 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from clipms.prep.catalog import read_catalog
-from clipms.prep.engines import EngineError, EngineSettings, engine_session
-from tests.distributor_runs import (
+from harness.distributor_runs import (
     LOOPBACK_RAY,
     SECOND_NIGHT_REQUESTS,
     SHARD_1_REQUESTS,
@@ -38,8 +36,10 @@ from tests.distributor_runs import (
     samples_of,
     second_night,
 )
-from tests.image_site import Site, stage_env
-from tests.listeners import ListenerWatch, environ_of
+from harness.image_site import Site, stage_env
+from harness.listeners import ListenerWatch, environ_of
+from prep.catalog import read_catalog
+from prep.engines import EngineError, EngineSettings, engine_session
 
 pytest.importorskip("pyspark", reason="the `distributed` extra is not installed")
 pytest.importorskip("ray", reason="the `distributed` extra is not installed")

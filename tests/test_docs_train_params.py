@@ -8,7 +8,7 @@ import re
 
 import yaml
 
-from tests.workspace import PROJECT_ROOT
+from harness.dvc_workspace import PROJECT_ROOT
 
 ROW = re.compile(r"^\| (`[^|]+`(?:(?:, | / )`[^|]+`)*) \| ([^|]+) \|", re.MULTILINE)
 

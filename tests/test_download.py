@@ -20,8 +20,7 @@ import yaml
 from PIL import Image
 
 from clipms.data import webds
-from clipms.prep.download import read_parquet
-from tests.image_site import (
+from harness.image_site import (
     COLOURS,
     Site,
     jpeg,
@@ -31,6 +30,7 @@ from tests.image_site import (
     stage_env,
     write_params,
 )
+from prep.fetch import read_parquet
 
 LOCAL_COLOUR = (255, 0, 255)  # the local file only: magenta never appears in a served image
 

@@ -1,7 +1,7 @@
 """Downloads cannot be turned against the machine: the address rule, redirects,
 bounded bodies, and images refused by size before they are decoded.
 
-In-process tests drive `clipms.prep.urlguard`'s opener against a loopback server; the stage tests
+In-process tests drive `prep.urlguard`'s opener against a loopback server; the stage tests
 run the real `download` stage (real img2dataset, its own worker processes) against one. Only DNS
 cannot exist here (no public name resolves offline): where a test needs a public answer or a
 changing one (rebinding), it replaces `socket.getaddrinfo` and says so; every connection is still
@@ -20,7 +20,8 @@ import zlib
 
 import pytest
 
-from clipms.prep.urlguard import (
+from harness.image_site import Site, images_parquet, jpeg, stage_env, write_params
+from prep.urlguard import (
     PRECHECK_REASONS,
     FetchPolicy,
     RefusedURL,
@@ -31,7 +32,6 @@ from clipms.prep.urlguard import (
     precheck,
     refusal_counts,
 )
-from tests.image_site import Site, images_parquet, jpeg, stage_env, write_params
 
 PUBLIC = "93.184.216.34"  # a public address (never connected to: see the module docstring)
 

@@ -1,4 +1,4 @@
-"""Nights on a growing source (tests/nightly_world.py: a loopback image site and a local metadata
+"""Nights on a growing source (harness/nightly_world.py: a loopback image site and a local metadata
 parquet that changes night to night), through the real stages - metadata, dedupe, download
 (img2dataset), shard - as DVC runs them: a night fetches only the images no earlier night holds
 (counted at the server), removed images leave the shards, a caption changed for an old image is
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from clipms.data import webds
-from tests.image_site import kill_download_in_shard_1, part_folder, run_stage, stage_env
-from tests.nightly_world import GrowingSource, captions_for, night, write_params
+from harness.image_site import kill_download_in_shard_1, part_folder, run_stage, stage_env
+from harness.nightly_world import GrowingSource, captions_for, night, write_params
 
 SHARDING = ("metadata", "dedupe", "download", "shard")
 

@@ -13,12 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from clipms.prep.catalog import CATALOG_FILE
-from clipms.prep.remote import POINTER_FILE, check_output_url
-from clipms.prep.store import MARKER, StoreError, prepare_root
-from pipeline.params import ParamsError, validate_section
-from stages.download import DownloadParams
-from tests.distributor_runs import (
+from harness.distributor_runs import (
     SECOND_NIGHT_REQUESTS,
     SHARD_1_REQUESTS,
     resume_after_losing_shard_1,
@@ -26,8 +21,13 @@ from tests.distributor_runs import (
     second_night,
     site_urls,
 )
-from tests.image_site import Site, images_parquet, part_folder, run_stage, write_params
-from tests.workspace import make_workspace, run
+from harness.dvc_workspace import make_workspace, run
+from harness.image_site import Site, images_parquet, part_folder, run_stage, write_params
+from pipeline.params import ParamsError, validate_section
+from prep.catalog import CATALOG_FILE
+from prep.remote import POINTER_FILE, check_output_url
+from prep.store import MARKER, StoreError, prepare_root
+from stages.download import DownloadParams
 
 
 def quiet(_message: str) -> None:

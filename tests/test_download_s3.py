@@ -16,16 +16,14 @@ from pathlib import Path
 import pytest
 
 from clipms.data import webds
-from clipms.prep.remote import POINTER_FILE
-from clipms.prep.store import MARKER, StoreError, prepare_root
-from tests.distributor_runs import (
+from harness.distributor_runs import (
     SECOND_NIGHT_REQUESTS,
     SHARD_1_REQUESTS,
     samples_of,
     second_night,
     site_urls,
 )
-from tests.image_site import (
+from harness.image_site import (
     Site,
     images_parquet,
     kill_download_in_shard_1,
@@ -33,6 +31,8 @@ from tests.image_site import (
     stage_env,
     write_params,
 )
+from prep.remote import POINTER_FILE
+from prep.store import MARKER, StoreError, prepare_root
 
 pytest.importorskip("s3fs", reason="the `distributed` extra is not installed")
 moto_server = pytest.importorskip("moto.server", reason="the `dev` extra is not installed")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from clipms.prep.download import (
+from prep.fetch import (
     DownloadSettings,
     Fetch,
     build_catalog,
@@ -21,7 +21,7 @@ from clipms.prep.download import (
     summarise,
     to_fetch,
 )
-from clipms.prep.store import (
+from prep.store import (
     Store,
     StoreError,
     other_stores,
@@ -30,7 +30,7 @@ from clipms.prep.store import (
     prune_plan,
     store_id,
 )
-from clipms.prep.urlguard import FetchPolicy
+from prep.urlguard import FetchPolicy
 
 
 def quiet(_message: str) -> None:

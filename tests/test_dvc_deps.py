@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from clipms.utils.codehash import code_digest, module_closure
-from tests.packages import PROJECT_PACKAGES
+from harness.packages import PROJECT_PACKAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,8 +78,8 @@ def test_closure_follows_relative_and_package_imports(tmp_path):
     (tmp_path / "clipms" / "prep" / "a.py").write_text("from . import b\nfrom ..c import z\n")
     (tmp_path / "clipms" / "prep" / "b.py").write_text("import numpy\n")
     (tmp_path / "clipms" / "c.py").write_text("z = 0\n")
-    assert [str(p) for p in module_closure("clipms.prep.a", tmp_path)] == [
-        "clipms/__init__.py", "clipms/c.py", "clipms/prep/a.py", "clipms/prep/b.py"]
+    assert [str(p) for p in module_closure("prep.a", tmp_path)] == [
+        "clipms/__init__.py", "clipms/c.py", "prep/a.py", "prep/b.py"]
 
 
 def test_code_digest_ignores_comments_and_docstrings_but_not_code(tmp_path):

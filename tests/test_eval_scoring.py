@@ -17,8 +17,8 @@ import pytest
 
 from clipms.eval.clip_benchmark import BenchmarkFormatError, BenchmarkRun, output_name
 from clipms.eval.embed import EvaluationError, ValEmbeddings
-from clipms.eval.evaluate import ZeroShotSpec, score_embeddings
 from clipms.eval.outputs import write_benchmark_files
+from clipms.eval.scoring import ZeroShotSpec, score_embeddings
 from clipms.eval.zeroshot import zeroshot_from_labels
 
 # word -> direction; a class name's embedding is the sum of its words' directions

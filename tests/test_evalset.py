@@ -1,4 +1,4 @@
-"""Pinned evaluation sets (clipms/data/evalset.py, `python -m pipeline.evalset`): today's val
+"""Pinned evaluation sets (clipms/data/evalset.py, `python -m ops.pin_evalset`): today's val
 split frozen into a folder of its own, never overwritten, checked shard by shard, and versioned
 with `dvc add` in a DVC project."""
 
@@ -13,8 +13,8 @@ import yaml
 
 from clipms.data.evalset import freeze, verify
 from clipms.data.webds import DataError
-from registry.lineage import val_digest
-from tests.tiny_model import make_train_and_val_shards, make_val_shards
+from harness.tiny_model import make_train_and_val_shards, make_val_shards
+from tracking.lineage import val_digest
 
 
 def test_a_frozen_split_is_the_same_samples_under_the_same_digest(tmp_path: Path) -> None:
@@ -60,23 +60,23 @@ def test_a_frozen_set_is_never_overwritten_and_a_changed_one_is_refused(tmp_path
 
 def test_the_command_freezes_into_data_evalsets_and_names_the_param(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from pipeline import evalset
+    from ops import pin_evalset
 
     make_val_shards(tmp_path / "data" / "shards", n_images=5)
     with chdir(tmp_path):
-        assert evalset.main(["freeze", "2026-12-05", "--no-dvc"]) == 0
+        assert pin_evalset.main(["freeze", "2026-12-05", "--no-dvc"]) == 0
         out = capsys.readouterr().out
         assert "data/evalsets/2026-12-05: 5 samples" in out
         assert "evaluate.pinned_set: 2026-12-05" in out
-        assert evalset.main(["verify", "2026-12-05"]) == 0
+        assert pin_evalset.main(["verify", "2026-12-05"]) == 0
         with pytest.raises(SystemExit):  # a name, never a path
-            evalset.main(["freeze", "../outside"])
+            pin_evalset.main(["freeze", "../outside"])
     assert not (tmp_path / "data" / "outside").exists()
 
 
 @pytest.mark.slow
 def test_in_a_dvc_project_the_set_is_versioned_by_a_committed_dvc_file(tmp_path: Path) -> None:
-    from tests.workspace import PROJECT_ROOT, run, tool_env
+    from harness.dvc_workspace import PROJECT_ROOT, run, tool_env
 
     git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
@@ -84,7 +84,7 @@ def test_in_a_dvc_project_the_set_is_versioned_by_a_committed_dvc_file(tmp_path:
     run(["dvc", "init", "-q"], tmp_path)
     make_val_shards(tmp_path / "data" / "shards", n_images=5)
     env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT)}
-    out = run(["python", "-m", "pipeline.evalset", "freeze", "v1"], tmp_path, env=env).stdout
+    out = run(["python", "-m", "ops.pin_evalset", "freeze", "v1"], tmp_path, env=env).stdout
     assert "versioned by data/evalsets/v1.dvc" in out
     subprocess.run([*git, "add", ".gitignore", "data/evalsets/v1.dvc",
                     "data/evalsets/.gitignore"], cwd=tmp_path, check=True)

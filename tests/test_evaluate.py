@@ -16,12 +16,12 @@ import pytest
 from clipms.data import webds
 from clipms.data.preprocess import preprocess_image
 from clipms.eval import metrics
-from clipms.model.config import DEFAULT_PRESET
-from clipms.text.tokenizer import Tokenizer
+from clipms.model.architecture import DEFAULT_PRESET
+from clipms.text.clip_tokenizer import Tokenizer
 from clipms.train.trained import RunConfig, load_clip
-from tests.hostile_images import png_bomb
-from tests.tiny_model import jpeg_bytes, make_val_shards, random_images, write_trained
-from tests.workspace import PROJECT_ROOT, run, tool_env
+from harness.dvc_workspace import PROJECT_ROOT, run, tool_env
+from harness.hostile_images import png_bomb
+from harness.tiny_model import jpeg_bytes, make_val_shards, random_images, write_trained
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_retrieval_and_zeroshot_match_an_unbatched_recomputation(workspace):
     The metrics are compared on the batched features: an untrained net's scores nearly tie, and a
     batch's other rounding may swap two of them on some CPUs."""
     from clipms.eval.embed import CellTowers, embed_split
-    from clipms.eval.evaluate import ZeroShotSpec, class_features, evaluate
+    from clipms.eval.scoring import ZeroShotSpec, class_features, evaluate
 
     ws = workspace
     spec = ZeroShotSpec(templates=("a {}.", "a picture of a {}."))
@@ -94,7 +94,7 @@ def test_retrieval_and_zeroshot_match_an_unbatched_recomputation(workspace):
 
 
 def test_label_fields_that_no_image_has_are_a_clear_error(workspace):
-    from clipms.eval.evaluate import EvaluationError, ZeroShotSpec, evaluate
+    from clipms.eval.scoring import EvaluationError, ZeroShotSpec, evaluate
 
     ws = workspace
     with pytest.raises(EvaluationError, match=r"no val image has label fields \['species'\]"):
@@ -168,9 +168,9 @@ def frame_components(png, rgb, min_pixels=200):
 
 @pytest.mark.slow  # renders or runs the stage on a trained model
 def test_gallery_renders_every_tile_with_its_hits(workspace, tmp_path):
-    from clipms.eval.evaluate import ZeroShotSpec, evaluate
     from clipms.eval.gallery import HIT_RGB, MISS_RGB, QUERY_RGB
     from clipms.eval.outputs import GallerySpec, write_gallery
+    from clipms.eval.scoring import ZeroShotSpec, evaluate
 
     ws = workspace
     shards = ws["root"] / "data" / "shards"
@@ -243,7 +243,7 @@ def test_stage_writes_its_declared_outputs(workspace):
 def test_an_undecodable_val_image_is_a_bad_sample_not_a_crash(workspace, tmp_path):
     """A decompression bomb among the val images is left out and named; retrieval
     and zero-shot on labels run on the other images."""
-    from clipms.eval.evaluate import ZeroShotSpec, evaluate
+    from clipms.eval.scoring import ZeroShotSpec, evaluate
 
     ws = workspace
     files = [(key, {"jpg": data, "json": json.dumps({"captions": captions, "key": key,

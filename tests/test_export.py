@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from clipms.data.preprocess import preprocess_image
-from clipms.text.tokenizer import Tokenizer
+from clipms.text.clip_tokenizer import Tokenizer
 from clipms.train.trained import RunConfig, TrainedModelError, load_clip
-from tests.tiny_model import CAPTIONS, random_images, write_trained
+from harness.tiny_model import CAPTIONS, random_images, write_trained
 
 BATCH_SIZES = (1, 3, 8)
 
@@ -25,7 +25,7 @@ def trained(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(trained, tmp_path_factory):
-    from clipms.deploy.export import export_bundle
+    from clipms.deploy.mindir import export_bundle
 
     paths = trained["a"]
     run = RunConfig.read(paths["config"])
@@ -62,7 +62,7 @@ def test_bundle_has_every_file_and_describes_dynamic_batch_inputs(exported, trai
 
 @pytest.mark.slow  # exports MindIR
 def test_lite_config_for_ascend_has_the_dynamic_batch_profiles_and_precision(exported):
-    from clipms.deploy.export import lite_ascend_config
+    from clipms.deploy.mindir import lite_ascend_config
 
     _, bundle, _ = exported
     cfg = lite_ascend_config(bundle, "image_encoder", [8, 1, 32, 8])
@@ -77,7 +77,7 @@ def test_lite_config_for_ascend_has_the_dynamic_batch_profiles_and_precision(exp
 
 @pytest.mark.slow  # exports MindIR
 def test_parity_passes_at_every_batch_size(exported, trained):
-    from clipms.deploy.export import assert_parity, parity_report
+    from clipms.deploy.mindir import assert_parity, parity_report
 
     out, _, run = exported
     net = load_clip(trained["a"]["checkpoint"], run.model)
@@ -93,8 +93,8 @@ def test_parity_passes_at_every_batch_size(exported, trained):
 def test_the_host_parity_runs_on_cpu_in_a_process_of_its_own_and_gives_this_ones(
         exported, trained):
     # What the export stage gates on when it runs on an NPU: the bar's own machine, the host CPU.
-    from clipms.deploy.export import parity_report
     from clipms.deploy.hostparity import host_parity
+    from clipms.deploy.mindir import parity_report
 
     out, _, run = exported
     net = load_clip(trained["a"]["checkpoint"], run.model)
@@ -109,7 +109,7 @@ def test_the_host_parity_runs_on_cpu_in_a_process_of_its_own_and_gives_this_ones
 
 @pytest.mark.slow  # exports MindIR
 def test_a_different_checkpoint_fails_the_parity_check(exported, trained):
-    from clipms.deploy.export import ParityError, assert_parity, parity_report
+    from clipms.deploy.mindir import ParityError, assert_parity, parity_report
 
     out, _, run = exported
     other = load_clip(trained["b"]["checkpoint"], run.model)  # same architecture, other weights
@@ -125,7 +125,7 @@ def test_a_graph_below_its_checkpoint_everywhere_fails_the_parity_check(exported
     """The errors are absolute: a reference that is the bundle's own output plus 0.5 everywhere
     is 0.5 off (without `abs`, the max of got - want was -0.5, and it passed; a reference that
     differs both ways, as another checkpoint does, could not tell)."""
-    from clipms.deploy.export import IMAGE_ENCODER, TEXT_ENCODER, load_graph, parity_report
+    from clipms.deploy.mindir import IMAGE_ENCODER, TEXT_ENCODER, load_graph, parity_report
 
     out, _, run = exported
     images, tokens = sample_inputs(run, trained["a"]["tokenizer"])
@@ -143,7 +143,7 @@ def test_a_graph_below_its_checkpoint_everywhere_fails_the_parity_check(exported
 @pytest.mark.slow  # exports MindIR
 def test_fp16_bundle_is_half_the_size_and_meets_its_own_bar_not_the_fp32_one(exported, trained,
                                                                              tmp_path):
-    from clipms.deploy.export import PARITY, assert_parity, export_bundle, parity_report
+    from clipms.deploy.mindir import PARITY, assert_parity, export_bundle, parity_report
 
     fp32_dir, fp32_bundle, run = exported
     paths = trained["a"]
@@ -186,8 +186,8 @@ def test_a_checkpoint_of_another_architecture_is_a_clear_error(trained):
 def test_stage_exports_checks_and_records_the_errors(tmp_path):
     import json
 
-    from tests.tiny_model import make_val_shards
-    from tests.workspace import PROJECT_ROOT, run, tool_env
+    from harness.dvc_workspace import PROJECT_ROOT, run, tool_env
+    from harness.tiny_model import make_val_shards
 
     write_trained(tmp_path / "models", seed=0)  # laid out as the train stage leaves it
     make_val_shards(tmp_path / "data" / "shards")
@@ -243,7 +243,7 @@ def test_bench_encode_bundle_and_retrieval_report_rates(exported):
     import io
     import json
 
-    from clipms.bench import main
+    from benchmarks.throughput import main
 
     out, _, _ = exported
     for argv in (["encode", "--bundle", str(out), "--batch-size", "4", "--warmup", "1",
@@ -267,12 +267,12 @@ def test_bench_encode_bundle_and_retrieval_report_rates(exported):
 
 
 def test_parity_errors_are_the_max_raw_and_max_normalised_differences():
-    """clipms.deploy.export.x__errors__mutmut_* : which difference, which norm (per row, with the
+    """clipms.deploy.mindir.x__errors__mutmut_* : which difference, which norm (per row, with the
     floor that keeps an all-zero row finite). Row 2's norm is under 1: a floor of 1 would change
     it."""
     import numpy as np
 
-    from clipms.deploy.export import _errors
+    from clipms.deploy.mindir import _errors
 
     got = np.array([[0.6, 0.8], [0.0, 0.0], [0.03, 0.04]], np.float32)
     want = np.array([[0.0, 2.0], [0.0, 0.0], [0.04, -0.03]], np.float32)
@@ -285,7 +285,7 @@ def test_parity_errors_are_the_max_raw_and_max_normalised_differences():
 def test_parity_failures_name_each_tower_and_batch_size_over_the_tolerance():
     """x_assert_parity__mutmut_* : only the gate metric's per-batch keys count (not the other
     metric, not the max over batches), an error equal to the tolerance passes, the message."""
-    from clipms.deploy.export import ParityError, assert_parity
+    from clipms.deploy.mindir import ParityError, assert_parity
 
     report = {"precision": "fp16", "gate_metric": "max_abs_error_normalized", "tolerance": 2e-3,
               "batch_sizes": [1, 4], "image_max_abs_error_normalized_b1": 2e-3,
@@ -305,7 +305,7 @@ def test_parity_inputs_are_cycled_up_to_the_batch_size():
     """x__cycle_rows__mutmut_1..3."""
     import numpy as np
 
-    from clipms.deploy.export import _cycle_rows
+    from clipms.deploy.mindir import _cycle_rows
 
     rows = np.arange(6).reshape(3, 2)
     assert _cycle_rows(rows, 5).tolist() == [[0, 1], [2, 3], [4, 5], [0, 1], [2, 3]]
@@ -315,8 +315,8 @@ def test_parity_inputs_are_cycled_up_to_the_batch_size():
 def _micro_clip(seed: int, embed_dim: int = 16):
     import mindspore as ms
 
+    from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig
     from clipms.model.clip import CLIP
-    from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
 
     ms.set_seed(seed)
     return CLIP(CLIPConfig(
@@ -332,7 +332,7 @@ def micro_bundle(tmp_path_factory):
 
     import clipms  # noqa: F401  (MindSpore's environment first)
     from clipms.data.preprocess import PreprocessConfig
-    from clipms.deploy.export import export_bundle
+    from clipms.deploy.mindir import export_bundle
 
     root = tmp_path_factory.mktemp("micro-export")
     (root / "tokenizer.json").write_text("{}")  # copied into the bundle, not read
@@ -349,7 +349,7 @@ def test_parity_report_passes_its_own_checkpoint_and_fails_another(micro_bundle)
     max over batch sizes), the bar of each precision, `passed` over both towers (all, <=), the
     empty-input (its whole message: x_parity_report__mutmut_11) and wrong-shape errors. Same
     weights and kernels: the fp32 errors are 0.0."""
-    from clipms.deploy.export import ParityError, parity_report
+    from clipms.deploy.mindir import ParityError, parity_report
 
     bundle, images, tokens = micro_bundle
     empty = "parity check needs at least one image and one caption"

@@ -29,8 +29,8 @@ from flows.pipeline import (
     save_experiment,
     stage_task,
 )
-from tests.prefect_server import WebhookReceiver
-from tests.workspace import run
+from harness.dvc_workspace import run
+from harness.prefect_server import WebhookReceiver
 
 PY = sys.executable
 TOY_PARAMS = {"first": {"x": 1}, "second": {"y": 2}, "lone": {"z": 3}}
@@ -163,7 +163,7 @@ def test_experiment_is_saved_and_listed(toy: Path) -> None:
 def test_an_override_run_never_writes_the_checkout(toy: Path) -> None:
     """The overrides, the stages and the experiment happen in a private worktree; the
     user's uncommitted edit is part of it, and an edit made during the run is left alone."""
-    from flows.workspace import PREFIX, experiment_workspace
+    from flows.worktree import PREFIX, experiment_workspace
 
     for stage in ("first", "second", "third", "lone"):
         run_stage.fn(toy, stage)
@@ -197,7 +197,7 @@ def test_an_override_run_never_writes_the_checkout(toy: Path) -> None:
 
 
 def test_a_worktree_left_by_a_crashed_run_is_removed(toy: Path, tmp_path: Path) -> None:
-    from flows.workspace import PREFIX, remove_stale
+    from flows.worktree import PREFIX, remove_stale
 
     left = tmp_path / f"{PREFIX}clip-crashed-abc" / "workspace"
     run(["git", "worktree", "add", "--detach", str(left), "HEAD"], toy)

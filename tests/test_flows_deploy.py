@@ -21,9 +21,9 @@ import yaml
 from flows import dvc_cli
 from flows.pipeline import ARTIFACT_KEY
 from flows.summary import UP_TO_DATE
-from tests import prefect_server
-from tests.prefect_server import PrefectStack
-from tests.workspace import run
+from harness import prefect_server
+from harness.dvc_workspace import run
+from harness.prefect_server import PrefectStack
 
 pytestmark = pytest.mark.slow
 MANUAL = "clip-pipeline/manual"
@@ -142,7 +142,7 @@ def test_broken_param_fails_with_the_validation_message(prefect_stack: PrefectSt
 def test_runs_started_together_do_not_overlap(prefect_stack: PrefectStack) -> None:
     """A manual and a nightly run at once, after the failed run: they take turns on the workspace,
     and both find everything up to date - the failed run had overrides, so it ran in a private
-    worktree (flows/workspace.py) and left the checkout exactly as it was."""
+    worktree (flows/worktree.py) and left the checkout exactly as it was."""
     manual = prefect_stack.run_deployment(MANUAL, {"stages": None})
     nightly = prefect_stack.run_deployment("clip-pipeline/nightly")
     runs = {rid: prefect_stack.wait(rid, timeout=600) for rid in (manual, nightly)}

@@ -36,11 +36,11 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from tests import prefect_server
-from tests.nightly_world import GrowingSource, shape_captions, shape_picture
-from tests.prefect_server import PrefectStack
+from harness import prefect_server
+from harness.dvc_workspace import make_workspace
+from harness.nightly_world import GrowingSource, shape_captions, shape_picture
+from harness.prefect_server import PrefectStack
 from tests.test_flows_secrets import run_flow
-from tests.workspace import make_workspace
 
 pytestmark = pytest.mark.slow
 prefect_stack = prefect_server.prefect_stack  # the session fixture (shared with test_flows_*)

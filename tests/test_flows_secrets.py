@@ -22,9 +22,9 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from tests import prefect_server
-from tests.prefect_server import PrefectStack
-from tests.workspace import make_workspace, run, tool_env
+from harness import prefect_server
+from harness.dvc_workspace import make_workspace, run, tool_env
+from harness.prefect_server import PrefectStack
 
 pytestmark = pytest.mark.slow
 prefect_stack = prefect_server.prefect_stack  # the session fixture (shared with test_flows_deploy)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from flows.pipeline import lock_name
-from tests.prefect_server import deployed
-from tests.prefect_workers import MultiWorkerStack
-from tests.workspace import make_workspace
+from harness.dvc_workspace import make_workspace
+from harness.prefect_server import deployed
+from harness.prefect_workers import MultiWorkerStack
 
 pytestmark = pytest.mark.slow
 WORKERS = ("clipms-worker-a", "clipms-worker-b")

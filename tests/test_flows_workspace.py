@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.workspace import PREFIX, remove_stale
-from tests import prefect_server
-from tests.prefect_server import PrefectStack
-from tests.workspace import run
+from flows.worktree import PREFIX, remove_stale
+from harness import prefect_server
+from harness.dvc_workspace import run
+from harness.prefect_server import PrefectStack
 
 pytestmark = pytest.mark.slow
 prefect_stack = prefect_server.prefect_stack  # the session fixture (shared with test_flows_deploy)

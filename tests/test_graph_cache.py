@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 from clipms.runtime import CACHE_PATH, CACHE_SWITCH, RuntimeConfig
-from clipms.train.config import TrainConfig
 from clipms.train.graphcache import GRAPHS, graph_cache_dir, graph_cache_key
-from tests.tiny_model import tiny_config
-from tests.workspace import PROJECT_ROOT
+from clipms.train.recipe import TrainConfig
+from harness.dvc_workspace import PROJECT_ROOT
+from harness.tiny_model import tiny_config
 
 # argv: losses.json lr keyed|unkeyed [unkeyed cache folder]. The script's own text never changes:
 # MindSpore's dependency hash covers the entry script, and the lr must reach the graph anyway.
@@ -36,7 +36,7 @@ from clipms.runtime import RuntimeConfig
 from clipms.train import loop
 from clipms.train.feed import RandomBatches
 from clipms.train.loop import TrainConfig, train
-from tests.tiny_model import tiny_config
+from harness.tiny_model import tiny_config
 out, lr, mode = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 runtime = RuntimeConfig(kernel_fusion=False, compile_cache=mode == "keyed")
 if mode == "unkeyed":  # what the runtime did before on Ascend: one cache folder for every run

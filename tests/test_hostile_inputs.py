@@ -2,7 +2,7 @@
 failure, while the service goes on answering others (docs/security.md lists each with its
 outcome and names its test here).
 
-The service runs in this process (tests/inprocess_service.py: `serving.cli`'s own app and uvicorn
+The service runs in this process (harness/inprocess_service.py: `serving.cli`'s own app and uvicorn
 configuration, real sockets on 127.0.0.1, a tiny exported bundle); the data-side inputs go through
 the library where the stages do (urlguard's opener against a loopback server, the metadata
 reader, the params loader). What needs a stage process, nginx or a few seconds of waiting is
@@ -27,10 +27,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.hostile_images import png_sliver
-from tests.image_site import Site, images_parquet, run_stage, write_params
-from tests.inprocess_service import InProcessService, tiny_world
-from tests.serving_server import post_json, request
+from harness.hostile_images import png_sliver
+from harness.image_site import Site, images_parquet, run_stage, write_params
+from harness.inprocess_service import InProcessService, tiny_world
+from harness.serving_server import post_json, request
 
 MAX_ROWS, MAX_CONNECTIONS, MAX_HEADER, HEAD_TIMEOUT, BODY_TIMEOUT = 16, 12, 8192, 1.0, 1.0
 ALLOWED_HOST = "search.example"
@@ -308,10 +308,10 @@ def test_a_password_in_an_image_url_is_never_printed_or_counted(tmp_path) -> Non
     error texts became the keys of metrics/download.json (tracked by git)."""
     import pandas as pd
 
-    from clipms.prep.download import Fetch, summarise
-    from clipms.prep.urlguard import FetchPolicy, RefusedURL, build_opener, precheck
     from clipms.utils.redact import redact_text
-    from registry.lineage import safe_params
+    from prep.fetch import Fetch, summarise
+    from prep.urlguard import FetchPolicy, RefusedURL, build_opener, precheck
+    from tracking.lineage import safe_params
 
     with Site() as site:
         port = site.base.rsplit(":", 1)[1]
@@ -374,7 +374,7 @@ def test_a_server_dripping_one_byte_at_a_time_is_cut_at_the_deadline() -> None:
     """The timeout bounded each read, not the download: 161 s for one image with a 5 s timeout.
     With `deadline_s` the whole fetch ends by then (the stage gives img2dataset's timeout:
     GuardedDownloader.opener, run by the slow test below)."""
-    from clipms.prep.urlguard import DeadlinePassed, FetchPolicy, build_opener
+    from prep.urlguard import DeadlinePassed, FetchPolicy, build_opener
 
     opener = build_opener(FetchPolicy(allow_private_addresses=True, deadline_s=1.0))
     with Site() as site:
@@ -427,8 +427,8 @@ def dictionary_parquet(path: Path, rows: int, per_group: int = 1_000_000) -> Non
 
 def test_a_few_kb_parquet_of_20_million_rows_is_refused_from_its_footer(tmp_path) -> None:
     """It was read whole: 6.5 GB at peak, 123 s."""
-    from clipms.prep.metadata import MetadataError, MetadataSpec, build_metadata
-    from clipms.prep.urlguard import FetchPolicy
+    from prep.sources import MetadataError, MetadataSpec, build_metadata
+    from prep.urlguard import FetchPolicy
 
     path = tmp_path / "twenty-million.parquet"
     dictionary_parquet(path, 20_000_000)
@@ -484,7 +484,7 @@ def test_the_shipped_proxy_limits_refuse_what_mlflow_models_serve_would_parse(tm
     """`mlflow models serve` parses any body whole (400 MiB: 13.8 s, +1.6 GB) and has no header
     or connection limits of its own: serving/nginx.conf, in front of it, answers 413 and 400
     from the request's head, and the server behind sees nothing of either."""
-    from tests.proxy import Nginx, RecordingUpstream
+    from harness.proxy import Nginx, RecordingUpstream
 
     with RecordingUpstream() as upstream, Nginx(tmp_path, upstream.port) as proxy:
         big = (b"POST /invocations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from clipms.utils.codehash import imported_modules
-from tests.packages import PROJECT_PACKAGES, ROOT
+from harness.packages import PROJECT_PACKAGES, ROOT
 
 
 def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:

@@ -1,5 +1,5 @@
-"""The search index (clipms.deploy.index, clipms.deploy.search) and the `index` stage, on a real
-tiny bundle."""
+"""The search index (clipms.deploy.searchindex, clipms.deploy.search) and the `index` stage, on a
+real tiny bundle."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clipms.deploy.index import (
+from clipms.deploy.search import ExactSearch, FaissSearch, SearchOptions
+from clipms.deploy.searchindex import (
     EMBEDDINGS,
     ImageIndex,
     ImageIndexError,
@@ -21,15 +22,14 @@ from clipms.deploy.index import (
     build_index,
     bundle_digest,
 )
-from clipms.deploy.search import ExactSearch, FaissSearch, SearchOptions
-from tests.hostile_images import encoded, png_bomb
-from tests.tiny_model import jpeg_bytes, make_val_shards, random_images
-from tests.workspace import run, tool_env
+from harness.dvc_workspace import run, tool_env
+from harness.hostile_images import encoded, png_bomb
+from harness.tiny_model import jpeg_bytes, make_val_shards, random_images
 
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tiny_model import export_tiny_bundle
+    from harness.tiny_model import export_tiny_bundle
 
     return export_tiny_bundle(tmp_path_factory.mktemp("index-bundle"))
 
@@ -151,7 +151,7 @@ def test_index_stage_writes_its_declared_outputs(bundle, tmp_path) -> None:
 def test_with_search_serves_the_same_collection_with_another_search(encoder, bundle, kind,
                                                                     tmp_path) -> None:
     pytest.importorskip("faiss")
-    from clipms.deploy.index import with_search
+    from clipms.deploy.searchindex import with_search
 
     digest = bundle_digest(bundle)
     build_index(encoder, collection(), tmp_path / "exact", digest, SearchOptions())

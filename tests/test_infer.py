@@ -12,18 +12,18 @@ import pytest
 
 from clipms.data import webds
 from clipms.data.preprocess import PreprocessError, preprocess_image
-from clipms.text.tokenizer import Tokenizer
+from clipms.text.clip_tokenizer import Tokenizer
 from clipms.train.trained import RunConfig, load_clip
-from tests.hostile_images import EPS, png_bomb
-from tests.tiny_model import CAPTIONS, jpeg_bytes, random_images, write_trained
-from tests.workspace import PROJECT_ROOT, tool_env
+from harness.dvc_workspace import PROJECT_ROOT, tool_env
+from harness.hostile_images import EPS, png_bomb
+from harness.tiny_model import CAPTIONS, jpeg_bytes, random_images, write_trained
 
 pytestmark = pytest.mark.slow  # every test here runs an exported bundle (the module fixture)
 
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from clipms.deploy.export import export_bundle
+    from clipms.deploy.mindir import export_bundle
 
     paths = write_trained(tmp_path_factory.mktemp("trained"), seed=0)
     run = RunConfig.read(paths["config"])
@@ -86,8 +86,8 @@ def test_a_siglip_bundle_carries_its_bias_and_the_pyfunc_embeds_it_as_any(tmp_pa
 
     import pandas as pd
 
-    from clipms.deploy.export import export_bundle
     from clipms.deploy.infer import Encoder
+    from clipms.deploy.mindir import export_bundle
     from registry.pyfunc_model import ClipEmbeddingModel
 
     paths = write_trained(tmp_path / "trained", logit_bias=-4.0)

@@ -7,7 +7,7 @@ import base64
 import pytest
 
 from clipms.deploy.inputs import InputError, RequestLimits, image_bytes
-from tests.hostile_images import encoded
+from harness.hostile_images import encoded
 
 
 def test_base64_and_data_urls_decode_to_the_same_bytes() -> None:

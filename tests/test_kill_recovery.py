@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.workspace import PROJECT_ROOT, tool_env
+from harness.dvc_workspace import PROJECT_ROOT, tool_env
 
 pytestmark = pytest.mark.slow
 

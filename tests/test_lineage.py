@@ -1,4 +1,4 @@
-"""registry.lineage's dirty check in a real git repository: every kind of `git status` entry
+"""tracking.lineage's dirty check in a real git repository: every kind of `git status` entry
 (unstaged, staged, renamed, untracked, deleted), each as the only change, so each is the first
 line of the status - where an unstaged edit's leading space used to be stripped away, turning
 ` M params.yaml` into `arams.yaml` and a run from an edited checkout into a clean one."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from registry import lineage
+from tracking import lineage
 
 GIT = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
 TRACKED = {"params.yaml": "train:\n  lr: 0.001\n", "dvc.yaml": "stages: {}\n",

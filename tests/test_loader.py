@@ -40,7 +40,7 @@ def test_train_params_accept_auto_or_a_count_and_name_anything_else():
 
 
 def test_needs_turn_the_cpu_cost_per_sample_into_workers_and_cores():
-    from clipms.bench import loader_needs
+    from benchmarks.throughput import loader_needs
 
     needs = loader_needs({"cpu_ms_per_sample": 5.0}, ranks=8, device_rate=414)
     assert needs == {"ranks": 8, "device_samples_per_s": 414, "host_samples_per_s": 3312,
@@ -48,7 +48,7 @@ def test_needs_turn_the_cpu_cost_per_sample_into_workers_and_cores():
 
 
 def test_needs_refuse_a_cpu_cost_the_clock_did_not_resolve():
-    from clipms.bench import loader_needs
+    from benchmarks.throughput import loader_needs
 
     with pytest.raises(ValueError, match="cpu_ms_per_sample must be positive"):
         loader_needs({"cpu_ms_per_sample": 0.0}, ranks=8, device_rate=414)
@@ -56,7 +56,7 @@ def test_needs_refuse_a_cpu_cost_the_clock_did_not_resolve():
 
 @pytest.mark.slow  # benchmarks the loader
 def test_loader_benchmark_reports_per_worker_rates_and_what_the_devices_need(capsys):
-    from clipms.bench import main
+    from benchmarks.throughput import main
 
     # Large source images, so decoding costs well over the 0.1 CPU-s the benchmark needs to size
     # a loader (a 48 px set used less than one 10 ms clock tick in CI and had no CPU cost at all).
@@ -75,7 +75,7 @@ def test_loader_benchmark_reports_per_worker_rates_and_what_the_devices_need(cap
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    from clipms.bench import write_synthetic_shards
+    from benchmarks.throughput import write_synthetic_shards
 
     return write_synthetic_shards(tmp_path_factory.mktemp("shards"), 32, 96, per_shard=16)
 
@@ -83,7 +83,7 @@ def shards(tmp_path_factory):
 def _batches(shards, decode, **kw):
     from clipms.data.dataset import build_train_dataset
     from clipms.data.preprocess import PreprocessConfig
-    from clipms.text.tokenizer import Tokenizer
+    from clipms.text.clip_tokenizer import Tokenizer
 
     dataset = build_train_dataset(shards, Tokenizer.openai(16), PreprocessConfig(64), 8,
                                   epochs=1, workers=2, decode=decode, **kw)
@@ -112,7 +112,7 @@ def test_device_decode_refuses_augment_and_unknown_decoders(shards):
 
 def test_device_decode_reads_the_header_first_and_refuses_a_bomb(tmp_path):
     from clipms.data import webds
-    from tests.hostile_images import png_header_bomb
+    from harness.hostile_images import png_header_bomb
 
     # 10^10 pixels claimed (over PIL's own limit) and 6.4 x 10^7 (over ours only)
     files = [(f"{i:06d}", {"png": png_header_bomb(*((100_000,) * 2 if i % 2 else (8000, 8000))),

@@ -19,13 +19,13 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from clipms.prep import synthetic
-from clipms.prep.captions import dedupe
-from clipms.prep.metadata import MetadataError, MetadataSpec, build_metadata, download
-from clipms.prep.urlguard import FetchPolicy
+from harness.dvc_workspace import PROJECT_ROOT, make_workspace, run, tool_env
 from pipeline.params import ParamsError, validate_section
+from prep import synthetic
+from prep.captions import dedupe
+from prep.sources import MetadataError, MetadataSpec, build_metadata, download
+from prep.urlguard import FetchPolicy
 from stages.metadata import MetadataParams
-from tests.workspace import PROJECT_ROOT, make_workspace, run, tool_env
 
 FAST = {"retries": 2, "timeout": 5.0}  # with backoff_seconds=0.01 below: no real waiting
 # The test server is on 127.0.0.1: these tests allow private addresses explicitly (the default
@@ -301,7 +301,7 @@ def _coco_urls(tmp_path: Path) -> Path:
 
 def test_karpathy_split_file_from_a_loopback_server_picks_exactly_its_test_images(tmp_path,
                                                                                     server):
-    from clipms.prep.captions import check_usable, dedupe
+    from prep.captions import check_usable, dedupe
 
     server.routes["/dataset_coco.json"] = [(200, _karpathy_json())]
     table, summary = _build(tmp_path, source="local", path=str(_coco_urls(tmp_path)),

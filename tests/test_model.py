@@ -1,5 +1,5 @@
-"""clipms.model.config + clipms.model.clip: presets, shapes/dtypes, causal masking, EOT pooling,
-both modes."""
+"""clipms.model.architecture + clipms.model.clip: presets, shapes/dtypes, causal masking, EOT
+pooling, both modes."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import clipms  # noqa: F401  (sets MindSpore's environment before mindspore is i
 # isort: split
 import mindspore as ms
 
+from clipms.model.architecture import PRESETS, CLIPConfig, TextConfig, get_preset
 from clipms.model.clip import CLIP, GELU, count_parameters, l2_normalize, to_mixed_precision
-from clipms.model.config import PRESETS, CLIPConfig, TextConfig, get_preset
 from clipms.model.convert import openclip_shapes
 
 MODES = {"graph": ms.GRAPH_MODE, "pynative": ms.PYNATIVE_MODE}

@@ -22,8 +22,8 @@ import clipms  # noqa: F401  (sets MindSpore's environment before mindspore is i
 # isort: split
 import mindspore as ms
 
+from clipms.model.architecture import CLIPConfig, get_preset, resolve_model
 from clipms.model.clip import CLIP
-from clipms.model.config import CLIPConfig, get_preset, resolve_model
 
 
 def openclip_init(name: str, cfg: CLIPConfig) -> tuple[str, float]:

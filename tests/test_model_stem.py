@@ -18,10 +18,10 @@ import clipms  # noqa: F401  (sets MindSpore's environment before mindspore is i
 # isort: split
 import mindspore as ms
 
+from clipms.model.architecture import CLIPConfig, VisionConfig, get_preset, resolve_model
 from clipms.model.clip import CLIP, ConvStem, count_parameters
-from clipms.model.config import CLIPConfig, VisionConfig, get_preset, resolve_model
 from clipms.model.convert import ConversionError, clip_params, clipms_to_openclip, save_clipms
-from tests.tiny_model import CAPTIONS, random_images, tiny_config
+from harness.tiny_model import CAPTIONS, random_images, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,7 @@ def test_conv_stem_is_stride_2_convolutions_then_a_1x1(mode):
 
 @pytest.mark.slow  # builds, converts or exports the conv-stem model in graph mode
 def test_conv_stem_model_has_the_patch_models_token_grid_and_counted_parameters():
-    from pipeline.preflight import parameter_count
+    from ops.preflight import parameter_count
 
     for preset in ("mini", "tiny"):
         cfg = resolve_model(preset, {"vision": {"stem": "conv"}, "text": {"vocab_size": 600}})
@@ -128,8 +128,8 @@ def test_to_openclip_refuses_a_conv_stem_model(tmp_path):
 @pytest.mark.slow  # builds, converts or exports the conv-stem model in graph mode
 def test_conv_stem_bundle_exports_and_passes_parity(tmp_path):
     from clipms.data.preprocess import PreprocessConfig, preprocess_image
-    from clipms.deploy.export import assert_parity, export_bundle, parity_report
-    from clipms.text.tokenizer import Tokenizer
+    from clipms.deploy.mindir import assert_parity, export_bundle, parity_report
+    from clipms.text.clip_tokenizer import Tokenizer
 
     tokenizer = Tokenizer.train(CAPTIONS * 4, vocab_size=600, context_length=16)
     tokenizer.save(tmp_path / "tokenizer.json")

@@ -122,7 +122,7 @@ def test_decay_groups_follow_open_clip_and_can_spare_the_embeddings():
 
 def test_the_real_model_decays_its_embedding_tables_by_default():
     from clipms.model.clip import CLIP
-    from tests.tiny_model import tiny_config
+    from harness.tiny_model import tiny_config
 
     named = list(CLIP(tiny_config(vocab_size=50)).parameters_and_names())
     flags = dict(zip([n for n, _ in named], optim.build_adamw(named).decay_flags, strict=True))

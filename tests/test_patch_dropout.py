@@ -17,8 +17,8 @@ import clipms  # noqa: F401  (sets MindSpore's environment before mindspore is i
 import mindspore as ms
 from mindspore import Tensor, nn
 
+from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig
 from clipms.model.clip import CLIP
-from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
 from clipms.model.convert import load_openclip
 from clipms.model.patch_dropout import (
     PatchDropout,
@@ -172,10 +172,10 @@ def test_the_exported_graph_never_drops(tmp_path):
     """The MindIR image encoder of a model that trained with patch dropout equals the same
     weights without it (export compiles its own graphs: slow)."""
     from clipms.data.preprocess import PreprocessConfig
-    from clipms.deploy.export import export_bundle
     from clipms.deploy.infer import Encoder
-    from clipms.text.tokenizer import Tokenizer
-    from tests.tiny_model import CAPTIONS
+    from clipms.deploy.mindir import export_bundle
+    from clipms.text.clip_tokenizer import Tokenizer
+    from harness.tiny_model import CAPTIONS
 
     tokenizer = Tokenizer.train(CAPTIONS * 4, vocab_size=600, context_length=8)
     trained, plain = _trained_with_dropout(tokenizer.vocab_size)

@@ -1,4 +1,4 @@
-"""Only stages name files: each stage declares what it reads and writes (from stages.paths), and
+"""Only stages name files: each stage declares what it reads and writes (from pipeline.paths), and
 dvc.yaml's deps and outs must be exactly that declaration."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from stages import paths
-from tests.packages import PROJECT_PACKAGES
+from harness.packages import PROJECT_PACKAGES
+from pipeline import paths
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE_ROOTS = tuple(f"{package}/" for package in PROJECT_PACKAGES)  # code deps: test_dvc_deps

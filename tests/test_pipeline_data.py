@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from tests.image_site import part_folder
-from tests.workspace import make_workspace, run
+from harness.dvc_workspace import make_workspace, run
+from harness.image_site import part_folder
 
 
 def sha256(path) -> str:

@@ -1,4 +1,4 @@
-"""`dvc plots show` draws its plots offline: the page template of pipeline/plots_page.py carries
+"""`dvc plots show` draws its plots offline: the page template of ops/plots_page.py carries
 vega, vega-lite and vega-embed inline (from the npm packages `make env` installs in build/vega/),
 so the page loads nothing from the internet. Checked on the project's own plot definitions
 (dvc.yaml's `plots:` and train's loss curve) rendered by the real `dvc plots show`, in headless
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import plots_page
-from tests.webdriver import OFFLINE_FLAGS, Browser
+from harness.webdriver import OFFLINE_FLAGS, Browser
+from ops import plots_page
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE_MODULES = plots_page.BUILD / "node_modules"

@@ -1,4 +1,4 @@
-"""`python -m pipeline.preflight` on this machine (no Ascend device: it must say so and fail), its
+"""`python -m ops.preflight` on this machine (no Ascend device: it must say so and fail), its
 plan checks against a real manifest, and the Ascend parameter sets in profiles/ validated by the
 stages' own schemas."""
 
@@ -14,21 +14,21 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import preflight
+from harness.dvc_workspace import PROJECT_ROOT, run, tool_env
+from ops import preflight
 from pipeline.params import read_params, validate_section
-from tests.workspace import PROJECT_ROOT, run, tool_env
 
 PROFILES = sorted((PROJECT_ROOT / "profiles").glob("vit-*.yaml"))  # the Ascend parameter sets
 
 
 def _cli(*args: str, cwd: Path = PROJECT_ROOT):
     env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT)}
-    return run(["python", "-m", "pipeline.preflight", "--json", *args], cwd=cwd, check=False,
+    return run(["python", "-m", "ops.preflight", "--json", *args], cwd=cwd, check=False,
                env=env, timeout=300)
 
 
 def _schemas() -> dict[str, type]:
-    from clipms.eval.settings import EvaluateParams
+    from clipms.eval.options import EvaluateParams
     from clipms.runtime import RuntimeConfig
     from stages.download import DownloadParams
     from stages.metadata import MetadataParams
@@ -196,7 +196,7 @@ def test_a_compile_cache_forced_on_in_the_environment_is_named(monkeypatch):
 
 
 def test_image_size_check_without_params_falls_back_to_the_download_default():
-    from clipms.prep.download import DownloadSettings
+    from prep.fetch import DownloadSettings
 
     default = DownloadSettings().image_size
     assert preflight.check_image_size({}, default).status == "ok"
@@ -206,7 +206,7 @@ def test_image_size_check_without_params_falls_back_to_the_download_default():
 
 def test_importing_preflight_leaves_the_download_stack_out():
     """The preflight CLI starts without pandas, pyarrow and fsspec (the download module's)."""
-    probe = ("import sys, pipeline.preflight; print(sorted(m for m in ('clipms.prep.download', "
+    probe = ("import sys, ops.preflight; print(sorted(m for m in ('prep.fetch', "
              "'pandas', 'pyarrow', 'fsspec') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True, cwd=PROJECT_ROOT)

@@ -18,7 +18,7 @@ from clipms.data.preprocess import (
     open_image,
     preprocess_image,
 )
-from tests.hostile_images import EPS, encoded, png_bomb, png_header_bomb, png_sliver
+from harness.hostile_images import EPS, encoded, png_bomb, png_header_bomb, png_sliver
 
 
 def column_image(width: int, height: int) -> Image.Image:

@@ -24,9 +24,9 @@ import pytest
 from PIL import Image
 
 from harness import processes
+from harness.hostile_images import EPS, encoded, png_bomb, png_header_bomb, png_sliver
+from harness.mlflow_server import http_get
 from harness.processes import free_port
-from tests.hostile_images import EPS, encoded, png_bomb, png_header_bomb, png_sliver
-from tests.mlflow_server import http_get
 
 pytestmark = pytest.mark.slow
 MODEL = "clip-hostile"
@@ -43,8 +43,8 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     """(url, root, bundle) of `mlflow models serve` running models:/MODEL/1."""
     import mlflow
 
+    from harness.tiny_model import export_tiny_bundle
     from registry import pyfunc
-    from tests.tiny_model import export_tiny_bundle
 
     root = tmp_path_factory.mktemp("pyfunc-serve")
     bundle = export_tiny_bundle(root / "export")

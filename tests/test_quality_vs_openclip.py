@@ -11,7 +11,7 @@ import math
 import pytest
 from scipy import stats
 
-from tests.workspace import PROJECT_ROOT
+from harness.dvc_workspace import PROJECT_ROOT
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from registry import gate, journal, lineage, run, settings
-from registry.callback import TrainCallback
+from pipeline import paths
+from registry import gate
 from registry.compare import VersionRow, differing_params, render
 from registry.gate import CHALLENGER, CHAMPION, Candidate, decide
-from stages import paths
-from stages.tracking import FILES
+from tracking import journal, lineage, run, settings
+from tracking.callback import TrainCallback
+from tracking.files import FILES
 
 DIGEST = "a" * 32
 LOCK, MANIFEST = paths.LOCK, paths.MANIFEST  # relative: the tests chdir into a workspace
@@ -323,7 +324,7 @@ def test_tracking_uri_defaults_to_the_project_database(monkeypatch, tmp_path: Pa
 
 def test_register_refuses_a_missing_primary_metric_before_touching_mlflow() -> None:
     from registry.registration import register_version
-    from registry.settings import RegisterParams
+    from tracking.settings import RegisterParams
 
     pipeline_run = run.PipelineRun("key", None, "exp", FILES)
     with pytest.raises(gate.GateError, match=r"'i2t_R@5' is not in.*allowed: mAP@10 \(higher"):
@@ -345,7 +346,7 @@ def test_only_mindir_and_json_files_are_packaged(tmp_path: Path) -> None:
 
 
 def test_registry_imports_nothing_from_stages_or_flows() -> None:
-    from tests.packages import imported_roots
+    from harness.packages import imported_roots
 
     package = Path(__file__).resolve().parents[1] / "registry"
     for module in sorted(package.glob("*.py")):
@@ -375,7 +376,7 @@ def test_system_metrics_are_logged_without_mlflow_info_lines(tmp_path: Path) -> 
     started while records wait to be sent to a run that exists."""
     code = ("import time\n"
             "from registry import run, settings\n"
-            "from stages.tracking import FILES\n"
+            "from tracking.files import FILES\n"
             "c = settings.client()\n"
             "run_id = c.create_run(settings.ensure_experiment(c, 'quiet')).info.run_id\n"
             "pipeline_run = run.PipelineRun('key', run_id, 'quiet', FILES)\n"

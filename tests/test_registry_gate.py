@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from registry import settings
-from tests import mlflow_server as server_fixtures
+from harness import mlflow_server as server_fixtures
+from harness.fault_proxy import FaultProxy, Rule
+from harness.mlflow_server import MlflowServer
 from tests import test_registry_server
-from tests.fault_proxy import FaultProxy, Rule
-from tests.mlflow_server import MlflowServer
 from tests.test_registry_server import prepare_workspace, register_in
+from tracking import settings
 
 pytestmark = pytest.mark.slow
 ALIAS = "/api/2.0/mlflow/registered-models/alias"  # GET: the gate's champion lookup; POST: a move
@@ -166,7 +166,7 @@ def read_run_id(workspace: Path) -> str:
 
 def evaluate_defaults() -> tuple[int, object]:
     """(batch size, zero-shot spec) of the `evaluate` section these workspaces leave default."""
-    from clipms.eval.settings import EvaluateParams
+    from clipms.eval.options import EvaluateParams
 
     params = EvaluateParams()
     return params.batch_size, params.zeroshot_spec()
@@ -175,7 +175,7 @@ def evaluate_defaults() -> tuple[int, object]:
 def bundle_scores(bundle: Path, shards: Path) -> dict[str, float]:
     """What the evaluate stage's code gives the bundle's MindIR graphs on the val split."""
     from clipms.deploy.infer import Encoder
-    from clipms.eval.evaluate import evaluate_towers
+    from clipms.eval.scoring import evaluate_towers
 
     batch_size, spec = evaluate_defaults()
     encoder = Encoder(bundle, batch_size=batch_size, kernel_fusion=False)
@@ -184,8 +184,8 @@ def bundle_scores(bundle: Path, shards: Path) -> dict[str, float]:
 
 def checkpoint_scores(trained: Path, shards: Path) -> dict[str, float]:
     """What the evaluate stage itself gives the checkpoint the bundle was exported from."""
-    from clipms.eval.evaluate import evaluate
-    from clipms.text.tokenizer import Tokenizer
+    from clipms.eval.scoring import evaluate
+    from clipms.text.clip_tokenizer import Tokenizer
     from clipms.train.trained import RunConfig, load_clip
 
     batch_size, spec = evaluate_defaults()
@@ -205,8 +205,8 @@ def test_a_champion_scored_on_another_set_is_rescored_on_the_new_one(
     """v1 was evaluated on 11 val images; the data grew and v2 on 13. The gate scores v1's
     registered bundle on v2's set with the evaluate stage's code, compares there, and records
     both values, the set and where each came from. Today's gate only said "not compared"."""
-    from registry.lineage import val_digest
-    from tests.tiny_model import make_val_shards
+    from harness.tiny_model import make_val_shards
+    from tracking.lineage import val_digest
 
     model = f"gate-grown-{primary.replace('@', '')}"
     v1 = prepare_workspace(tmp_path / "v1", bundle, metrics_with(primary, 0.5), model,
@@ -285,7 +285,7 @@ def test_versions_scored_on_one_pinned_set_compare_without_rescoring(
     import shutil
 
     from clipms.data.evalset import freeze
-    from registry.lineage import val_digest
+    from tracking.lineage import val_digest
 
     model = "gate-pinned"
     pinned = tmp_path / "frozen"
@@ -320,7 +320,7 @@ def test_a_run_whose_creation_was_answered_too_late_still_registers(
     was sent. register finds the run by its key instead of failing forever."""
     import json
 
-    from registry.sender import RUN_KEY_TAG
+    from tracking.sender import RUN_KEY_TAG
 
     proxy.add(Rule("POST", "/runs/create", "hold", release=threading.Event(), hold_s=20.0,
                    times=1))

@@ -2,12 +2,12 @@
 SQLite store in a temporary folder.
 
 - A training killed before its first checkpoint leaves its run RUNNING; the next training starts
-  over in a new run and ends the abandoned one as FAILED, saying why (registry.run's `_abandon`,
-  registry.journal's `EndAbandoned`). The kill is a run never closed whose sender stops, as a
+  over in a new run and ends the abandoned one as FAILED, saying why (tracking.run's `_abandon`,
+  tracking.journal's `EndAbandoned`). The kill is a run never closed whose sender stops, as a
   SIGKILL leaves it.
 - A process killed while MLflow creates a new SQLite store (its schema migrations) left a store
   no stage could open again; the store is now created whole or not at all
-  (registry.settings.prepare_local_store). The kill is a real SIGKILL, in the middle.
+  (tracking.settings.prepare_local_store). The kill is a real SIGKILL, in the middle.
 
 The process-level kills of a whole pipeline are benchmarks/bench_kill.py's (and
 tests/test_kill_recovery.py's).
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from clipms.utils.jsonio import write_json
-from registry.run import PipelineRun
-from registry.settings import TrackingFiles
+from tracking.run import PipelineRun
+from tracking.settings import TrackingFiles
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def killed_training(files: TrackingFiles, record: Path) -> PipelineRun:
 
 
 def status(run_id: str) -> tuple[str, dict[str, str]]:
-    from registry.settings import client
+    from tracking.settings import client
 
     found = client().get_run(run_id)
     return found.info.status, found.data.tags
@@ -94,7 +94,7 @@ def test_a_resumed_run_is_continued_and_a_finished_one_left_alone(files: Trackin
 HALF_CREATED = """
 import os, signal, sys
 import mlflow.store.db.utils as db_utils
-from registry import settings
+from tracking import settings
 
 def half_of_the_migrations(engine):  # one table, then the kill: as a SIGKILL mid-way leaves it
     with engine.begin() as connection:
@@ -107,7 +107,7 @@ settings.client(sys.argv[1])
 
 
 def test_a_store_killed_while_being_created_is_created_again_whole(tmp_path: Path) -> None:
-    from registry.settings import client
+    from tracking.settings import client
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     killed = subprocess.run([sys.executable, "-c", HALF_CREATED, uri], capture_output=True,

@@ -1,4 +1,4 @@
-"""MLflow on a real database: a real PostgreSQL (tests/postgres_server.py, 127.0.0.1)
+"""MLflow on a real database: a real PostgreSQL (harness/postgres_server.py, 127.0.0.1)
 under a real `mlflow server` whose artifacts are proxied (`--artifacts-destination` +
 `--serve-artifacts`: the client sees only `mlflow-artifacts:` URIs). The register stage, the gate
 and the champion lookup run against it; two registrations from two "machines" race; the journal
@@ -25,18 +25,18 @@ from pathlib import Path
 
 import pytest
 
-from registry import run as tracking_run
-from registry import settings
-from registry.callback import TrainCallback
-from stages.tracking import FILES
+from harness.fault_proxy import FaultProxy, Rule
+from harness.postgres_server import MlflowOnPostgres, PostgresServer
+from harness.prefect_server import PrefectStack
+from harness.prefect_workers import start_server
 from tests import test_registry_server
-from tests.fault_proxy import FaultProxy, Rule
-from tests.postgres_server import MlflowOnPostgres, PostgresServer
-from tests.prefect_server import PrefectStack
-from tests.prefect_workers import start_server
 from tests.test_registry import write_pipeline_state
 from tests.test_registry_gate import ALIAS, read_run_id, scores
 from tests.test_registry_server import prepare_workspace, register_in, train_like
+from tracking import run as tracking_run
+from tracking import settings
+from tracking.callback import TrainCallback
+from tracking.files import FILES
 
 pytestmark = pytest.mark.slow
 bundle = test_registry_server.bundle  # module fixture: a real tiny MindIR export bundle

@@ -1,8 +1,8 @@
-"""registry.sender.RecordSender in seconds: a record that fails to send stays queued, in order,
+"""tracking.sender.RecordSender in seconds: a record that fails to send stays queued, in order,
 and goes out exactly once when the server answers again, and what is unsent reads back from the
 journal file whole. The tracking server is a stand-in MlflowClient that fails on command (the
 fault-injection tests with a real server and a cutting proxy take minutes:
-tests/test_registry_server.py, tests/fault_proxy.py).
+tests/test_registry_server.py, harness/fault_proxy.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from registry import journal, sender
-from registry.journal import Journal, LogMetrics, MetricRow, SetStatus, SetTags
+from tracking import journal, sender
+from tracking.journal import Journal, LogMetrics, MetricRow, SetStatus, SetTags
 
 RUN_ID = "run-1"
 WAIT_S = 60.0  # a flush's bound on a server that stops answering; every flush here ends sooner

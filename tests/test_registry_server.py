@@ -17,13 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from registry import gate, lineage, settings
-from registry import run as tracking_run
-from registry.callback import TrainCallback
-from stages.tracking import FILES
-from tests import mlflow_server as server_fixtures
-from tests.mlflow_server import MlflowServer, http_get
+from harness import mlflow_server as server_fixtures
+from harness.mlflow_server import MlflowServer, http_get
+from registry import gate
 from tests.test_registry import write_pipeline_state
+from tracking import lineage, settings
+from tracking import run as tracking_run
+from tracking.callback import TrainCallback
+from tracking.files import FILES
 
 pytestmark = pytest.mark.slow
 mlflow_server = server_fixtures.mlflow_server  # the session fixture (pytest finds it by name)
@@ -111,7 +112,7 @@ def test_server_going_away_mid_run_loses_nothing(workspace: Path, server: Mlflow
     train_like(run, 10)
     assert run.flush() and not run.pending  # sent while the server was up
 
-    # Fail fast instead of ~3 s of retries per request (the default set by registry.settings).
+    # Fail fast instead of ~3 s of retries per request (the default set by tracking.settings).
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     server.stop()
     started = time.monotonic()
@@ -162,7 +163,7 @@ MODEL = "clip-test"
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real export bundle (two MindIR graphs) of a tiny random-init CLIP."""
-    from tests.tiny_model import export_tiny_bundle
+    from harness.tiny_model import export_tiny_bundle
 
     return export_tiny_bundle(tmp_path_factory.mktemp("export"), seed=0)
 
@@ -173,11 +174,11 @@ def prepare_workspace(root: Path, bundle: Path, eval_metrics: dict, model: str =
     """A workspace as the stages before register leave it: dvc.lock, manifest, params, the export
     bundle and the checkpoint it came from, metrics/eval.json, and the pipeline's MLflow run
     (train opened it, evaluate logged). The val split is a manifest entry only (`val_sha`), or
-    real shards of `val_images` images (tests.tiny_model.make_val_shards)."""
+    real shards of `val_images` images (harness.tiny_model.make_val_shards)."""
     import shutil
 
     from clipms.utils.jsonio import write_json
-    from tests.tiny_model import make_val_shards
+    from harness.tiny_model import make_val_shards
 
     root.mkdir(parents=True)
     write_pipeline_state(root, val_sha=val_sha)
@@ -262,10 +263,10 @@ def test_versions_registered_from_one_run_keep_their_own_index(workspace: Path,
     come back with version 1's index, so the service can serve it when it is the champion."""
     import shutil
 
-    from clipms.deploy.index import ImageIndex, bundle_digest
+    from clipms.deploy.searchindex import ImageIndex, bundle_digest
+    from harness.tiny_model import export_tiny_bundle
     from serving.source import RegistrySource
     from tests.test_serving_swap import make_index
-    from tests.tiny_model import export_tiny_bundle
 
     other = export_tiny_bundle(workspace / "other", seed=1)
     root = prepare_workspace(workspace / "run", bundle, {"i2t_R@5": 0.5, "mAP@10": 0.2},
@@ -334,7 +335,7 @@ def test_champion_loads_and_matches_clipms_infer(workspace: Path, bundle: Path) 
 
 def test_mlflow_models_serve_answers_invocations(workspace: Path, bundle: Path,
                                                  server: MlflowServer) -> None:
-    from tests.mlflow_server import free_port
+    from harness.mlflow_server import free_port
 
     if not settings.client().search_model_versions(f"name = '{MODEL}'"):
         pipeline_run(workspace / "run1", bundle, 0.5)
@@ -396,7 +397,7 @@ def _metrics_are_shown_and_the_pipeline_is_up_to_date(ws: Path, env: dict[str, s
     """What a user sees after `dvc repro`: every metric in range and in `dvc metrics show`, a
     second repro that runs nothing, and the exported bundle answering a text query."""
     from clipms.utils.jsonio import read_json
-    from tests.workspace import run
+    from harness.dvc_workspace import run
 
     found = read_json(ws / "metrics" / "eval.json")
     assert all(0.0 <= found[k] <= 1.0 for k in EVAL_KEYS), found
@@ -415,7 +416,7 @@ def _metrics_are_shown_and_the_pipeline_is_up_to_date(ws: Path, env: dict[str, s
 def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: MlflowServer,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from clipms.utils.jsonio import read_json
-    from tests.workspace import make_workspace, run, tool_env
+    from harness.dvc_workspace import make_workspace, run, tool_env
 
     # every stage with the users' default CPU kernel fusion (the tiny workspace turns it off),
     # trained with amp: the fp32 graphs of evaluate and export compile fused kernels, amp's
@@ -479,7 +480,7 @@ def test_dvc_repro_logs_one_run_through_all_stages(tmp_path: Path, server: Mlflo
     assert train_summary  # train.json exists; its values are logged as train_* metrics
     # The index stage ran after export; register logged it into the version's model, so the
     # champion's model and its index come back from MLflow alone and belong together.
-    from clipms.deploy.index import ImageIndex, bundle_digest
+    from clipms.deploy.searchindex import ImageIndex, bundle_digest
     from serving.source import RegistrySource
 
     indexed = read_json(ws / "metrics" / "index.json")

@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 
 from clipms.utils.jsonio import read_json
-from registry import run as tracking_run
-from registry import settings
-from registry.callback import TrainCallback
-from registry.journal import CreateRun, Journal, LogMetrics
-from stages.tracking import FILES
-from tests import mlflow_server as server_fixtures
-from tests.mlflow_server import MlflowServer, free_port
+from harness import mlflow_server as server_fixtures
+from harness.dvc_workspace import make_workspace, run, tool_env
+from harness.mlflow_server import MlflowServer, free_port
 from tests.test_registry import write_pipeline_state
-from tests.workspace import make_workspace, run, tool_env
+from tracking import run as tracking_run
+from tracking import settings
+from tracking.callback import TrainCallback
+from tracking.files import FILES
+from tracking.journal import CreateRun, Journal, LogMetrics
 
 pytestmark = pytest.mark.slow
 mlflow_server = server_fixtures.mlflow_server  # the session fixture, found by name

@@ -2,7 +2,7 @@
 experiment is a model-training one, the evaluation metrics are on each version's logged model (the
 Models view's columns), version tags are only lineage and the gate's inputs, each version's
 description is the gate's decision, and the registered model has a description; and the UI
-itself, in headless Chromium, shows them (tests/mlflow_screenshots.py)."""
+itself, in headless Chromium, shows them (harness/mlflow_screenshots.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from registry import gate, settings
+from harness import mlflow_screenshots
+from harness import mlflow_server as server_fixtures
+from harness.mlflow_server import MlflowServer
+from registry import gate
 from registry.registration import MODEL_DESCRIPTION_START
-from tests import mlflow_screenshots
-from tests import mlflow_server as server_fixtures
 from tests import test_registry_server as server_tests
-from tests.mlflow_server import MlflowServer
 from tests.test_registry_server import prepare_workspace, register_in
+from tracking import settings
 
 pytestmark = pytest.mark.slow
 mlflow_server = server_fixtures.mlflow_server  # the session fixture (pytest finds it by name)

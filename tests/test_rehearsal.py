@@ -18,7 +18,7 @@ import yaml
 from benchmarks import rehearsal
 from benchmarks.stage_clock import measure
 from harness import processes
-from tests.workspace import PROJECT_ROOT, TINY_PARAMS, tool_env
+from harness.dvc_workspace import PROJECT_ROOT, TINY_PARAMS, tool_env
 
 # Ten stages, five of which compile MindSpore graphs: on a shared 2-core machine under load this
 # takes tens of minutes.
@@ -125,8 +125,8 @@ def test_a_resumed_rehearsals_table_names_each_earlier_part():
 
 def test_the_profile_and_the_sizes_are_valid_params_of_every_section_they_set(tmp_path):
     from clipms.runtime import RuntimeConfig
+    from ops.preflight import apply_overrides
     from pipeline.params import read_params, validate_section
-    from pipeline.preflight import apply_overrides
     from stages.download import DownloadParams
     from stages.metadata import MetadataParams
     from stages.tokenizer import TokenizerParams
@@ -242,10 +242,10 @@ def test_the_search_benchmark_measures_recall_against_an_exact_copy_of_an_hnsw_i
     itself as "exact", HNSW's recall would read 1.0 whatever it finds."""
     pytest.importorskip("faiss")
     from benchmarks import rehearsal_search
-    from clipms.deploy.index import ImageIndex, Item, build_index, bundle_digest
     from clipms.deploy.infer import Encoder
     from clipms.deploy.search import SearchOptions
-    from tests.tiny_model import export_tiny_bundle, jpeg_bytes, random_images
+    from clipms.deploy.searchindex import ImageIndex, Item, build_index, bundle_digest
+    from harness.tiny_model import export_tiny_bundle, jpeg_bytes, random_images
 
     bundle = export_tiny_bundle(tmp_path / "bundle")
     items = [Item(f"k{i:03d}", jpeg_bytes(image), f"caption {i}", "val")

@@ -38,7 +38,7 @@ def test_every_result_file_says_what_ran_where_and_under_what_load():
 
 
 def test_every_benchmark_command_in_results_md_names_a_script_that_exists():
-    from clipms.bench import SUBCOMMANDS
+    from benchmarks.throughput import SUBCOMMANDS
 
     blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.DOTALL)
     commands = [shlex.split(line.split("#")[0]) for block in blocks

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from clipms.train import checkpoint
-from tests.workspace import checkpoint_arrays
+from harness.dvc_workspace import checkpoint_arrays
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 TRAIN_SCRIPT = textwrap.dedent("""
     import logging, sys, time
     import clipms
-    from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
+    from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig
     from clipms.train.loop import RandomBatches, TrainConfig, save_model, train
 
     class SlowBatches(RandomBatches):
@@ -177,7 +177,7 @@ def test_a_write_that_fails_part_way_leaves_the_previous_checkpoint_intact(tmp_p
 
 
 def _micro():
-    from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
+    from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig
 
     return CLIPConfig(
         embed_dim=16,

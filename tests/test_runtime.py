@@ -27,8 +27,8 @@ from clipms.runtime import (
     kernel_cache_dir,
     settings_for,
 )
+from harness.dvc_workspace import PROJECT_ROOT
 from pipeline.params import ParamsError, validate_section
-from tests.workspace import PROJECT_ROOT
 
 MS_DIR = Path("/opt/ms")  # settings_for takes the installed package as an argument
 HOME = {"HOME": "/home/u"}
@@ -153,7 +153,7 @@ ENCODE = """
 import sys
 import numpy as np
 from clipms.deploy.infer import Encoder
-from tests.tiny_model import CAPTIONS, random_images
+from harness.tiny_model import CAPTIONS, random_images
 encoder = Encoder(sys.argv[1], batch_size=4, kernel_fusion=sys.argv[3] == "on")
 np.savez(sys.argv[2], images=encoder.encode_images(random_images(6, seed=5)),
          texts=encoder.encode_texts(CAPTIONS[:6]))
@@ -165,7 +165,7 @@ import numpy as np
 from clipms.train.feed import RandomBatches
 from clipms.runtime import RuntimeConfig
 from clipms.train.loop import TrainConfig, train
-from tests.tiny_model import tiny_config
+from harness.tiny_model import tiny_config
 cfg = TrainConfig(model=tiny_config(vocab_size=100), batch_size=8, lr=1e-3, warmup_steps=1,
                   max_steps=3, runtime=RuntimeConfig(kernel_fusion=sys.argv[2] == "on"))
 class OneBatch(RandomBatches):  # the same batch every step, so that the loss must fall
@@ -204,7 +204,7 @@ def test_configure_sets_the_cpu_environment_before_mindspore_is_imported(tmp_pat
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    from tests.tiny_model import export_tiny_bundle
+    from harness.tiny_model import export_tiny_bundle
 
     return export_tiny_bundle(tmp_path_factory.mktemp("export"), seed=2)
 

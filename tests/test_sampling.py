@@ -19,7 +19,7 @@ from clipms.data.sampling import (
     group_ids,
     grouped_batches,
 )
-from clipms.text.tokenizer import Tokenizer
+from clipms.text.clip_tokenizer import Tokenizer
 from tests.test_data import PRE, ids_of, run_loader, write_shards
 
 COLOURS = ["red", "green", "blue", "cyan"]
@@ -160,7 +160,7 @@ def test_the_loader_names_a_field_the_shards_lack(shards: Path, tok: Tokenizer) 
 def test_the_train_param_takes_one_field_or_a_list_and_checks_the_fraction():
     from pydantic import ValidationError
 
-    from clipms.train.config import TrainSettings
+    from clipms.train.recipe import TrainSettings
 
     assert TrainSettings(group_by="colour").group_by == ("colour",)
     assert TrainSettings(group_by=["colour", "background"]).group_by == ("colour", "background")

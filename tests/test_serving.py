@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.hostile_images import EPS, encoded, png_bomb, png_header_bomb
-from tests.serving_server import ServingServer, post_json, request
-from tests.tiny_model import jpeg_bytes, random_images
+from harness.hostile_images import EPS, encoded, png_bomb, png_header_bomb
+from harness.serving_server import ServingServer, post_json, request
+from harness.tiny_model import jpeg_bytes, random_images
 
 pytestmark = pytest.mark.slow
 MAX_BATCH, MAX_QUEUE, MAX_ROWS, MAX_BYTES = 4, 8, 16, 200_000
@@ -34,10 +34,10 @@ def b64(data: bytes) -> str:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory):
     """A bundle, its index, an Encoder for expected values, and the running service."""
-    from clipms.deploy.index import Item, build_index, bundle_digest
     from clipms.deploy.infer import Encoder
     from clipms.deploy.search import SearchOptions
-    from tests.tiny_model import export_tiny_bundle
+    from clipms.deploy.searchindex import Item, build_index, bundle_digest
+    from harness.tiny_model import export_tiny_bundle
 
     root = tmp_path_factory.mktemp("serving")
     bundle = export_tiny_bundle(root)
@@ -244,10 +244,10 @@ def test_a_siglip_models_rank_gives_each_texts_own_sigmoid(tmp_path) -> None:
     """A model trained with the sigmoid loss scores each (image, text) pair on its own: /v1/rank
     answers sigmoid(scale * cosine + bias) per text (open_clip's SigLIP zero-shot), not a
     softmax over the texts."""
-    from clipms.deploy.index import Item, build_index, bundle_digest
     from clipms.deploy.infer import Encoder
     from clipms.deploy.search import SearchOptions
-    from tests.tiny_model import export_tiny_bundle
+    from clipms.deploy.searchindex import Item, build_index, bundle_digest
+    from harness.tiny_model import export_tiny_bundle
 
     bundle = export_tiny_bundle(tmp_path, logit_bias=-1.5)
     encoder = Encoder(bundle, kernel_fusion=False)
@@ -291,7 +291,7 @@ def test_hostile_inputs_are_client_errors_and_the_service_goes_on(world) -> None
 def test_concurrent_requests_batch_and_each_gets_its_own_result(world) -> None:
     url, encoder = world["url"], world["encoder"]
     # 6 <= MAX_QUEUE: none refused. Texts on both paths of the tokenizer's cleaning (plain
-    # ASCII skips ftfy, clipms.text.tokenizer.fix_text), tokenized together in one batch.
+    # ASCII skips ftfy, clipms.text.clip_tokenizer.fix_text), tokenized together in one batch.
     texts = ["query number 0", "tom &amp; jerry 1", "naïve café 2", "QUERY   number 3",
              "\x1b[1mbold\x1b[0m 4", "query number 5"]
     want = encoder.encode_texts(texts)
@@ -378,7 +378,7 @@ SHOWN = """return [...document.querySelectorAll('.result')].filter(card => {
 
 def test_search_page_in_headless_chromium(world, tmp_path) -> None:
     """Type a query, see result images with captions, click one, see the images like it."""
-    from tests.webdriver import Browser
+    from harness.webdriver import Browser
 
     url = world["url"]
     by_text = [r["key"] for r in post_json(f"{url}/v1/search", {"text": "caption", "k": 24})[1][

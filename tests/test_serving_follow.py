@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from serving.engine import BatchSettings, ModelInfo
-from serving.metrics import ServiceMetrics
+from serving.prometheus import ServiceMetrics
 from serving.source import Fetched, RegistrySource, SourceError
 from serving.state import ServiceState
 

@@ -15,7 +15,7 @@ import pytest
 from serving.batcher import Returning
 from serving.guard import CLIENT_GONE, Guard
 from serving.hosts import HostPolicy
-from serving.metrics import ServiceMetrics
+from serving.prometheus import ServiceMetrics
 
 LIMIT = 1000
 JSON = [(b"content-type", b"application/json"), (b"host", b"127.0.0.1:8000")]

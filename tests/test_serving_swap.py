@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests import mlflow_server as server_fixtures
-from tests.mlflow_server import MlflowServer
-from tests.serving_server import ServingServer, post_json, request
-from tests.tiny_model import jpeg_bytes, random_images
+from harness import mlflow_server as server_fixtures
+from harness.mlflow_server import MlflowServer
+from harness.serving_server import ServingServer, post_json, request
+from harness.tiny_model import jpeg_bytes, random_images
 
 pytestmark = pytest.mark.slow
 mlflow_server = server_fixtures.mlflow_server  # the session's server, found by name
@@ -29,9 +29,9 @@ LOOP_LIMIT_S = 240.0  # the client loop stops by itself after this, whatever hap
 
 
 def make_index(bundle: Path, out: Path) -> Path:
-    from clipms.deploy.index import Item, build_index, bundle_digest
     from clipms.deploy.infer import Encoder
     from clipms.deploy.search import SearchOptions
+    from clipms.deploy.searchindex import Item, build_index, bundle_digest
 
     images = random_images(12, seed=4)
     items = [Item(f"s{i:02d}", jpeg_bytes(im), f"picture {i}", "val")
@@ -117,7 +117,7 @@ def tracking(mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch) -> It
 
 def test_follow_champion_swaps_live_and_refuses_a_mismatching_index(tmp_path: Path,
                                                                    tracking: str) -> None:
-    from tests.tiny_model import export_tiny_bundle
+    from harness.tiny_model import export_tiny_bundle
 
     # Named like the pipeline's models/export: MLflow keeps the folder's name in the artifacts.
     first = export_tiny_bundle(tmp_path / "a", seed=0).rename(tmp_path / "a" / "export")

@@ -14,8 +14,8 @@ import webdataset as wds
 from PIL import Image
 
 from clipms.data import webds
-from clipms.prep.shards import ShardError, ShardSettings, build_shards
 from pipeline.params import ParamsError, load_section
+from prep.shards import ShardError, ShardSettings, build_shards
 from stages.shard import ShardParams
 
 
@@ -215,7 +215,7 @@ def test_decompression_bombs_and_other_formats_are_bad_samples_by_reason(tmp_pat
     # The shard stage decodes through clipms.data.preprocess.open_image: a 64 MP PNG bomb (~8 KB)
     # and a header claiming 10^10 pixels are too_large (never allocated); a GIF (which PIL would
     # decode) is undecodable_image.
-    from tests.hostile_images import png_bomb, png_header_bomb
+    from harness.hostile_images import png_bomb, png_header_bomb
 
     src = tmp_path / "download"
     src.mkdir()
@@ -289,7 +289,7 @@ def test_jpeg_bytes_are_copied_other_formats_converted_and_the_caption_file_is_a
 def test_the_summary_names_drops_corrupt_tars_and_the_rate():
     """x_summary__mutmut_* (the stage's closing line: what was dropped, which tars were skipped,
     the rate, also for a run shorter than a second or of no measurable time)."""
-    from clipms.prep.shards import summary
+    from prep.shards import summary
 
     metrics = {"samples_in": 1500, "input_shards": 3, "dropped": {"too_small": 1, "bad_key": 0,
                                                                   "no_caption": 2000},
@@ -311,7 +311,7 @@ def test_the_summary_names_drops_corrupt_tars_and_the_rate():
 
 
 def test_shards_from_a_url_are_the_shards_of_the_same_local_folder(tmp_path):
-    """clipms.prep.shards.x_build_shards__mutmut_3..46 and x_fetch_tars__mutmut_1..22 (the URL
+    """prep.shards.x_build_shards__mutmut_3..46 and x_fetch_tars__mutmut_1..22 (the URL
     input: tests/test_download_remote.py runs it only inside the shard stage's process, where
     mutmut cannot see it): the recorded tars are checked, copied into a hidden temporary folder
     beside the output (made with its parents; gone after) and give the bytes a local input gives;
@@ -319,7 +319,7 @@ def test_shards_from_a_url_are_the_shards_of_the_same_local_folder(tmp_path):
     cannot be copied, is a ShardError that says so."""
     import re
 
-    from clipms.prep.shards import ShardError, ShardSettings, build_shards, fetch_tars
+    from prep.shards import ShardError, ShardSettings, build_shards, fetch_tars
 
     src = tmp_path / "store"
     src.mkdir()

@@ -19,11 +19,11 @@ import pytest
 
 from clipms.data import dataset as shard_dataset
 from clipms.data.preprocess import PreprocessConfig
-from clipms.text.tokenizer import Tokenizer
+from clipms.text.clip_tokenizer import Tokenizer
 from clipms.train import feed
-from clipms.train.config import TrainConfig
 from clipms.train.feed import BatchSignature, DeviceQueue, RandomBatches, ShardBatches, SinkFeed
 from clipms.train.loop import Training, _loop
+from clipms.train.recipe import TrainConfig
 from tests.test_data import write_shards
 from tests.test_trainer import MICRO
 

@@ -1,4 +1,4 @@
-"""`python -m pipeline.preflight --smoke`: the smoke plan per device and the checks' verdicts as
+"""`python -m ops.preflight --smoke`: the smoke plan per device and the checks' verdicts as
 data (a stale graph, a NaN, device figures beside the host's), and the whole smoke run on this
 machine's CPU, with the keyed compile cache on."""
 
@@ -9,10 +9,10 @@ import json
 import pytest
 import yaml
 
-from pipeline import preflight, smoke
-from pipeline.checks import FAIL, OK
+from harness.dvc_workspace import PROJECT_ROOT, run, tool_env
+from ops import preflight, smoke
+from ops.checks import FAIL, OK
 from pipeline.params import read_params
-from tests.workspace import PROJECT_ROOT, run, tool_env
 
 
 def plan_of(overrides: dict) -> smoke.SmokePlan:
@@ -68,7 +68,7 @@ def test_the_smoke_run_trains_twice_and_exports_on_this_cpu(tmp_path):
     scratch.mkdir()
     env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT), "CLIPMS_KERNEL_CACHE": str(tmp_path),
            "TMPDIR": str(scratch)}
-    proc = run(["python", "-m", "pipeline.preflight", "--params",
+    proc = run(["python", "-m", "ops.preflight", "--params",
                 str(PROJECT_ROOT / "params.yaml"), "--manifest", str(tmp_path / "none.json"),
                 "--smoke", "--json", "-S", "runtime.compile_cache=true"],
                cwd=tmp_path, env=env, check=False, timeout=2400)

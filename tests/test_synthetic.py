@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clipms.prep import synthetic
+from prep import synthetic
 
 N_IMAGES = 40
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.workspace import PROJECT_ROOT, make_workspace, run, tool_env
+from harness.dvc_workspace import PROJECT_ROOT, make_workspace, run, tool_env
 
 SCRIPT = PROJECT_ROOT / "benchmarks/time_to_quality.py"
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from clipms.prep.synthetic import image_rng, sample_scene, write_captions
 from clipms.text.bpe import BpeError
-from clipms.text.tokenizer import Tokenizer, TokenizerError, clean_text
+from clipms.text.clip_tokenizer import Tokenizer, TokenizerError, clean_text
+from prep.synthetic import image_rng, sample_scene, write_captions
 
 GOLDEN = json.loads((Path(__file__).parent / "data/openclip_tokenizer/tokens.json").read_text())
 
@@ -122,8 +122,8 @@ def test_clear_errors(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_tokenizer_stage_with_dvc(tmp_path: Path) -> None:
+    from harness.dvc_workspace import make_workspace, run, set_params
     from tests.test_data import CAPTIONS, write_shards
-    from tests.workspace import make_workspace, run, set_params
 
     ws = make_workspace(tmp_path / "ws", {"tokenizer.min_frequency": 1})
     write_shards(ws / "data/shards", {"train": [6, 5], "val": [3]})
@@ -153,12 +153,12 @@ def test_edges_make_mutation_found(openai: Tokenizer, tmp_path: Path) -> None:
     32), padding and broken bytes in decode (decode 12-14/39/42/43), the error messages of a
     missing key, bad JSON and a bad merges file (from_dict 10/18, load 6/8/10/11,
     _read_openai_merges 39/45)."""
-    from clipms.text.tokenizer import MIN_TRAINED_VOCAB, OPENAI_NUM_MERGES, byte_to_unicode
+    from clipms.text.clip_tokenizer import MIN_TRAINED_VOCAB, OPENAI_NUM_MERGES, byte_to_unicode
 
     default = Tokenizer.openai()
     assert (default.context_length, default.kind, default.pad_id) == (77, "openai", 0)
     saved = {k: v for k, v in default.to_dict().items() if k != "tokenizers"}
-    assert saved == {"format": "clipms.text.tokenizer", "version": 1, "kind": "openai",
+    assert saved == {"format": "clipms.text.clip_tokenizer", "version": 1, "kind": "openai",
                      "context_length": 77, "vocab_size": 49408, "sot_id": 49406,
                      "eot_id": 49407, "pad_id": 0, "cleaning": "ftfy.fix_text; html.unescape "
                      "x2; whitespace collapsed; lower case"}
@@ -183,9 +183,9 @@ def test_edges_make_mutation_found(openai: Tokenizer, tmp_path: Path) -> None:
     assert openai.decode([openai.sot_id, lone, openai.eot_id]) == "\ufffd"
 
     with pytest.raises(TokenizerError) as err:
-        Tokenizer.from_dict({"format": "clipms.text.tokenizer", "kind": "bpe"})
+        Tokenizer.from_dict({"format": "clipms.text.clip_tokenizer", "kind": "bpe"})
     assert str(err.value) == "tokenizer dict: missing keys ['context_length', 'tokenizers']"
-    (tmp_path / "half.json").write_text('{"format": "clipms.text.tokenizer"}')
+    (tmp_path / "half.json").write_text('{"format": "clipms.text.clip_tokenizer"}')
     with pytest.raises(TokenizerError, match=f"^{tmp_path / 'half.json'}: missing keys"):
         Tokenizer.load(tmp_path / "half.json")
     (tmp_path / "broken.json").write_text("{")
@@ -211,7 +211,7 @@ def test_fix_text_is_ftfy_and_skips_it_only_where_ftfy_changes_nothing() -> None
     ftfy is really skipped (the text itself comes back) on plain printable ASCII."""
     import ftfy
 
-    from clipms.text.tokenizer import fix_text
+    from clipms.text.clip_tokenizer import fix_text
 
     rng = np.random.default_rng(0)
     alphabet = list("abcdefghijklmnopqrstuvwxyzABCZ0123456789 .,;:!?'\"-()&#;&ltgampquot") + [
@@ -258,7 +258,7 @@ HAND_MADE_MERGES = [("x", "y"), ("xy", "z</w>"), ("a", "b"), ("b", "d</w>"), ("a
 def _learn(word_counts: dict[str, int], max_new_tokens: int = 50,
            min_frequency: int = 2) -> list[tuple[str, str]]:
     from clipms.text.bpe import learn_merges
-    from clipms.text.tokenizer import EOW, _byte_symbols
+    from clipms.text.clip_tokenizer import EOW, _byte_symbols
 
     return learn_merges(word_counts, _byte_symbols(), max_new_tokens, min_frequency, EOW)
 
@@ -343,7 +343,7 @@ def test_bpe_to_the_end_matches_a_naive_recount() -> None:
     """Random corpora of a-d trained until no pair is left (min_frequency 1): counts that fall
     to 1 on the way are still merged, in the reference's order."""
     from clipms.text.bpe import learn_merges
-    from clipms.text.tokenizer import EOW, _byte_symbols
+    from clipms.text.clip_tokenizer import EOW, _byte_symbols
 
     rng = np.random.default_rng(7)
     base = _byte_symbols()
@@ -387,7 +387,7 @@ def test_bpe_training_is_deterministic_across_processes(tmp_path: Path) -> None:
     captions = _tie_corpus()
     Tokenizer.train(captions, vocab_size=540, context_length=8).save(tmp_path / "here.json")
     root = Path(__file__).resolve().parent.parent
-    script = ("import json, sys; from clipms.text.tokenizer import Tokenizer; "
+    script = ("import json, sys; from clipms.text.clip_tokenizer import Tokenizer; "
               "Tokenizer.train(json.load(sys.stdin), 540, 8).save(sys.argv[1])")
     for seed in ("1", "2"):
         subprocess.run([sys.executable, "-c", script, str(tmp_path / f"seed{seed}.json")],
@@ -406,7 +406,7 @@ def test_bpe_is_bpetrainers_but_for_the_tie_rule() -> None:
     from tokenizers import models, pre_tokenizers, trainers
 
     from clipms.text.bpe import learn_merges
-    from clipms.text.tokenizer import EOW, _byte_symbols, _pre_tokenizer, _word_counts
+    from clipms.text.clip_tokenizer import EOW, _byte_symbols, _pre_tokenizer, _word_counts
 
     rng = np.random.default_rng(0)
     cases = [(synthetic_captions(40), 600, 2), (synthetic_captions(150), 700, 2),
@@ -438,7 +438,7 @@ def test_word_counts_are_those_of_pre_tokenizing_each_text() -> None:
     text whole (contractions, punctuation runs, digits, unicode spaces, control characters)."""
     from collections import Counter
 
-    from clipms.text.tokenizer import _pre_tokenizer, _word_counts
+    from clipms.text.clip_tokenizer import _pre_tokenizer, _word_counts
 
     texts = [*TRICKY, *synthetic_captions(20), "it's 'tis 'S don't x's  's", "a\u3000b\u00a0c",
              "a\u200bb\u180ec", "9 1/2 -- ok!!", "東京 😀 ÿ"]

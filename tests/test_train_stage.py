@@ -10,9 +10,9 @@ import re
 
 import pytest
 
+from harness.dvc_workspace import make_workspace, run, set_params, tool_env
 from pipeline.params import ParamsError, validate_section
 from stages.train import TrainParams
-from tests.workspace import make_workspace, run, set_params, tool_env
 
 
 def test_params_reject_unknown_keys_and_bad_values():
@@ -79,8 +79,8 @@ def test_a_train_split_smaller_than_one_global_batch_stops_before_any_work(tmp_p
 
 def test_params_yaml_documents_every_key_of_the_train_and_runtime_schemas():
     from clipms.runtime import RuntimeConfig
+    from harness.dvc_workspace import PROJECT_ROOT
     from pipeline.params import read_params
-    from tests.workspace import PROJECT_ROOT
 
     params = read_params(PROJECT_ROOT / "params.yaml")
     assert set(params["train"]) == set(TrainParams.model_fields)
@@ -93,9 +93,9 @@ def test_params_yaml_documents_every_key_of_the_train_and_runtime_schemas():
 
 
 def test_the_schema_default_preset_is_the_default_runs_and_every_preset_is_documented():
-    from clipms.model.config import DEFAULT_PRESET, PRESETS
+    from clipms.model.architecture import DEFAULT_PRESET, PRESETS
+    from harness.dvc_workspace import PROJECT_ROOT
     from pipeline.params import read_params
-    from tests.workspace import PROJECT_ROOT
 
     assert TrainParams().preset == DEFAULT_PRESET == read_params(PROJECT_ROOT / "params.yaml")[
         "train"]["preset"]
@@ -131,7 +131,7 @@ def test_dvc_repro_train_writes_its_contract_outputs_and_resumes(tmp_path):
     assert json.dumps(tokenizer)  # readable; vocab/context checked by loading the model below
     check = (
         "from clipms.train.trained import RunConfig, load_clip\n"
-        "from clipms.text.tokenizer import Tokenizer\n"
+        "from clipms.text.clip_tokenizer import Tokenizer\n"
         "cfg = RunConfig.read('models/clip.json')\n"
         "tok = Tokenizer.load('models/tokenizer.json')\n"
         "assert cfg.model.text.vocab_size == tok.vocab_size, cfg.model.text\n"

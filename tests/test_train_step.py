@@ -13,8 +13,8 @@ from mindspore import nn, ops
 
 from clipms.data.dataset import normalize_pixels
 from clipms.data.preprocess import PreprocessConfig
+from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig
 from clipms.model.clip import CLIP
-from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
 from clipms.train import optim, schedule
 from clipms.train.feed import RandomBatches
 from clipms.train.step import ClipWithLoss, PixelNormalize, TrainStep

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 from mindspore import Parameter, Tensor, nn
 
+from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig
 from clipms.model.clip import CLIP
-from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
 from clipms.runtime import RuntimeConfig
 from clipms.train import checkpoint, schedule
-from clipms.train.config import LOSS_INIT, TrainConfig, TrainSettings
 from clipms.train.feed import HostFeed, sink_dataset
 from clipms.train.loop import NonFiniteLossError, RandomBatches, Training, train
+from clipms.train.recipe import LOSS_INIT, TrainConfig, TrainSettings
 
 MICRO = CLIPConfig(
     embed_dim=16,
@@ -236,7 +236,7 @@ def test_checkpoints_of_another_config_are_set_aside_not_resumed(tmp_path, caplo
 @pytest.mark.slow  # starts a process per rank
 def test_rank_0_sets_stale_checkpoints_aside_only_after_every_rank_has_read_the_folder(tmp_path):
     # Data parallel: every rank reads the folder (load_latest), then rank 0 moves a stale set
-    # aside. The barrier (clipms.parallel.comm.barrier under msrun) is what keeps rank 0 from
+    # aside. The barrier (clipms.train.collectives.barrier under msrun) is what keeps rank 0 from
     # moving files another rank is still reading; here it records what it finds in place.
     folder = tmp_path / "ckpt"
     cfg = TrainConfig(model=MICRO, batch_size=4, max_steps=1, lr=1e-3, warmup_steps=1)

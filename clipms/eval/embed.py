@@ -21,7 +21,7 @@ import numpy as np
 
 from clipms.data.dataset import eval_sample_count, iter_eval_batches
 from clipms.data.preprocess import PreprocessConfig
-from clipms.text.tokenizer import Tokenizer
+from clipms.text.clip_tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from clipms.model.clip import CLIP

@@ -28,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from clipms.train.config import TrainConfig
+from clipms.train.recipe import TrainConfig
 from clipms.utils.codehash import code_digest, module_closure
 
 # The module whose import closure (clipms.utils.codehash) is the code a training step runs.

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clipms.train.config import TrainConfig
 from clipms.train.graphcache import training_code_digest
+from clipms.train.recipe import TrainConfig
 from clipms.utils.atomic import write_text
 from clipms.utils.jsonio import read_json, write_json
 
@@ -75,9 +75,9 @@ def run(job: TrainJob, callbacks: Sequence[Callback] = (),
         distributed: bool = False) -> TrainResult:
     """Train as `job` says and (on rank 0) write its outputs."""
     from clipms.data.preprocess import PreprocessConfig
-    from clipms.parallel.comm import init_distributed
     from clipms.runtime import configure, for_precision
-    from clipms.text.tokenizer import Tokenizer
+    from clipms.text.clip_tokenizer import Tokenizer
+    from clipms.train.collectives import init_distributed
     from clipms.train.loop import ShardBatches, train
 
     tokenizer = Tokenizer.load(job.tokenizer)

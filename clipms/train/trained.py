@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clipms.data.preprocess import PreprocessConfig
-from clipms.model.config import CLIPConfig
+from clipms.model.architecture import CLIPConfig
 from clipms.utils.jsonio import read_json
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ and also drops the user-info of host strings without a scheme: urllib and http.c
 request's host as `user:password@host` in their errors, and an scp-style path
 (`user:password@host:/data/x.parquet`) has one too.
 
-Used by everything that prints or logs a URL: the data stages (`clipms.prep`), the tracking layer
+Used by everything that prints or logs a URL: the data stages (`prep`), the tracking layer
 (`registry`: params, tags, dataset sources) and the flows (Prefect logs, failure notices).
 """
 
