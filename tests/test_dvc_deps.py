@@ -72,14 +72,14 @@ def test_a_new_import_without_a_dvc_yaml_entry_fails(tmp_path):
 
 
 def test_closure_follows_relative_and_package_imports(tmp_path):
-    (tmp_path / "clipms" / "prep").mkdir(parents=True)
+    (tmp_path / "clipms" / "data").mkdir(parents=True)
     (tmp_path / "clipms" / "__init__.py").write_text("import os\n")
-    (tmp_path / "clipms" / "prep" / "__init__.py").write_text("")
-    (tmp_path / "clipms" / "prep" / "a.py").write_text("from . import b\nfrom ..c import z\n")
-    (tmp_path / "clipms" / "prep" / "b.py").write_text("import numpy\n")
+    (tmp_path / "clipms" / "data" / "__init__.py").write_text("")
+    (tmp_path / "clipms" / "data" / "a.py").write_text("from . import b\nfrom ..c import z\n")
+    (tmp_path / "clipms" / "data" / "b.py").write_text("import numpy\n")
     (tmp_path / "clipms" / "c.py").write_text("z = 0\n")
-    assert [str(p) for p in module_closure("prep.a", tmp_path)] == [
-        "clipms/__init__.py", "clipms/c.py", "prep/a.py", "prep/b.py"]
+    assert [str(p) for p in module_closure("clipms.data.a", tmp_path)] == [
+        "clipms/__init__.py", "clipms/c.py", "clipms/data/a.py", "clipms/data/b.py"]
 
 
 def test_code_digest_ignores_comments_and_docstrings_but_not_code(tmp_path):
