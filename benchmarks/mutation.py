@@ -48,7 +48,8 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "urlguard": ("prep/urlguard.py", ("prep.urlguard.*",)),
     "captions": ("prep/captions.py", ("prep.captions.*",)),
     "metrics": ("clipms/eval/metrics.py", ("clipms.eval.metrics.*",)),
-    # the pure decision; current_champion/apply talk to MLflow (tests/test_registry_gate.py, slow)
+    # the pure decision; current_champion/apply talk to MLflow (tests/registry/test_gate_mlflow.py,
+    # slow)
     "gate": ("registry/gate.py", ("registry.gate.x_decide__*",
                                   "registry.gate.x_primary_direction__*",
                                   "registry.gate.x_describe__*",

@@ -7,6 +7,8 @@ data without those fields, nested sections included: the resume fingerprint hash
 (`clipms.train.recipe.TrainConfig.fingerprint`), so no list of keys is kept by hand.
 """
 
+# tested by: tests/pipeline/test_params.py
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,8 @@ Every command runs `dvc` as a subprocess in the workspace: DVC holds a repo lock
 is not safe to run twice at once, so callers run these one after another, never in parallel.
 """
 
+# tested by: tests/flows/test_deploy.py
+
 from __future__ import annotations
 
 import graphlib

@@ -6,6 +6,8 @@ and runs their flow runs in this process's working directory. Stop it with Ctrl-
 that a SIGTERM to a serve process pauses its deployments' schedules.
 """
 
+# tested by: tests/flows/test_deploy.py
+
 from __future__ import annotations
 
 from pathlib import Path

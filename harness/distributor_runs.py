@@ -1,4 +1,4 @@
-"""The download stage on one distributor, as tests/test_distributors.py runs it on every one: the
+"""The download stage on one distributor, as tests/prep/test_engines.py runs it on every one: the
 same loopback URLs, the sample set it wrote, a resume after a lost shard, a second night that
 fetches only its new image, a Ray head to run on."""
 

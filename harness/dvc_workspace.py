@@ -43,8 +43,10 @@ TINY_PARAMS: dict[str, Any] = {
     "export.batch_sizes": [1, 3, 8],
     # CPU kernel fusion (the users' default) compiles AKG kernels in every stage process: measured
     # 778 s vs 521 s wall for the tiny `dvc repro` to export (run side by side, load ~20). Fused
-    # runs are exercised where fusion is the subject: tests/test_runtime.py, tests/test_amp.py
-    # and the one full pipeline of tests/test_registry_server.py (amp, fused), which sets it back
+    # runs are exercised where fusion is the subject: tests/clipms/test_runtime.py,
+    # tests/clipms/train/test_step_amp.py
+    # and the one full pipeline of tests/integration/test_registry_server.py (amp, fused), which
+    # sets it back
     # to True.
     "runtime.kernel_fusion": False,
 }

@@ -4,7 +4,7 @@
     python -m harness.page_screenshot --url http://127.0.0.1:8000 --query "a red circle" \
         --out docs/search-page.png
 
-Drives headless Chromium like tests/test_serving.py: types the query, waits until every result
+Drives headless Chromium like tests/serving/test_app.py: types the query, waits until every result
 image has loaded, and saves the page.
 """
 

@@ -1,5 +1,7 @@
 """What a preflight or smoke check reports: a name, a status and one line of detail."""
 
+# tested by: tests/ops/test_smoke.py
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -11,6 +11,8 @@ is ever overwritten: a new yardstick is a new name. Then set `evaluate.pinned_se
 (docs/mlflow.md, "A pinned evaluation set").
 """
 
+# tested by: tests/clipms/data/test_evalset.py
+
 from __future__ import annotations
 
 import argparse

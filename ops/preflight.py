@@ -51,8 +51,8 @@ OPENAI_VOCAB = 49408  # ids of the OpenAI CLIP vocabulary (tokenizer.kind: opena
 @dataclass(frozen=True)
 class RunPlan:
     """The training settings a preflight looks at; defaults are stages.train.TrainParams' own
-    and (device_target, mode) clipms.runtime.RuntimeConfig's (tests/test_preflight.py checks that
-    they agree)."""
+    and (device_target, mode) clipms.runtime.RuntimeConfig's (tests/ops/test_preflight.py checks
+    that they agree)."""
 
     preset: str = DEFAULT_PRESET
     device_target: str = "CPU"

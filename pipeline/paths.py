@@ -2,8 +2,8 @@
 
 Only stages name files: the library (clipms/, registry/) takes paths as arguments. Each stage module
 declares the paths it reads (`READS`) and writes (`WRITES`) from this module; dvc.yaml mirrors them,
-and tests/test_paths.py fails when a stage's deps/outs in dvc.yaml are not exactly its declaration.
-All paths are relative to the project root, where DVC runs every stage.
+and tests/pipeline/test_paths.py fails when a stage's deps/outs in dvc.yaml are not exactly its
+declaration. All paths are relative to the project root, where DVC runs every stage.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ img2dataset skips every shard that has its `NNNNN_stats.json`, on any distributo
 project keeps the catalog and a pointer instead of the tars (`prep.remote`).
 """
 
+# tested by: tests/prep/test_captions.py
+
 from __future__ import annotations
 
 import shutil

@@ -6,6 +6,8 @@ whole URL (for lists whose images differ only by host or query string); "id" is 
 ID column (`metadata.id_col`).
 """
 
+# tested by: tests/prep/test_captions.py
+
 from __future__ import annotations
 
 import hashlib

@@ -17,6 +17,8 @@ policy and limits, and is pickled to every worker with the shard; in the worker 
   file) and an image over `max_image_area` or `max_aspect_ratio` is refused before cv2 decodes it.
 """
 
+# tested by: tests/prep/test_deferred_imports.py
+
 from __future__ import annotations
 
 import importlib

@@ -11,6 +11,9 @@ Images are matched by COCO image id, read from the file name in the URL
 is a re-split of the same images under the same ids.
 """
 
+# not unit-tested: reached through prep.sources; tests/prep/test_sources.py fetches a split
+# file from a loopback server.
+
 from __future__ import annotations
 
 import json

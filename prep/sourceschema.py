@@ -6,6 +6,8 @@ retyped column, a new one. It therefore keeps the source's `[[name, Arrow type],
 file's metadata under `SOURCE_COLUMNS_KEY`; the data-change report compares it night to night.
 """
 
+# tested by: tests/prep/test_delta.py
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,8 @@ One table per concern: versions with their aliases, key metrics and lineage; the
 that differ between versions (identical params are noise when comparing).
 """
 
+# tested by: tests/registry/test_gate.py
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -16,6 +16,8 @@ shared:
   not serialised; the stage says so).
 """
 
+# tested by: tests/registry/test_gate.py
+
 from __future__ import annotations
 
 import hashlib

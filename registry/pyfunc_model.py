@@ -18,6 +18,8 @@ message names the row and what is allowed, with no stack trace. Any other failur
 INTERNAL_ERROR (HTTP 500) without details; the traceback goes to the server's log only.
 """
 
+# tested by: tests/registry/test_gate.py
+
 from __future__ import annotations
 
 import logging

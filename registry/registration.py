@@ -12,6 +12,8 @@ logged with the version, into its run under `checkpoint/<logged model id>/`
 (`registry.versions`), so a later night can warm-start from it.
 """
 
+# tested by: tests/registry/test_carryover.py
+
 from __future__ import annotations
 
 import logging

@@ -19,6 +19,9 @@ Anything that goes wrong - the bundle cannot be downloaded or loaded, the set ca
 metric is missing - is a `RescoreError` (a `GateError`): `register` fails and no alias moves.
 """
 
+# not unit-tested: the gate calls it against a real registry;
+# tests/registry/test_gate_mlflow.py re-scores a champion on a new set.
+
 from __future__ import annotations
 
 import tempfile

@@ -10,6 +10,8 @@ from its own page when they carry an `Origin` (serving.hosts); connections, requ
 bodies are bounded in number, size and time (serving.protocol, serving.guard).
 """
 
+# tested by: tests/serving/test_app.py
+
 from __future__ import annotations
 
 import argparse

@@ -11,6 +11,8 @@ Padding rows are zeros and are dropped from the output.
 out) is closed only when the last request it accepted has been answered.
 """
 
+# tested by: tests/serving/test_source.py
+
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,7 @@
 """Prometheus metrics of the service (`GET /metrics`), in a registry of its own per app."""
 
+# tested by: tests/serving/test_guard.py
+
 from __future__ import annotations
 
 from typing import Any

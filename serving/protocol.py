@@ -20,6 +20,8 @@ uvicorn's own `timeout_keep_alive` still closes a quiet keep-alive connection so
 checks cost the hot path a few microseconds.
 """
 
+# not unit-tested: uvicorn runs it; tests/serving/test_app.py drives it over raw sockets.
+
 from __future__ import annotations
 
 import asyncio

@@ -12,6 +12,8 @@ unreachable mid-download) is retried at the next poll. Either way the reason is 
 in `/metrics`, and the current version keeps serving.
 """
 
+# tested by: tests/serving/test_source.py
+
 from __future__ import annotations
 
 import asyncio

@@ -4,6 +4,8 @@
 `metadata.source` so that rows the download stage would refuse are dropped (and counted) here.
 """
 
+# tested by: tests/prep/test_captions.py
+
 from __future__ import annotations
 
 import sys

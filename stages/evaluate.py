@@ -10,6 +10,8 @@ results as CLIP_benchmark JSON files), plots/recall_at_k.csv + .png, plots/confu
 row per image: actual, predicted) + .png, and plots/retrieval_gallery.png.
 """
 
+# tested by: tests/clipms/eval/test_scoring_run.py
+
 from __future__ import annotations
 
 import sys

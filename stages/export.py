@@ -9,6 +9,8 @@ on a device (runtime.device_target GPU/Ascend) the device's own errors are recor
 the bar; metrics/export.json holds the errors either way.
 """
 
+# tested by: tests/clipms/deploy/test_mindir.py
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,8 @@ digest; a FAISS index when `index.search` is hnsw or ivf) and metrics/index.json
 bundle's decoder refuses are skipped and counted.
 """
 
+# tested by: tests/clipms/deploy/test_searchindex.py
+
 from __future__ import annotations
 
 import sys

@@ -5,6 +5,8 @@
 `download.allow_private_addresses`).
 """
 
+# tested by: tests/benchmarks/test_rehearsal.py
+
 from __future__ import annotations
 
 import re

@@ -9,6 +9,8 @@ Needs the tracking server: when it is unreachable this stage fails with a messag
 nothing upstream is lost.
 """
 
+# tested by: tests/integration/test_registry_postgres.py
+
 from __future__ import annotations
 
 import sys

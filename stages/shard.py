@@ -10,6 +10,8 @@ earlier run fetched is the new one. What decoding each input tar's images found 
 data/shard-checks (by the tar's sha256), so a night decodes only the images of the new parts.
 """
 
+# tested by: tests/prep/test_shards.py
+
 from __future__ import annotations
 
 import sys

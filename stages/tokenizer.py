@@ -10,6 +10,8 @@ registered (the first night: it is built as above); any other registry miss stop
 metrics/tokenizer.json says where the file came from.
 """
 
+# tested by: tests/benchmarks/test_rehearsal.py
+
 from __future__ import annotations
 
 import sys

@@ -1,6 +1,9 @@
 """The URL policy params every fetching stage shares (`download`'s keys, read by `metadata` and
 `dedupe` too): which schemes and which addresses may be fetched (`prep.urlguard`)."""
 
+# not unit-tested: params read by the fetching stages; tests/stages/test_download.py and
+# tests/prep/test_captions.py run them with bad and good values.
+
 from __future__ import annotations
 
 import ipaddress

@@ -9,6 +9,8 @@ The first step also tells the run whether training resumed from a checkpoint (a 
 1, or a finished run without steps): then it continues the MLflow run that wrote the checkpoint.
 """
 
+# tested by: tests/integration/test_registry_postgres.py
+
 from __future__ import annotations
 
 import time

@@ -1,6 +1,8 @@
 """The files the tracking layer (`tracking.run`) reads and keeps, named by `pipeline.paths`: what
 the stages that log to MLflow (train, evaluate, export, register) hand to it."""
 
+# tested by: tests/integration/test_registry_postgres.py
+
 from __future__ import annotations
 
 from pipeline import paths

@@ -12,6 +12,8 @@ their values, params already logged with the same value are skipped, artifacts o
 replayed `CreateRun` first looks for the run by its `pipeline.run_key` tag.
 """
 
+# tested by: tests/tracking/test_run_interrupted.py
+
 from __future__ import annotations
 
 import math

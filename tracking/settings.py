@@ -5,6 +5,8 @@ The tracking URI is `MLFLOW_TRACKING_URI` when set, else the project's SQLite da
 `mlflow.db` (artifacts beside it in `mlartifacts/`). The registry lives in the same store.
 """
 
+# tested by: tests/tracking/test_run_interrupted.py
+
 from __future__ import annotations
 
 import os

@@ -213,7 +213,7 @@ def write_tar(path: Path | str, samples: Iterable[SampleFiles]) -> dict[str, Any
     """Write samples to one tar, atomically and deterministically (fixed mtimes and owners);
     return {"samples", "bytes", "sha256"}. Keys and extensions are checked before anything is
     written, so a member name is always `<key>.<ext>` in the key format. The bytes are exactly
-    those of `tarfile` in GNU format with these headers (tests/test_webds.py compares them);
+    those of `tarfile` in GNU format with these headers (tests/clipms/data/test_webds.py compares them);
     the headers are made here from one template because building each one with `tarfile` was
     most of the time a night's shard stage spent rewriting the shards (docs/data-pipeline.md,
     "Measurements behind the code")."""

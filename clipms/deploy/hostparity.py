@@ -12,6 +12,8 @@ A process chooses its device once, so the host parity runs in a process of its o
 clipms.deploy.hostparity` on CPU, which loads the checkpoint and both MindIR graphs there.
 """
 
+# tested by: tests/clipms/deploy/test_mindir.py
+
 from __future__ import annotations
 
 import argparse

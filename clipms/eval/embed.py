@@ -9,6 +9,8 @@ MindIR graphs are another (`clipms.deploy.infer.Encoder` has the same two method
 model can be scored on a new evaluation set by the very same code.
 """
 
+# tested by: tests/clipms/eval/test_scoring.py
+
 from __future__ import annotations
 
 import sys

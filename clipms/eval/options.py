@@ -3,6 +3,8 @@ re-score a champion exactly as `evaluate` scored the new version), and the zero-
 means for `clipms.eval.scoring`.
 """
 
+# tested by: tests/ops/test_preflight.py
+
 from __future__ import annotations
 
 import re

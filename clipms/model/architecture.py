@@ -6,6 +6,8 @@ open_clip's standard ViT CLIP are supported; anything else (timm/HF towers, laye
 pooling, ...) is rejected by `CLIPConfig.from_openclip` with an error naming the option.
 """
 
+# tested by: tests/clipms/deploy/test_mindir.py
+
 from __future__ import annotations
 
 import dataclasses
@@ -335,7 +337,7 @@ PRESETS: dict[str, CLIPConfig] = {
 
 
 # The preset of a train section that names none: the default run's (params.yaml says the same, and
-# tests/test_train_stage.py checks that the two agree).
+# tests/stages/test_train.py checks that the two agree).
 DEFAULT_PRESET = "mini"
 
 

@@ -16,6 +16,8 @@ depends on the word counts, `base` and the parameters only: all work is on int i
 insertion-ordered dicts, never on the iteration order of a hashed str.
 """
 
+# tested by: tests/clipms/text/test_clip_tokenizer.py
+
 from __future__ import annotations
 
 import heapq

@@ -1,6 +1,8 @@
 """The collectives a data-parallel worker uses besides the train step's own: joining the msrun
 process group once, a barrier, and checking that every rank starts from the same step."""
 
+# tested by: tests/clipms/parallel/test_launch.py
+
 from __future__ import annotations
 
 _DISTRIBUTED: tuple[int, int] | None = None

@@ -3,6 +3,8 @@ and the per-step CSV out. The same function runs in-process and in every `msrun`
 writes), so single-device and data-parallel runs share all their code.
 """
 
+# tested by: tests/clipms/train/test_checkpoint.py
+
 from __future__ import annotations
 
 import csv

@@ -8,6 +8,8 @@ with `clipms.schema.cadence` (how often to log or checkpoint, how many loader pr
 device of a host), which cannot change the trained weights.
 """
 
+# tested by: tests/clipms/data/test_sampling.py
+
 from __future__ import annotations
 
 import hashlib

@@ -5,6 +5,8 @@
 they measure and the model they ship are built the same way.
 """
 
+# tested by: tests/clipms/deploy/test_infer.py
+
 from __future__ import annotations
 
 from dataclasses import dataclass
