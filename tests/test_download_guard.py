@@ -161,6 +161,46 @@ def test_redirects_may_not_change_scheme_or_reach_an_internal_address(site):
                    f"{site.base}/to-ftp.jpg") == "redirect_scheme"
 
 
+TOKEN = "ghp_SECRET123"
+USERINFO_FORMS = [f"{TOKEN}@", f"user:{TOKEN}@", "user:@", f":{TOKEN}@", "@"]
+
+
+@pytest.mark.parametrize("userinfo", USERINFO_FORMS)
+def test_user_info_in_any_form_is_refused_and_never_printed(site, userinfo):
+    """A token as the user name (`TOKEN@`, as GitHub and many object stores take it) is as secret
+    as a password: refused before any request, directly and as a redirect target, by the
+    pre-check and by the opener, and the token is in no refusal text."""
+    port = site.base.rsplit(":", 1)[1]
+    secret_url = f"http://{userinfo}127.0.0.1:{port}/good/0.jpg"
+    site.redirects["/to-secret.jpg"] = secret_url
+    everything = FetchPolicy(allow_private_addresses=True)
+    with pytest.raises(RefusedURL) as refused:
+        check_url(secret_url, FetchPolicy())
+    texts = [str(refused.value)]
+    assert refused.value.reason == "bad_url"
+    assert precheck([secret_url], FetchPolicy()) == ["bad_url"]
+    assert precheck([secret_url], everything) == ["bad_url"]
+    for url in (secret_url, f"{site.base}/to-secret.jpg"):
+        with pytest.raises(RefusedURL) as refused:
+            fetch(everything, url)
+        assert refused.value.reason == "bad_url"
+        texts.append(str(refused.value))
+    assert "/good/0.jpg" not in site.requests  # never fetched, neither directly nor redirected
+    assert all("user-info" in text and TOKEN not in text for text in texts), texts
+
+
+def test_a_refusal_never_quotes_the_user_info_of_a_host_string():
+    """http.client quotes a request's host as `TOKEN@host`; whatever reaches the resolver, the
+    refusal text has no token."""
+    from clipms.prep.urlguard import resolve_checked
+
+    dns = fake_dns({f"{TOKEN}@mirror.test": [], f"{TOKEN}@inside.test": ["10.9.8.7"]})
+    for host in (f"{TOKEN}@mirror.test", f"{TOKEN}@inside.test"):
+        with pytest.raises(RefusedURL) as refused:
+            resolve_checked(host, 80, FetchPolicy(), dns)
+        assert TOKEN not in str(refused.value) and "@" in str(refused.value)
+
+
 def test_bodies_are_bounded(site):
     policy = FetchPolicy(allow_private_addresses=True, max_bytes=4096)
     assert refusal(policy, f"{site.base}/big.jpg") == "too_large"  # by its Content-Length
