@@ -226,6 +226,62 @@ def huge_png(side: int = 12_000) -> bytes:
                                                                                        b"")
 
 
+def tiff_duplicate_size_tags(small: int = 100, big: int = 12_000) -> bytes:
+    """A 10 KB greyscale TIFF whose IFD gives its width and height twice: PIL's header reads
+    small x small, cv2 decoded big x big (1.2 GB and a minute for three of them)."""
+    entries = [(256, 4, big), (257, 4, big), (256, 3, small), (257, 3, small), (258, 3, 8),
+               (259, 3, 1), (262, 3, 1), (273, 4, 0), (277, 3, 1), (278, 4, small),
+               (279, 4, small * small)]
+    data_at = 8 + 2 + 12 * len(entries) + 4
+    out = [b"II*\0", struct.pack("<I", 8), struct.pack("<H", len(entries))]
+    for tag, kind, value in entries:
+        value = data_at if tag == 273 else value  # StripOffsets: the pixels after the IFD
+        packed = struct.pack("<HH", value, 0) if kind == 3 else struct.pack("<I", value)
+        out.append(struct.pack("<HHI", tag, kind, 1) + packed)
+    return b"".join([*out, struct.pack("<I", 0), b"\x80" * small * small])
+
+
+class HandedOn:
+    """Records what the header check hands on to img2dataset's resizer (cv2). It decodes nothing
+    itself: what must never reach cv2 is not decoded here either, even where the check fails."""
+
+    def __init__(self) -> None:
+        self.seen: list[bytes] = []
+
+    def __call__(self, img_stream, blurring_bbox_list=None) -> tuple:
+        self.seen.append(img_stream.getvalue())
+        return (b"handed on", 1, 1, 1, 1, None)
+
+
+def test_only_jpeg_png_and_webp_reach_cv2():
+    """cv2 decodes JPEG 2000 and TIFF too: a 200-byte truncated JPEG 2000 crashed a worker inside
+    cv2 and hung the stage; a TIFF with duplicate size tags passed the header check as 100 x 100.
+    Both, and every other format, are refused by name before cv2; the three allowed formats
+    still go through img2dataset's own resizer."""
+    import io
+
+    from img2dataset.resizer import Resizer
+
+    from clipms.prep.img2dataset_guard import HeaderCheckedResizer, ImageLimits
+    from tests.hostile_images import encoded
+
+    limits = ImageLimits(max_image_area=4_000_000, max_aspect_ratio=8.0)
+    handed_on = HandedOn()
+    check = HeaderCheckedResizer(handed_on, limits)
+    hostile = {"JPEG2000": encoded("JPEG2000")[:200], "TIFF": tiff_duplicate_size_tags(),
+               "GIF": encoded("GIF"), "BMP": encoded("BMP")}
+    hostile["JPEG2000 whole"] = encoded("JPEG2000")
+    for name, data in hostile.items():
+        err = check(io.BytesIO(data))[-1]
+        assert err == f"image format {name.split()[0]} not allowed (only JPEG, PNG, WEBP)", name
+    assert check(io.BytesIO(b"not an image at all"))[-1] == "Image decoding error"
+    assert handed_on.seen == []
+    real = HeaderCheckedResizer(Resizer(16, "border", False), limits)
+    for fmt in ("JPEG", "PNG", "WEBP"):
+        image, width, height, *_, err = real(io.BytesIO(encoded(fmt)))
+        assert err is None and (width, height) == (16, 16) and image, fmt
+
+
 def run_download_measured(folder) -> tuple[subprocess.CompletedProcess[str], float]:
     """The download stage in a fresh wrapper process; returns it and the peak RSS (MB) of the
     largest process of its tree (the stage and every img2dataset worker it waited for)."""
