@@ -361,6 +361,48 @@ def test_synthetic_val_images_are_the_last_ones_and_urls_follow_the_base(tmp_pat
         u for u, s in split.items() if s == "val")  # dedupe keeps the given split
 
 
+def repeated_caption_parquet(path: Path, rows: int, caption_bytes: int,
+                             dictionary: bool = True) -> None:
+    """`rows` rows of one caption of `caption_bytes` bytes: dictionary-encoded, it is stored once
+    (a few KB in all); plain-encoded, zstd hides it just as well."""
+    caption = "a" * caption_bytes
+    url = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()),
+                                         pa.array(["http://images.example/a.jpg"]))
+    text = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), pa.array([caption]))
+    table = pa.table({"URL": url, "TEXT": text})
+    pq.write_table(table if dictionary else table.cast(pa.schema(
+        [("URL", pa.string()), ("TEXT", pa.string())])), path, compression="zstd",
+        use_dictionary=dictionary)
+
+
+@pytest.mark.parametrize(("rows", "caption_bytes", "dictionary", "limits", "message"), [
+    # 1000 rows of one 1 MiB caption: 2.7 KB on disk, 5.2 GB in the stage before the limits
+    (1000, 1 << 20, True, {}, r"column 'TEXT' holds a value of 1,048,576 bytes, over "
+                              r"metadata.max_text_bytes \(65,536\)"),
+    (300, 60_000, True, {"max_total_text_bytes": 1 << 24},
+     r"hold 18,\d{3},\d{3} bytes of text, over metadata.max_total_text_bytes \(16,777,216\)"),
+    (300, 60_000, False, {"max_total_text_bytes": 1 << 24},
+     r"hold 18,\d{3},\d{3} bytes uncompressed, over metadata.max_total_text_bytes"),
+])
+def test_a_small_parquet_of_much_text_is_refused_before_its_text_is_decoded(
+        tmp_path, rows, caption_bytes, dictionary, limits, message):
+    path = tmp_path / "bomb.parquet"
+    repeated_caption_parquet(path, rows, caption_bytes, dictionary)
+    assert path.stat().st_size < 64 * 1024
+    pool = pa.default_memory_pool()
+    before = pool.max_memory()
+    spec = MetadataSpec(source="local", path=str(path), **limits)
+    with pytest.raises(MetadataError, match=message):
+        build_metadata(spec, tmp_path / "metadata.parquet", tmp_path / "synthetic", LOOPBACK)
+    assert pool.max_memory() - before < 8 << 20  # the text was never expanded
+    assert not (tmp_path / "metadata.parquet").exists()
+    roomy = MetadataSpec(source="local", path=str(path), max_text_bytes=caption_bytes,
+                         max_total_text_bytes=1 << 30)
+    if rows * caption_bytes < 1 << 26:  # within limits that allow it, the same file is read
+        build_metadata(roomy, tmp_path / "metadata.parquet", tmp_path / "synthetic", LOOPBACK)
+        assert pq.read_metadata(tmp_path / "metadata.parquet").num_rows == rows
+
+
 @pytest.mark.parametrize(("raw", "message"), [
     ({"num_images": 10, "synthetic_val_images": 10},
      r"metadata\.synthetic_val_images = 10: .*below metadata.num_images \(10\)"),
@@ -370,6 +412,9 @@ def test_synthetic_val_images_are_the_last_ones_and_urls_follow_the_base(tmp_pat
     ({"sha256": "abc"}, r"metadata\.sha256 = 'abc': .*64 hex"),
     ({"num_images": 0}, r"metadata\.num_images = 0"),
     ({"colour": "red"}, r"metadata\.colour: unknown key"),
+    ({"max_text_bytes": 0}, r"metadata\.max_text_bytes = 0: .*greater than or equal to 256"),
+    ({"max_total_text_bytes": 1000},
+     r"metadata\.max_total_text_bytes = 1000: .*greater than or equal to 1048576"),
 ])
 def test_other_params_errors(raw, message):
     with pytest.raises(ParamsError, match=message):
