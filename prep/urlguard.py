@@ -164,8 +164,8 @@ def _shown(url: str) -> str:
 
 
 def _host_port(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    try:
+    try:  # urlsplit itself refuses some URLs (an unclosed IPv6 bracket): one bad row, not a crash
+        parts = urlsplit(url)
         port = parts.port or DEFAULT_PORTS.get(parts.scheme.lower(), 80)
     except ValueError as err:
         raise RefusedURL("bad_url", f"{_shown(url)}: {redact_text(str(err))}") from err

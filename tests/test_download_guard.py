@@ -189,6 +189,17 @@ def test_user_info_in_any_form_is_refused_and_never_printed(site, userinfo):
     assert all("user-info" in text and TOKEN not in text for text in texts), texts
 
 
+def test_a_url_urllib_cannot_split_is_one_bad_url_not_a_crash():
+    """`http://[::1/x` (an unclosed IPv6 bracket) made urlsplit raise inside the pre-check, and one
+    such row in a URL list stopped the whole download stage."""
+    urls = ["http://[::1/x.jpg", f"http://[::1@{TOKEN}/x.jpg", "http://[fe80::1%zz/x.jpg"]
+    assert precheck(urls, FetchPolicy()) == ["bad_url"] * 3
+    for url in urls:
+        with pytest.raises(RefusedURL) as refused:
+            check_url(url, FetchPolicy())
+        assert refused.value.reason == "bad_url" and TOKEN not in str(refused.value)
+
+
 def test_a_refusal_never_quotes_the_user_info_of_a_host_string():
     """http.client quotes a request's host as `TOKEN@host`; whatever reaches the resolver, the
     refusal text has no token."""
