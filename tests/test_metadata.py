@@ -400,6 +400,30 @@ def test_a_small_parquet_of_much_text_is_refused_before_its_text_is_decoded(
         assert pq.read_metadata(tmp_path / "metadata.parquet").num_rows == rows
 
 
+def test_the_refusal_of_a_gigabyte_of_caption_text_stays_small_in_memory(tmp_path):
+    """1000 rows of one 1 MiB caption decode to 1 GiB of text (and several GB in the stage as it
+    was); the refusal, in a process of its own, peaks far below one copy of that text."""
+    path = tmp_path / "bomb.parquet"
+    repeated_caption_parquet(path, 1000, 1 << 20)
+    script = ("import resource, sys\n"
+              "from pathlib import Path\n"
+              "from clipms.prep.metadata import MetadataError, MetadataSpec, build_metadata\n"
+              "from clipms.prep.urlguard import FetchPolicy\n"
+              "out = Path(sys.argv[2])\n"
+              "try:\n"
+              "    build_metadata(MetadataSpec(source='local', path=sys.argv[1]), "
+              "out / 'm.parquet', out / 'synthetic', FetchPolicy())\n"
+              "except MetadataError as err:\n"
+              "    print('REFUSED', err)\n"
+              "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path)],
+                          capture_output=True, text=True, env=tool_env(), cwd=PROJECT_ROOT,
+                          check=True)
+    assert "REFUSED" in proc.stdout and "metadata.max_text_bytes" in proc.stdout, proc.stdout
+    peak_kb = int(proc.stdout.rsplit("PEAK_KB", 1)[1].split()[0])
+    assert peak_kb < 512 * 1024, f"{peak_kb / 1024:.0f} MB"  # 1 GiB of text was never decoded
+
+
 @pytest.mark.parametrize(("raw", "message"), [
     ({"num_images": 10, "synthetic_val_images": 10},
      r"metadata\.synthetic_val_images = 10: .*below metadata.num_images \(10\)"),
