@@ -203,7 +203,7 @@ def test_a_url_urllib_cannot_split_is_one_bad_url_not_a_crash():
 def test_a_refusal_never_quotes_the_user_info_of_a_host_string():
     """http.client quotes a request's host as `TOKEN@host`; whatever reaches the resolver, the
     refusal text has no token."""
-    from clipms.prep.urlguard import resolve_checked
+    from prep.urlguard import resolve_checked
 
     dns = fake_dns({f"{TOKEN}@mirror.test": [], f"{TOKEN}@inside.test": ["10.9.8.7"]})
     for host in (f"{TOKEN}@mirror.test", f"{TOKEN}@inside.test"):
@@ -273,8 +273,8 @@ def test_only_jpeg_png_and_webp_reach_cv2():
 
     from img2dataset.resizer import Resizer
 
-    from clipms.prep.img2dataset_guard import HeaderCheckedResizer, ImageLimits
-    from tests.hostile_images import encoded
+    from harness.hostile_images import encoded
+    from prep.img2dataset_guard import HeaderCheckedResizer, ImageLimits
 
     limits = ImageLimits(max_image_area=4_000_000, max_aspect_ratio=8.0)
     handed_on = HandedOn()

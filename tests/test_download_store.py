@@ -153,7 +153,7 @@ def test_failure_reasons_are_bounded_in_length_and_number():
     metrics/download.json (tracked by git) 18 MB, and the summary line as long. Each reason is
     cut to MAX_REASON_CHARS, one line, and past the MAX_REASONS most frequent the rest are
     counted as "other"; no count is lost."""
-    from clipms.prep.download import MAX_REASON_CHARS, MAX_REASONS, summary
+    from prep.fetch import MAX_REASON_CHARS, MAX_REASONS, summary
 
     hostile = {f"HTTP Error 500: {i:03d} " + "x" * 60_000 + "\nsecond line": 1 for i in range(300)}
     stats = [{"count": 310, "successes": 0, "failed_to_download": 310,

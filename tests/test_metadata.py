@@ -405,17 +405,20 @@ def test_the_refusal_of_a_gigabyte_of_caption_text_stays_small_in_memory(tmp_pat
     was); the refusal, in a process of its own, peaks far below one copy of that text."""
     path = tmp_path / "bomb.parquet"
     repeated_caption_parquet(path, 1000, 1 << 20)
-    script = ("import resource, sys\n"
+    script = ("import re, sys\n"
               "from pathlib import Path\n"
-              "from clipms.prep.metadata import MetadataError, MetadataSpec, build_metadata\n"
-              "from clipms.prep.urlguard import FetchPolicy\n"
+              "from prep.sources import MetadataError, MetadataSpec, build_metadata\n"
+              "from prep.urlguard import FetchPolicy\n"
               "out = Path(sys.argv[2])\n"
               "try:\n"
               "    build_metadata(MetadataSpec(source='local', path=sys.argv[1]), "
               "out / 'm.parquet', out / 'synthetic', FetchPolicy())\n"
               "except MetadataError as err:\n"
               "    print('REFUSED', err)\n"
-              "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+              # VmHWM: this process's own peak (ru_maxrss would count the pytest process
+              # it was forked from, whose peak survives the exec)
+              "status = open('/proc/self/status').read()\n"
+              "print('PEAK_KB', re.search(r'VmHWM:\\s*(\\d+)', status).group(1))\n")
     proc = subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path)],
                           capture_output=True, text=True, env=tool_env(), cwd=PROJECT_ROOT,
                           check=True)

@@ -115,9 +115,9 @@ def test_a_rescored_champion_carries_the_new_sets_digest_and_the_gate_compares(
     """The champion's value from the re-scoring is labelled with the set it was scored on, the
     new version's (not the champion's own old set): else every night after the data grows ends
     "not compared" and a better model is never promoted."""
-    from clipms.eval.evaluate import ZeroShotSpec
+    from clipms.eval.scoring import ZeroShotSpec
+    from harness.tiny_model import make_val_shards
     from registry.rescore import EvaluationSet, RescoreError, rescored_on
-    from tests.tiny_model import make_val_shards
 
     make_val_shards(tmp_path / "old", n_images=11)
     make_val_shards(shards := tmp_path / "grown", n_images=13)
