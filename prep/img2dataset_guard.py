@@ -15,10 +15,11 @@ policy and limits, and is pickled to every worker with the shard; in the worker 
   an image (and its shard) for as long as it kept sending;
 - wraps the resizer: the image size is read from the header (PIL reads no pixel data to open a
   file) and an image over `max_image_area` or `max_aspect_ratio` is refused before cv2 decodes it;
-- only JPEG, PNG and WEBP reach cv2 (`DECODED_FORMATS`): cv2 also decodes JPEG 2000 and TIFF, where
-  a 200-byte truncated JPEG 2000 crashed a worker inside cv2 (and img2dataset's pool waited for it
-  forever), and a TIFF with duplicate size tags reads 100 x 100 in PIL's header and decodes as
-  12,000 x 12,000 in cv2. Any other format is refused by name before cv2 sees it.
+- only JPEG, PNG and WEBP reach cv2 (`DECODED_FORMATS`): cv2 also decodes JPEG 2000 and TIFF, whose
+  decoders are more code for a hostile file to reach (a worker that crashes inside cv2 hangs the
+  stage: img2dataset's pool waits for its task forever), and a TIFF may give its size twice, so
+  that PIL's header check and cv2 read different sizes. Any other format is refused by name
+  before cv2 sees it.
 """
 
 from __future__ import annotations

@@ -72,8 +72,8 @@ class MetadataSpec:
     # few KB of dictionary-encoded parquet can hold 20 million rows; ~1 GB of memory per million)
     max_rows: int = 5_000_000
     # mscoco/local: the text of one value (a URL, a caption, ...) and of the whole file, in bytes:
-    # 1000 rows of one dictionary-encoded 1 MiB caption are a 2.7 KB parquet that expanded to
-    # 5.2 GB in this stage. Checked from the footer, then on the dictionaries, before decoding.
+    # 1000 rows of one dictionary-encoded 1 MiB caption are a parquet of under 1 KB that holds
+    # 1 GiB of text. Checked from the footer, then on the dictionaries, before decoding.
     max_text_bytes: int = 65_536
     max_total_text_bytes: int = 1 << 30
 

@@ -238,8 +238,8 @@ def huge_png(side: int = 12_000) -> bytes:
 
 
 def tiff_duplicate_size_tags(small: int = 100, big: int = 12_000) -> bytes:
-    """A 10 KB greyscale TIFF whose IFD gives its width and height twice: PIL's header reads
-    small x small, cv2 decoded big x big (1.2 GB and a minute for three of them)."""
+    """A 10 KB greyscale TIFF whose IFD gives its width and height twice: PIL reads
+    small x small from the header; a decoder that takes the other pair sees big x big."""
     entries = [(256, 4, big), (257, 4, big), (256, 3, small), (257, 3, small), (258, 3, 8),
                (259, 3, 1), (262, 3, 1), (273, 4, 0), (277, 3, 1), (278, 4, small),
                (279, 4, small * small)]
@@ -265,8 +265,8 @@ class HandedOn:
 
 
 def test_only_jpeg_png_and_webp_reach_cv2():
-    """cv2 decodes JPEG 2000 and TIFF too: a 200-byte truncated JPEG 2000 crashed a worker inside
-    cv2 and hung the stage; a TIFF with duplicate size tags passed the header check as 100 x 100.
+    """cv2 decodes JPEG 2000 and TIFF too: a worker crashing in cv2's JPEG 2000 decoder hangs
+    the stage; a TIFF with duplicate size tags passed the header check as 100 x 100.
     Both, and every other format, are refused by name before cv2; the three allowed formats
     still go through img2dataset's own resizer."""
     import io

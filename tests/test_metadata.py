@@ -376,7 +376,7 @@ def repeated_caption_parquet(path: Path, rows: int, caption_bytes: int,
 
 
 @pytest.mark.parametrize(("rows", "caption_bytes", "dictionary", "limits", "message"), [
-    # 1000 rows of one 1 MiB caption: 2.7 KB on disk, 5.2 GB in the stage before the limits
+    # 1000 rows of one 1 MiB caption: under 1 KB on disk, 1 GiB of text, read whole before
     (1000, 1 << 20, True, {}, r"column 'TEXT' holds a value of 1,048,576 bytes, over "
                               r"metadata.max_text_bytes \(65,536\)"),
     (300, 60_000, True, {"max_total_text_bytes": 1 << 24},
@@ -401,8 +401,8 @@ def test_a_small_parquet_of_much_text_is_refused_before_its_text_is_decoded(
 
 
 def test_the_refusal_of_a_gigabyte_of_caption_text_stays_small_in_memory(tmp_path):
-    """1000 rows of one 1 MiB caption decode to 1 GiB of text (and several GB in the stage as it
-    was); the refusal, in a process of its own, peaks far below one copy of that text."""
+    """1000 rows of one 1 MiB caption decode to 1 GiB of text, which the stage as it was read
+    whole; the refusal, in a process of its own, peaks far below one copy of that text."""
     path = tmp_path / "bomb.parquet"
     repeated_caption_parquet(path, 1000, 1 << 20)
     script = ("import re, sys\n"

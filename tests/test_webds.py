@@ -145,8 +145,8 @@ def gnu_sparse_tar(folder, declared: int, tar_format: str) -> object:
 @pytest.mark.parametrize("tar_format", ["gnu", "pax"])
 @pytest.mark.parametrize("declared", [1 << 20, 1536 << 20])
 def test_a_sparse_member_is_refused_not_read_as_zeros(tmp_path, declared, tar_format):
-    """A 10 KB tar with a GNU sparse member declaring 1.5 GB was read whole (1.5 GB of zeros, 2.9
-    GB RSS) by every reader of shards: shard, evaluate, index, `infer search`."""
+    """A 10 KB tar with a GNU sparse member declaring 1.5 GB was read whole, as 1.5 GB of zeros,
+    by every reader of shards: shard, evaluate, index, `infer search`."""
     path = gnu_sparse_tar(tmp_path / "sparse", declared, tar_format)
     assert path.stat().st_size <= 16 << 10
     for read in (webds.read_tar, webds.index_tar):
