@@ -201,6 +201,7 @@ def clip_pipeline(stages: list[str] | None = None, force: bool = False,
     from prefect.runtime import flow_run
 
     workdir = Path.cwd()
+    dvc_cli.check_no_interpolation(overrides or {})  # refused before any work starts
     run_name = flow_run.get_name() or "local"
     run_id = flow_run.get_id() or run_name
     order = plan_stages(workdir, stages)

@@ -67,7 +67,8 @@ def normalise_captions(captions: pd.Series) -> pd.Series:
 
 
 def comparison_keys(normalised: pd.Series) -> pd.Series:
-    """What two captions must share to count as the same: lower-cased, punctuation deleted."""
+    """What two captions must share to count as the same: compatibility forms folded (NFKC:
+    the `ﬁ` ligature is `fi`, fullwidth `ＡＢＣ` is `ABC`), lower-cased, punctuation deleted."""
     return _to_series(_comparison(_strings(normalised)), normalised.index)
 
 
@@ -87,18 +88,22 @@ def _normalise(text: pa.Array) -> pa.Array:
     return pc.utf8_trim_whitespace(pc.replace_substring_regex(text, _WHITESPACE_TO_FIX, " "))
 
 
-def _nfc(text: pa.Array) -> pa.Array:
-    """Unicode NFC. Arrow 18's utf8_normalize leaves NFC/NFD input unchanged ('e' + U+0301 stays
-    two code points), so Python's unicodedata does it, only for the (rare) non-ASCII captions."""
+def _nfc(text: pa.Array, form: Literal["NFC", "NFKC"] = "NFC") -> pa.Array:
+    """Unicode NFC (or `form`). Arrow 18's utf8_normalize leaves NFC/NFD input unchanged ('e' +
+    U+0301 stays two code points), so Python's unicodedata does it, only for the (rare)
+    non-ASCII captions."""
     non_ascii = pc.fill_null(pc.match_substring_regex(text, r"[^\x00-\x7F]"), False)
     if not pc.any(non_ascii).as_py():
         return text
-    composed = [unicodedata.normalize("NFC", s) for s in text.filter(non_ascii).to_pylist()]
+    composed = [unicodedata.normalize(form, s) for s in text.filter(non_ascii).to_pylist()]
     return pc.replace_with_mask(text, non_ascii, pa.array(composed, type=pa.string()))
 
 
 def _comparison(normalised: pa.Array) -> pa.Array:
-    folded = pc.replace_substring_regex(pc.utf8_lower(normalised), r"[^\pL\pN\pM ]", "")
+    # NFKC for comparing only: the kept caption keeps its own characters (NFC), but captions that
+    # differ by a ligature, a fullwidth or a superscript form are the same caption.
+    folded = _nfc(normalised, "NFKC")
+    folded = pc.replace_substring_regex(pc.utf8_lower(folded), r"[^\pL\pN\pM ]", "")
     return pc.utf8_trim_whitespace(pc.replace_substring_regex(folded, "  +", " "))
 
 

@@ -59,6 +59,13 @@ deferred_imports.defer()
 # Columns img2dataset copies into each sample's json. It reserves `key` for its own shard-local key,
 # so our stable key travels as `image_key`.
 EXTRA_COLUMNS = ["captions", "split", "image_key", "labels"]
+# Failure reasons are servers' texts (an HTTP reason phrase, an error message) and land in a
+# git-tracked metrics file and the stage's summary line: each is cut to MAX_REASON_CHARS, and
+# past the MAX_REASONS most frequent, the rest are counted under OTHER_REASONS (300 unique 60 KB
+# reason phrases made an 18 MB metrics file).
+MAX_REASON_CHARS = 200
+MAX_REASONS = 20
+OTHER_REASONS = "other"
 # The settings that decide a downloaded sample's bytes, or whether an image is accepted at all:
 # a store holds images made with one combination (`content_settings`). Timeouts, retries and the
 # engine decide only whether a fetch succeeds, so they are not among them.
@@ -282,7 +289,7 @@ def build_catalog(images: pd.DataFrame, refused: pd.DataFrame, known: pd.DataFra
     frame.loc[success & ~tonight, "status"] = "reused"
     # img2dataset's error texts may quote a URL with its user-info: the catalog keeps none
     frame["reason"] = outcome["error_message"].where(~success, None).map(
-        redact_text, na_action="ignore").to_numpy()
+        shown_reason, na_action="ignore").to_numpy()
     frame["part"] = outcome["part"].astype("Int64").to_numpy()
     frame["tar"] = outcome["tar"].where(success, None).to_numpy()
     for side in ("original_width", "original_height"):
@@ -297,6 +304,26 @@ def build_catalog(images: pd.DataFrame, refused: pd.DataFrame, known: pd.DataFra
     return frame
 
 
+def shown_reason(reason: str) -> str:
+    """A failure reason as the metrics and the catalog keep it: redacted, at most
+    MAX_REASON_CHARS long (cut before redacting could leave half a secret: redact first)."""
+    shown = " ".join(redact_text(str(reason)).split())  # one line
+    if len(shown) <= MAX_REASON_CHARS:
+        return shown
+    return f"{shown[:MAX_REASON_CHARS - 1]}\u2026"
+
+
+def bounded_reasons(reasons: Counter[str]) -> dict[str, int]:
+    """The MAX_REASONS most frequent reasons (ties by text), the rest summed as OTHER_REASONS;
+    sorted by text, as before."""
+    ranked = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))
+    kept = dict(ranked[:MAX_REASONS])
+    rest = sum(count for _, count in ranked[MAX_REASONS:])
+    if rest:
+        kept[OTHER_REASONS] = kept.get(OTHER_REASONS, 0) + rest
+    return dict(sorted(kept.items()))
+
+
 def summarise(frame: pd.DataFrame, refused: dict[str, int], fetch: Fetch, stats: list[dict],
               held_keys: set[str]) -> dict[str, Any]:
     """The metrics dict from the catalog, img2dataset's stats of this run's parts, and the keys
@@ -308,7 +335,7 @@ def summarise(frame: pd.DataFrame, refused: dict[str, int], fetch: Fetch, stats:
             totals[name] += int(shard.get(name, 0))
         for reason, count in shard.get("status_dict", {}).items():
             if reason != "success":  # img2dataset's error texts: no URL secret into the metrics
-                reasons[redact_text(reason)] += int(count)
+                reasons[shown_reason(reason)] += int(count)
     counts = frame["status"].value_counts()
     successes = int(counts.get("fetched", 0) + counts.get("reused", 0))
     rows = len(frame)
@@ -324,7 +351,7 @@ def summarise(frame: pd.DataFrame, refused: dict[str, int], fetch: Fetch, stats:
         "fetched": totals["successes"],
         "failed_to_download": totals["failed_to_download"],
         "failed_to_resize": totals["failed_to_resize"],
-        "failure_reasons": dict(sorted(reasons.items())),
+        "failure_reasons": bounded_reasons(reasons),
         "failed_earlier": int(((frame["status"] == "failed")
                                & ~frame["part"].isin([p.number for p in fetch.parts])).sum()),
         "successes": successes,

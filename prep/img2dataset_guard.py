@@ -14,7 +14,12 @@ policy and limits, and is pickled to every worker with the shard; in the worker 
   which bounds each read of the socket, not their sum, so a server sending a byte a second held
   an image (and its shard) for as long as it kept sending;
 - wraps the resizer: the image size is read from the header (PIL reads no pixel data to open a
-  file) and an image over `max_image_area` or `max_aspect_ratio` is refused before cv2 decodes it.
+  file) and an image over `max_image_area` or `max_aspect_ratio` is refused before cv2 decodes it;
+- only JPEG, PNG and WEBP reach cv2 (`DECODED_FORMATS`): cv2 also decodes JPEG 2000 and TIFF, whose
+  decoders are more code for a hostile file to reach (a worker that crashes inside cv2 hangs the
+  stage: img2dataset's pool waits for its task forever), and a TIFF may give its size twice, so
+  that PIL's header check and cv2 read different sizes. Any other format is refused by name
+  before cv2 sees it.
 """
 
 # tested by: tests/prep/test_deferred_imports.py
@@ -52,6 +57,9 @@ _ACTIVE: tuple[FetchPolicy, ImageLimits] | None = None  # set by guarded(), driv
 # The module, not the package attribute: `img2dataset.main` is also the name of its CLI function.
 _I2D_MAIN = importlib.import_module("img2dataset.main")
 _NO_RESULT = (None, None, None, None, None)
+# The formats handed to cv2: PIL identifies them by their own signature (as cv2 does), and their
+# header's size is the size cv2 decodes.
+DECODED_FORMATS = ("JPEG", "PNG", "WEBP")
 
 
 class HeaderCheckedResizer:
@@ -65,10 +73,12 @@ class HeaderCheckedResizer:
         try:
             with warnings.catch_warnings():  # PIL warns above 89 MP: the limit below decides
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                with Image.open(img_stream) as image:  # parses the header, decodes nothing
+                with Image.open(img_stream, formats=DECODED_FORMATS) as image:  # the header only
                     width, height = image.size
         except Image.DecompressionBombError:
             return (*_NO_RESULT, "image area too large")
+        except Image.UnidentifiedImageError:
+            return (*_NO_RESULT, _unidentified(img_stream))
         except Exception:  # noqa: BLE001 - PIL raises many types; img2dataset counts the string
             return (*_NO_RESULT, "Image decoding error")
         # The same messages as img2dataset's own checks, so one reason is counted once.
@@ -78,6 +88,20 @@ class HeaderCheckedResizer:
             return (*_NO_RESULT, "aspect ratio too large")
         img_stream.seek(0)
         return self.resizer(img_stream, blurring_bbox_list)
+
+
+def _unidentified(img_stream: io.BytesIO) -> str:
+    """The reason for data that is not JPEG, PNG or WEBP: the format it is (named from PIL's
+    header parsers, which decode nothing), or img2dataset's own message for data that is none."""
+    img_stream.seek(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(img_stream) as image:
+                found = str(image.format)
+    except Exception:  # noqa: BLE001 - any failure here means "no image format at all"
+        return "Image decoding error"
+    return f"image format {found} not allowed (only {', '.join(DECODED_FORMATS)})"
 
 
 class GuardedDownloader(Downloader):

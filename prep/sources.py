@@ -71,6 +71,24 @@ class MetadataSpec:
     # mscoco/local: a parquet with more rows is refused from its footer, before it is read (a
     # few KB of dictionary-encoded parquet can hold 20 million rows; ~1 GB of memory per million)
     max_rows: int = 5_000_000
+    # mscoco/local: the text of one value (a URL, a caption, ...) and of the whole file, in bytes:
+    # 1000 rows of one dictionary-encoded 1 MiB caption are a parquet of under 1 KB that holds
+    # 1 GiB of text. Checked from the footer, then on the dictionaries, before decoding.
+    max_text_bytes: int = 65_536
+    max_total_text_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class TextLimits:
+    """How much text a source parquet may hold (`MetadataSpec.max_text_bytes`,
+    `max_total_text_bytes`)."""
+
+    per_value: int
+    total: int
+
+    @classmethod
+    def of(cls, spec: MetadataSpec) -> TextLimits:
+        return cls(spec.max_text_bytes, spec.max_total_text_bytes)
 
 
 @dataclass(frozen=True)
@@ -219,7 +237,7 @@ def local_table(spec: MetadataSpec, work_dir: Path, policy: FetchPolicy,
     if spec.sha256:
         verify_sha256(path, spec.sha256)
     return read_captions(path, spec.url_col, spec.caption_col, spec.id_col,
-                         max_rows=spec.max_rows)
+                         max_rows=spec.max_rows, text_limits=TextLimits.of(spec))
 
 
 def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, caption_col: str,
@@ -230,7 +248,7 @@ def _fetch_parquet(url: str, work_dir: Path, spec: MetadataSpec, url_col: str, c
         download(url, tmp, policy=policy, timeout=spec.timeout, retries=spec.retries,
                  sha256=spec.sha256, backoff_seconds=backoff_seconds)
         return read_captions(tmp, url_col, caption_col, spec.id_col, shown_name=redact_url(url),
-                             max_rows=spec.max_rows)
+                             max_rows=spec.max_rows, text_limits=TextLimits.of(spec))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,10 +339,12 @@ def verify_sha256(path: Path, expected: str) -> None:
 
 
 def read_captions(path: Path, url_col: str, caption_col: str, id_col: str | None = None,
-                  shown_name: str | None = None, max_rows: int | None = None) -> pa.Table:
+                  shown_name: str | None = None, max_rows: int | None = None,
+                  text_limits: TextLimits | None = None) -> pa.Table:
     """The URL/caption columns of a parquet as URL, TEXT (strings), LABELS (kept if present) and
     ID (the `id_col` column, if one is named); a file of more than `max_rows` rows is refused
-    from its footer, before a row is read."""
+    from its footer, before a row is read, and one of more text than `text_limits` before its
+    text is decoded (`_check_text`)."""
     name = shown_name or str(path)
     try:
         footer = pq.read_metadata(path)
@@ -343,10 +363,15 @@ def read_captions(path: Path, url_col: str, caption_col: str, id_col: str | None
             f"{name}: missing column(s) {missing} (set metadata.url_col / metadata.caption_col / "
             f"metadata.id_col); columns found: {schema.names}")
     wanted = list(dict.fromkeys(c for c in named.values() if c is not None))
-    try:
-        table = pq.read_table(path, columns=wanted)
+    texts = [c for c in wanted if _is_text(schema.field(c).type)]
+    if text_limits is not None:
+        _check_stored_text(footer, wanted, text_limits.total, name)
+    try:  # text columns kept dictionary-encoded: a repeated value is held once until checked
+        table = pq.read_table(path, columns=wanted, read_dictionary=texts)
     except (pa.ArrowException, OSError) as err:
         raise MetadataError(f"{name}: could not read columns {wanted} ({err})") from err
+    if text_limits is not None:
+        _check_text(table, texts, text_limits, name)
     columns = {out: table[named[out]] if named.get(out) else pa.nulls(table.num_rows, pa.string())
                for out in SCHEMA.names}
     try:
@@ -354,6 +379,54 @@ def read_captions(path: Path, url_col: str, caption_col: str, id_col: str | None
     except pa.ArrowException as err:
         raise MetadataError(f"{name}: columns {wanted} cannot be read as text ({err})") from err
     return with_source_columns(read, schema)
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    if pa.types.is_dictionary(kind):  # a file written from Arrow keeps its dictionary type
+        kind = kind.value_type
+    return any(check(kind) for check in (pa.types.is_string, pa.types.is_large_string,
+                                         pa.types.is_binary, pa.types.is_large_binary))
+
+
+_RAISE_IT = "raise it if the file is meant (decoded, text takes several times its size in memory)"
+
+
+def _check_stored_text(footer: pq.FileMetaData, wanted: list[str], limit: int,
+                       name: str) -> None:
+    """MetadataError when the columns' pages alone (uncompressed, as the footer records them)
+    hold more than `limit` bytes: a plain-encoded column whose zstd hid the size."""
+    stored = 0
+    for group in range(footer.num_row_groups):
+        row_group = footer.row_group(group)
+        for i in range(row_group.num_columns):
+            if row_group.column(i).path_in_schema.split(".")[0] in wanted:
+                stored += row_group.column(i).total_uncompressed_size
+    if stored > limit:
+        raise MetadataError(f"{name}: columns {wanted} hold {stored:,} bytes uncompressed, over "
+                            f"metadata.max_total_text_bytes ({limit:,}); {_RAISE_IT}")
+
+
+def _check_text(table: pa.Table, texts: list[str], limits: TextLimits, name: str) -> None:
+    """MetadataError when a text value is longer than `limits.per_value` bytes or the text
+    columns decode to more than `limits.total` bytes, computed on the dictionaries (each
+    distinct value measured once, then counted per row) before anything is decoded."""
+    total = 0
+    for column in texts:
+        for chunk in table[column].chunks:
+            if pa.types.is_dictionary(chunk.type):
+                lengths = pc.binary_length(chunk.dictionary)
+                used = pc.take(lengths, chunk.indices)
+            else:
+                used = pc.binary_length(chunk)
+            longest = pc.max(used).as_py() or 0
+            if longest > limits.per_value:
+                raise MetadataError(
+                    f"{name}: column '{column}' holds a value of {longest:,} bytes, over "
+                    f"metadata.max_text_bytes ({limits.per_value:,}); {_RAISE_IT}")
+            total += pc.sum(used).as_py() or 0
+    if total > limits.total:
+        raise MetadataError(f"{name}: columns {texts} hold {total:,} bytes of text, over "
+                            f"metadata.max_total_text_bytes ({limits.total:,}); {_RAISE_IT}")
 
 
 def write_table(table: pa.Table, out_path: Path) -> None:

@@ -10,8 +10,9 @@ pipeline reach the machine itself or its network. The rule (`FetchPolicy`):
 - a redirect may not change the scheme (one exception: the upgrade `http` -> `https`, which gains
   nothing) and is held to the same address rule;
 - a response body is read up to `max_bytes`, no further;
-- a URL with user-info (`http://user:password@host/`) is refused: urllib sends no credentials from
-  a URL, and its host string (`user:password@host`) would be quoted in every error message;
+- a URL with user-info in any form (`http://user:password@host/`, `http://TOKEN@host/`, ...; see
+  `clipms.utils.redact.has_userinfo`) is refused, in a redirect target too: urllib sends no
+  credentials from a URL, and its host string (`TOKEN@host`) would be quoted in every error;
 - with `deadline_s`, a whole fetch (connection, redirects, headers and body) ends by then,
   however slowly the server sends (a socket timeout bounds each read, not their sum).
 
@@ -44,7 +45,7 @@ from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
-from clipms.utils.redact import redact_text, redact_url
+from clipms.utils.redact import has_userinfo, redact_text, redact_url
 
 ADDRESS_REASONS = ("loopback_address", "private_address", "link_local_address",
                    "multicast_address", "reserved_address")
@@ -96,7 +97,8 @@ class RefusedURL(OSError):
     `redirect_scheme` / `too_large`."""
 
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(f"refused ({reason}): {message}")
+        # redacted here too: a host string can quote user-info (`TOKEN@host` from http.client)
+        super().__init__(f"refused ({reason}): {redact_text(message)}")
         self.reason = reason
 
 
@@ -162,8 +164,8 @@ def _shown(url: str) -> str:
 
 
 def _host_port(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    try:
+    try:  # urlsplit itself refuses some URLs (an unclosed IPv6 bracket): one bad row, not a crash
+        parts = urlsplit(url)
         port = parts.port or DEFAULT_PORTS.get(parts.scheme.lower(), 80)
     except ValueError as err:
         raise RefusedURL("bad_url", f"{_shown(url)}: {redact_text(str(err))}") from err
@@ -173,13 +175,11 @@ def _host_port(url: str) -> tuple[str, int]:
 
 
 def _check_userinfo(url: str) -> None:
-    try:
-        netloc = urlsplit(url).netloc
-    except ValueError:
-        return  # _host_port names what is wrong with it
-    if "@" in netloc:
-        raise RefusedURL("bad_url", f"{_shown(url)}: user-info (user:password@) in a URL is "
-                                    "not sent by the downloader; give the URL without it")
+    """Any user-info refused, whatever its form (`has_userinfo`): a token as the user name is as
+    secret as a password."""
+    if has_userinfo(url):
+        raise RefusedURL("bad_url", f"{_shown(url)}: user-info (user:password@, TOKEN@) in a URL "
+                                    "is not sent by the downloader; give the URL without it")
 
 
 def check_url(url: str, policy: FetchPolicy, resolver: Resolver | None = None) -> None:

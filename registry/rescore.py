@@ -67,11 +67,20 @@ def rescore(mlflow_client: Any, model_name: str, champion: gate.Candidate,
     except Exception as err:  # a download, a broken bundle, unreadable shards: never a pass
         raise RescoreError(f"could not re-score {where}: {gate.first_line(err)}; no alias was "
                            "moved") from err
+    return rescored_on(model_name, champion, evaluation_set, primary_metric, metrics)
+
+
+def rescored_on(model_name: str, champion: gate.Candidate, evaluation_set: EvaluationSet,
+                primary_metric: str, metrics: dict[str, float]) -> gate.Candidate:
+    """`champion` carrying its `primary_metric` from `metrics` (its scores on `evaluation_set`),
+    labelled with that set's digest: the new version's, so the gate compares the two."""
     value = metrics.get(primary_metric)
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise RescoreError(
-            f"could not re-score {where}: the evaluation gave no '{primary_metric}' "
-            f"(register.primary_metric; it gave {sorted(metrics)[:12]}...); no alias was moved")
+            f"could not re-score champion v{champion.version} of '{model_name}' on this "
+            f"version's evaluation set {evaluation_set.name} ({evaluation_set.digest}): the "
+            f"evaluation gave no '{primary_metric}' (register.primary_metric; it gave "
+            f"{sorted(metrics)[:12]}...); no alias was moved")
     return gate.rescored(champion, float(value), str(evaluation_set.digest),
                          source_label(model_name, champion.version, evaluation_set.digest))
 

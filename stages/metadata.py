@@ -49,6 +49,9 @@ class MetadataParams(Section):
     karpathy_split: str | None = Field(None, min_length=1)
     # mscoco/local: a parquet of more rows is refused before it is read (~1 GB per million rows)
     max_rows: int = Field(5_000_000, ge=1)
+    # mscoco/local: bytes of text in one value, and in the file's URL/caption/id columns
+    max_text_bytes: int = Field(65_536, ge=256)
+    max_total_text_bytes: int = Field(1 << 30, ge=1 << 20)
 
     @field_validator("sha256")
     @classmethod

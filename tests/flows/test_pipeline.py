@@ -143,6 +143,28 @@ def test_overrides_use_dvc_set_param_syntax(toy: Path) -> None:
     assert yaml.safe_load((toy / "params.yaml").read_text())["second"] == {"y": 5}
 
 
+@pytest.mark.parametrize("value", ["${oc.env:HOME}", "a ${oc.env:SECRET_TOKEN} b",
+                                   ["x", "${second.y}"], {"k": "${oc.env:HOME}"}])
+def test_an_override_holding_an_interpolation_is_refused(toy: Path, monkeypatch,
+                                                          value) -> None:
+    """Hydra (DVC's `-S` code) resolves `${oc.env:NAME}` on the worker that runs the flow: an
+    override would copy the worker's environment into params.yaml, the logs and the experiment.
+    Refused, naming the override and why, and nothing is written."""
+    monkeypatch.setenv("SECRET_TOKEN", "tok-from-the-worker")
+    before = (toy / "params.yaml").read_text()
+    for refuse in (lambda: apply_overrides.fn(toy, {"first.x": value}),
+                   lambda: dvc_cli.override_args({"first.x": value})):
+        with pytest.raises(ValueError, match=r"override 'first.x' = .*: '\$\{' starts an "
+                                             r"interpolation .*give the value itself") as err:
+            refuse()
+        assert "tok-from-the-worker" not in str(err.value)
+    with pytest.raises(ValueError, match="interpolation"):
+        apply_overrides.fn(toy, {"${oc.env:HOME}": 1})
+    assert (toy / "params.yaml").read_text() == before
+    apply_overrides.fn(toy, {"first.x": "$HOME {literal}"})  # no `${`: a plain string
+    assert yaml.safe_load((toy / "params.yaml").read_text())["first"]["x"] == "$HOME {literal}"
+
+
 @pytest.mark.slow  # runs dvc in a temporary repository
 def test_experiment_is_saved_and_listed(toy: Path) -> None:
     for stage in ("first", "second", "third", "lone"):

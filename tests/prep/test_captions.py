@@ -57,6 +57,26 @@ def test_comparison_ignores_case_punctuation_and_spacing():
     assert keys[3] != keys[0] and keys[4] == "éclair"
 
 
+def test_ligatures_fullwidth_and_compatibility_forms_are_the_same_caption():
+    """Captions that differ only by a compatibility form (the `ﬁ` ligature, fullwidth letters and
+    punctuation, a superscript digit) are one caption of the image (NFKC when comparing); the kept
+    caption is the first one as written."""
+    rows = [("http://x/1.jpg", "Two fish on a dish, size 2."),
+            ("http://x/1.jpg", "Two \ufb01sh on a dish, size 2."),                # ligature
+            ("http://x/1.jpg", "\uff34\uff57\uff4f fish on a dish\uff0c size 2\uff0e"),  # fullwidth
+            ("http://x/1.jpg", "Two fish on a dish, size \u00b2."),               # superscript
+            ("http://x/1.jpg", "Two fish on a plate")]
+    keys = comparison_keys(pd.Series([text for _, text in rows]))
+    assert keys[0] == keys[1] == keys[2] == keys[3] == "two fish on a dish size 2" != keys[4]
+    result = dedupe(frame(rows), HTTP, log=quiet)
+    assert result.stats["removed"]["duplicate_caption"] == 3
+    assert list(result.images.loc[0, "captions"]) == ["Two fish on a dish, size 2.",
+                                                      "Two fish on a plate"]
+    # the kept caption keeps its own characters: only the comparison folds them
+    alone = dedupe(frame([("http://x/2.jpg", "A \ufb01sh in \uff21\uff22\uff23")]), HTTP, log=quiet)
+    assert list(alone.images.loc[0, "captions"]) == ["A \ufb01sh in \uff21\uff22\uff23"]
+
+
 def test_dedupe_rules_count_every_removed_row_once():
     rows = [
         ("http://x/1.jpg", "A red circle."),

@@ -361,6 +361,72 @@ def test_synthetic_val_images_are_the_last_ones_and_urls_follow_the_base(tmp_pat
         u for u, s in split.items() if s == "val")  # dedupe keeps the given split
 
 
+def repeated_caption_parquet(path: Path, rows: int, caption_bytes: int,
+                             dictionary: bool = True) -> None:
+    """`rows` rows of one caption of `caption_bytes` bytes: dictionary-encoded, it is stored once
+    (a few KB in all); plain-encoded, zstd hides it just as well."""
+    caption = "a" * caption_bytes
+    url = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()),
+                                         pa.array(["http://images.example/a.jpg"]))
+    text = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), pa.array([caption]))
+    table = pa.table({"URL": url, "TEXT": text})
+    pq.write_table(table if dictionary else table.cast(pa.schema(
+        [("URL", pa.string()), ("TEXT", pa.string())])), path, compression="zstd",
+        use_dictionary=dictionary)
+
+
+@pytest.mark.parametrize(("rows", "caption_bytes", "dictionary", "limits", "message"), [
+    # 1000 rows of one 1 MiB caption: under 1 KB on disk, 1 GiB of text, read whole before
+    (1000, 1 << 20, True, {}, r"column 'TEXT' holds a value of 1,048,576 bytes, over "
+                              r"metadata.max_text_bytes \(65,536\)"),
+    (300, 60_000, True, {"max_total_text_bytes": 1 << 24},
+     r"hold 18,\d{3},\d{3} bytes of text, over metadata.max_total_text_bytes \(16,777,216\)"),
+    (300, 60_000, False, {"max_total_text_bytes": 1 << 24},
+     r"hold 18,\d{3},\d{3} bytes uncompressed, over metadata.max_total_text_bytes"),
+])
+def test_a_small_parquet_of_much_text_is_refused_before_its_text_is_decoded(
+        tmp_path, rows, caption_bytes, dictionary, limits, message):
+    path = tmp_path / "bomb.parquet"
+    repeated_caption_parquet(path, rows, caption_bytes, dictionary)
+    assert path.stat().st_size < 64 * 1024
+    spec = MetadataSpec(source="local", path=str(path), **limits)
+    with pytest.raises(MetadataError, match=message):
+        build_metadata(spec, tmp_path / "metadata.parquet", tmp_path / "synthetic", LOOPBACK)
+    assert not (tmp_path / "metadata.parquet").exists()
+    roomy = MetadataSpec(source="local", path=str(path), max_text_bytes=caption_bytes,
+                         max_total_text_bytes=1 << 30)
+    if rows * caption_bytes < 1 << 26:  # within limits that allow it, the same file is read
+        build_metadata(roomy, tmp_path / "metadata.parquet", tmp_path / "synthetic", LOOPBACK)
+        assert pq.read_metadata(tmp_path / "metadata.parquet").num_rows == rows
+
+
+def test_the_refusal_of_a_gigabyte_of_caption_text_stays_small_in_memory(tmp_path):
+    """1000 rows of one 1 MiB caption decode to 1 GiB of text, which the stage as it was read
+    whole; the refusal, in a process of its own, peaks far below one copy of that text."""
+    path = tmp_path / "bomb.parquet"
+    repeated_caption_parquet(path, 1000, 1 << 20)
+    script = ("import re, sys\n"
+              "from pathlib import Path\n"
+              "from prep.sources import MetadataError, MetadataSpec, build_metadata\n"
+              "from prep.urlguard import FetchPolicy\n"
+              "out = Path(sys.argv[2])\n"
+              "try:\n"
+              "    build_metadata(MetadataSpec(source='local', path=sys.argv[1]), "
+              "out / 'm.parquet', out / 'synthetic', FetchPolicy())\n"
+              "except MetadataError as err:\n"
+              "    print('REFUSED', err)\n"
+              # VmHWM: this process's own peak (ru_maxrss would count the pytest process
+              # it was forked from, whose peak survives the exec)
+              "status = open('/proc/self/status').read()\n"
+              "print('PEAK_KB', re.search(r'VmHWM:\\s*(\\d+)', status).group(1))\n")
+    proc = subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path)],
+                          capture_output=True, text=True, env=tool_env(), cwd=PROJECT_ROOT,
+                          check=True)
+    assert "REFUSED" in proc.stdout and "metadata.max_text_bytes" in proc.stdout, proc.stdout
+    peak_kb = int(proc.stdout.rsplit("PEAK_KB", 1)[1].split()[0])
+    assert peak_kb < 512 * 1024, f"{peak_kb / 1024:.0f} MB"  # 1 GiB of text was never decoded
+
+
 @pytest.mark.parametrize(("raw", "message"), [
     ({"num_images": 10, "synthetic_val_images": 10},
      r"metadata\.synthetic_val_images = 10: .*below metadata.num_images \(10\)"),
@@ -370,6 +436,9 @@ def test_synthetic_val_images_are_the_last_ones_and_urls_follow_the_base(tmp_pat
     ({"sha256": "abc"}, r"metadata\.sha256 = 'abc': .*64 hex"),
     ({"num_images": 0}, r"metadata\.num_images = 0"),
     ({"colour": "red"}, r"metadata\.colour: unknown key"),
+    ({"max_text_bytes": 0}, r"metadata\.max_text_bytes = 0: .*greater than or equal to 256"),
+    ({"max_total_text_bytes": 1000},
+     r"metadata\.max_total_text_bytes = 1000: .*greater than or equal to 1048576"),
 ])
 def test_other_params_errors(raw, message):
     with pytest.raises(ParamsError, match=message):

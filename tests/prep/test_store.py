@@ -148,6 +148,34 @@ def test_the_catalog_says_where_each_image_is_and_the_metrics_count_new_reused_d
     assert metrics["failure_reasons"] == {"HTTP Error 404: Not Found": 1}
 
 
+def test_failure_reasons_are_bounded_in_length_and_number():
+    """Servers choose their reason phrases: 300 URLs answering unique 60 KB phrases made
+    metrics/download.json (tracked by git) 18 MB, and the summary line as long. Each reason is
+    cut to MAX_REASON_CHARS, one line, and past the MAX_REASONS most frequent the rest are
+    counted as "other"; no count is lost."""
+    from prep.fetch import MAX_REASON_CHARS, MAX_REASONS, summary
+
+    hostile = {f"HTTP Error 500: {i:03d} " + "x" * 60_000 + "\nsecond line": 1 for i in range(300)}
+    stats = [{"count": 310, "successes": 0, "failed_to_download": 310,
+              "status_dict": {**hostile, "HTTP Error 404: Not Found": 10}}]
+    keys = [f"k{i}" for i in range(310)]
+    known = latest_outcomes(pd.DataFrame({
+        "image_key": keys, "part": 0, "status": "failed_to_download",
+        "error_message": [*hostile, *["HTTP Error 404: Not Found"] * 10], "tar": None,
+        "original_width": None, "original_height": None}))
+    frame = build_catalog(pd.DataFrame({"key": keys, "url": "u"}),
+                          pd.DataFrame({"key": [], "reason": []}), known, fetched_parts={0})
+    assert frame["reason"].str.len().max() <= MAX_REASON_CHARS
+    assert not frame["reason"].str.contains("\n").any()
+    metrics = summarise(frame, {}, Fetch(parts=[], new=310, retried=0), stats, held_keys=set())
+    reasons = metrics["failure_reasons"]
+    assert len(reasons) == MAX_REASONS + 1 and sum(reasons.values()) == 310
+    assert reasons["HTTP Error 404: Not Found"] == 10  # the most frequent reason is kept whole
+    assert reasons["other"] == 300 - (MAX_REASONS - 1)
+    assert max(len(reason) for reason in reasons) <= MAX_REASON_CHARS
+    assert len(json.dumps(metrics)) < 10_000 and len(summary(metrics)) < 10_000
+
+
 def test_only_the_settings_that_change_a_samples_bytes_start_another_store():
     policy = FetchPolicy()
     base = store_id(content_settings(DownloadSettings(), policy))

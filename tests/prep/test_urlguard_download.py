@@ -161,6 +161,57 @@ def test_redirects_may_not_change_scheme_or_reach_an_internal_address(site):
                    f"{site.base}/to-ftp.jpg") == "redirect_scheme"
 
 
+TOKEN = "ghp_SECRET123"
+USERINFO_FORMS = [f"{TOKEN}@", f"user:{TOKEN}@", "user:@", f":{TOKEN}@", "@"]
+
+
+@pytest.mark.parametrize("userinfo", USERINFO_FORMS)
+def test_user_info_in_any_form_is_refused_and_never_printed(site, userinfo):
+    """A token as the user name (`TOKEN@`, as GitHub and many object stores take it) is as secret
+    as a password: refused before any request, directly and as a redirect target, by the
+    pre-check and by the opener, and the token is in no refusal text."""
+    port = site.base.rsplit(":", 1)[1]
+    secret_url = f"http://{userinfo}127.0.0.1:{port}/good/0.jpg"
+    site.redirects["/to-secret.jpg"] = secret_url
+    everything = FetchPolicy(allow_private_addresses=True)
+    with pytest.raises(RefusedURL) as refused:
+        check_url(secret_url, FetchPolicy())
+    texts = [str(refused.value)]
+    assert refused.value.reason == "bad_url"
+    assert precheck([secret_url], FetchPolicy()) == ["bad_url"]
+    assert precheck([secret_url], everything) == ["bad_url"]
+    for url in (secret_url, f"{site.base}/to-secret.jpg"):
+        with pytest.raises(RefusedURL) as refused:
+            fetch(everything, url)
+        assert refused.value.reason == "bad_url"
+        texts.append(str(refused.value))
+    assert "/good/0.jpg" not in site.requests  # never fetched, neither directly nor redirected
+    assert all("user-info" in text and TOKEN not in text for text in texts), texts
+
+
+def test_a_url_urllib_cannot_split_is_one_bad_url_not_a_crash():
+    """`http://[::1/x` (an unclosed IPv6 bracket) made urlsplit raise inside the pre-check, and one
+    such row in a URL list stopped the whole download stage."""
+    urls = ["http://[::1/x.jpg", f"http://[::1@{TOKEN}/x.jpg", "http://[fe80::1%zz/x.jpg"]
+    assert precheck(urls, FetchPolicy()) == ["bad_url"] * 3
+    for url in urls:
+        with pytest.raises(RefusedURL) as refused:
+            check_url(url, FetchPolicy())
+        assert refused.value.reason == "bad_url" and TOKEN not in str(refused.value)
+
+
+def test_a_refusal_never_quotes_the_user_info_of_a_host_string():
+    """http.client quotes a request's host as `TOKEN@host`; whatever reaches the resolver, the
+    refusal text has no token."""
+    from prep.urlguard import resolve_checked
+
+    dns = fake_dns({f"{TOKEN}@mirror.test": [], f"{TOKEN}@inside.test": ["10.9.8.7"]})
+    for host in (f"{TOKEN}@mirror.test", f"{TOKEN}@inside.test"):
+        with pytest.raises(RefusedURL) as refused:
+            resolve_checked(host, 80, FetchPolicy(), dns)
+        assert TOKEN not in str(refused.value) and "@" in str(refused.value)
+
+
 def test_bodies_are_bounded(site):
     policy = FetchPolicy(allow_private_addresses=True, max_bytes=4096)
     assert refusal(policy, f"{site.base}/big.jpg") == "too_large"  # by its Content-Length
@@ -184,6 +235,62 @@ def huge_png(side: int = 12_000) -> bytes:
     header = struct.pack(">IIBBBBB", side, side, 8, 6, 0, 0, 0)  # 8-bit RGBA
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND",
                                                                                        b"")
+
+
+def tiff_duplicate_size_tags(small: int = 100, big: int = 12_000) -> bytes:
+    """A 10 KB greyscale TIFF whose IFD gives its width and height twice: PIL reads
+    small x small from the header; a decoder that takes the other pair sees big x big."""
+    entries = [(256, 4, big), (257, 4, big), (256, 3, small), (257, 3, small), (258, 3, 8),
+               (259, 3, 1), (262, 3, 1), (273, 4, 0), (277, 3, 1), (278, 4, small),
+               (279, 4, small * small)]
+    data_at = 8 + 2 + 12 * len(entries) + 4
+    out = [b"II*\0", struct.pack("<I", 8), struct.pack("<H", len(entries))]
+    for tag, kind, value in entries:
+        value = data_at if tag == 273 else value  # StripOffsets: the pixels after the IFD
+        packed = struct.pack("<HH", value, 0) if kind == 3 else struct.pack("<I", value)
+        out.append(struct.pack("<HHI", tag, kind, 1) + packed)
+    return b"".join([*out, struct.pack("<I", 0), b"\x80" * small * small])
+
+
+class HandedOn:
+    """Records what the header check hands on to img2dataset's resizer (cv2). It decodes nothing
+    itself: what must never reach cv2 is not decoded here either, even where the check fails."""
+
+    def __init__(self) -> None:
+        self.seen: list[bytes] = []
+
+    def __call__(self, img_stream, blurring_bbox_list=None) -> tuple:
+        self.seen.append(img_stream.getvalue())
+        return (b"handed on", 1, 1, 1, 1, None)
+
+
+def test_only_jpeg_png_and_webp_reach_cv2():
+    """cv2 decodes JPEG 2000 and TIFF too: a worker crashing in cv2's JPEG 2000 decoder hangs
+    the stage; a TIFF with duplicate size tags passed the header check as 100 x 100.
+    Both, and every other format, are refused by name before cv2; the three allowed formats
+    still go through img2dataset's own resizer."""
+    import io
+
+    from img2dataset.resizer import Resizer
+
+    from harness.hostile_images import encoded
+    from prep.img2dataset_guard import HeaderCheckedResizer, ImageLimits
+
+    limits = ImageLimits(max_image_area=4_000_000, max_aspect_ratio=8.0)
+    handed_on = HandedOn()
+    check = HeaderCheckedResizer(handed_on, limits)
+    hostile = {"JPEG2000": encoded("JPEG2000")[:200], "TIFF": tiff_duplicate_size_tags(),
+               "GIF": encoded("GIF"), "BMP": encoded("BMP")}
+    hostile["JPEG2000 whole"] = encoded("JPEG2000")
+    for name, data in hostile.items():
+        err = check(io.BytesIO(data))[-1]
+        assert err == f"image format {name.split()[0]} not allowed (only JPEG, PNG, WEBP)", name
+    assert check(io.BytesIO(b"not an image at all"))[-1] == "Image decoding error"
+    assert handed_on.seen == []
+    real = HeaderCheckedResizer(Resizer(16, "border", False), limits)
+    for fmt in ("JPEG", "PNG", "WEBP"):
+        image, width, height, *_, err = real(io.BytesIO(encoded(fmt)))
+        assert err is None and (width, height) == (16, 16) and image, fmt
 
 
 def run_download_measured(folder) -> tuple[subprocess.CompletedProcess[str], float]:

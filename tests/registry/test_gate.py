@@ -110,6 +110,37 @@ def test_a_rescored_champion_is_compared_and_the_decision_says_where_each_value_
     assert same.champion_recorded_value is None and same.eval_set == DIGEST
 
 
+def test_a_rescored_champion_carries_the_new_sets_digest_and_the_gate_compares(
+        tmp_path: Path) -> None:
+    """The champion's value from the re-scoring is labelled with the set it was scored on, the
+    new version's (not the champion's own old set): else every night after the data grows ends
+    "not compared" and a better model is never promoted."""
+    from clipms.eval.scoring import ZeroShotSpec
+    from harness.tiny_model import make_val_shards
+    from registry.rescore import EvaluationSet, RescoreError, rescored_on
+
+    make_val_shards(tmp_path / "old", n_images=11)
+    make_val_shards(shards := tmp_path / "grown", n_images=13)
+    old_set = lineage.val_digest(tmp_path / "old" / "manifest.json")
+    new_set = lineage.val_digest(shards / "manifest.json")
+    assert old_set and new_set and old_set != new_set
+    evaluation_set = EvaluationSet(shards, "val", new_set, "split val of data/shards",
+                                   ZeroShotSpec(), 4)
+    champion = Candidate("1", 0.9, old_set)
+    new = Candidate("2", 0.6, new_set, gate.EVALUATED_IN_THIS_RUN)
+    assert gate.needs_rescore(new, champion)
+
+    scored = rescored_on("clip", champion, evaluation_set, "i2t_R@5",
+                         {"i2t_R@5": 0.55, "num_images": 13})
+    assert (scored.version, scored.value, scored.val_digest) == ("1", 0.55, new_set)
+    assert scored.recorded == (0.9, old_set) and new_set in scored.source
+    assert not gate.needs_rescore(new, scored)
+    d = decide(new, scored, "i2t_R@5", 0.0, eval_set_name=evaluation_set.name)
+    assert (d.alias, d.compared, d.eval_set, d.champion_value) == (CHAMPION, True, new_set, 0.55)
+    with pytest.raises(RescoreError, match="gave no 'i2t_R@5'.*no alias was moved"):
+        rescored_on("clip", champion, evaluation_set, "i2t_R@5", {"num_images": 13})
+
+
 def test_metric_directions_cover_what_evaluate_writes() -> None:
     from clipms.eval.metrics import metric_direction
 

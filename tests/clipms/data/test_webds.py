@@ -122,3 +122,69 @@ def test_the_writer_s_bytes_are_tarfile_s(tmp_path, key_length):
         assert (tmp_path / "ours.tar").read_bytes() == expected, (key_length, size)
         assert entry == {"samples": 3, "bytes": len(expected),
                          "sha256": hashlib.sha256(expected).hexdigest()}
+
+
+def gnu_sparse_tar(folder, declared: int, tar_format: str) -> object:
+    """A tar made by GNU tar (`--sparse`) of a sample whose image is a hole of `declared` bytes:
+    10 KB whatever it declares."""
+    import shutil
+    import subprocess
+
+    if shutil.which("tar") is None:
+        pytest.skip("GNU tar is not installed")
+    folder.mkdir()
+    (folder / "k1.txt").write_text("a caption")
+    with open(folder / "k1.jpg", "wb") as hole:
+        hole.truncate(declared)  # no data block on disk
+    subprocess.run(["tar", "--sparse", f"--format={tar_format}", "-cf", "shard.tar", "k1.txt",
+                    "k1.jpg"], cwd=folder, check=True)
+    (folder / "k1.jpg").unlink()
+    return folder / "shard.tar"
+
+
+@pytest.mark.parametrize("tar_format", ["gnu", "pax"])
+@pytest.mark.parametrize("declared", [1 << 20, 1536 << 20])
+def test_a_sparse_member_is_refused_not_read_as_zeros(tmp_path, declared, tar_format):
+    """A 10 KB tar with a GNU sparse member declaring 1.5 GB was read whole, as 1.5 GB of zeros,
+    by every reader of shards: shard, evaluate, index, `infer search`."""
+    path = gnu_sparse_tar(tmp_path / "sparse", declared, tar_format)
+    assert path.stat().st_size <= 16 << 10
+    for read in (webds.read_tar, webds.index_tar):
+        with pytest.raises(webds.DataError, match=r"member 'k1.jpg' is a GNU sparse file, not a "
+                                                  r"regular file"):
+            read(path)
+
+
+def test_members_that_are_links_or_too_large_are_refused_and_directories_skipped(tmp_path):
+    def tar_of(name: str, *members: tarfile.TarInfo) -> object:
+        path = tmp_path / name
+        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+            tar.addfile(tarfile.TarInfo("k0.txt"), io.BytesIO(b""))
+            for member in members:
+                tar.addfile(member, io.BytesIO(b"\0" * member.size) if member.isreg() else None)
+        return path
+
+    folder = tarfile.TarInfo("k1")
+    folder.type = tarfile.DIRTYPE
+    assert [s.key for s in webds.read_tar(tar_of("dir.tar", folder))] == ["k0"]
+    for kind, name in ((tarfile.SYMTYPE, "a symbolic link"), (tarfile.LNKTYPE, "a hard link"),
+                       (tarfile.FIFOTYPE, "a FIFO")):
+        member = tarfile.TarInfo("k1.jpg")
+        member.type, member.linkname = kind, "/etc/passwd"
+        for read in (webds.read_tar, webds.index_tar):
+            with pytest.raises(webds.DataError, match=rf"member 'k1.jpg' is {name}, not a "
+                                                      rf"regular file; shards hold regular files"):
+                read(tar_of(f"{name.split()[-1]}.tar", member))
+    # a header declaring more than the limit: refused from the header, its data never read
+    huge = tarfile.TarInfo("k1.jpg")
+    huge.size = webds.MAX_MEMBER_BYTES + 1
+    header = tmp_path / "declared.tar"
+    header.write_bytes(tarfile.TarInfo("k0.txt").tobuf() + huge.tobuf() + b"\0" * 4096)
+    for read in (webds.read_tar, webds.index_tar):
+        with pytest.raises(webds.DataError, match=r"declares 67,108,865 bytes, over the limit "
+                                                  r"of 67,108,864 bytes per member"):
+            read(header)
+    at_limit = tarfile.TarInfo("k1.bin")
+    at_limit.size = 1 << 10
+    assert [sorted(s.files) for s in webds.read_tar(tar_of("ok.tar", at_limit))] == [
+        ["txt"], ["bin"]]

@@ -52,6 +52,50 @@ def unit_rows(n: int, dim: int, seed: int) -> np.ndarray:
     return x / np.linalg.norm(x, axis=1, keepdims=True)
 
 
+class MeanColourEncoder:
+    """Stands in for the exported model, which only the slow tier exports: a thumbnail does not
+    depend on the embeddings, so each image is embedded as its mean colour (unit length). The
+    decoding, preprocessing, thumbnails, files and loading are the index's own."""
+
+    def __init__(self, image_size: int = 16) -> None:
+        from clipms.data.preprocess import PreprocessConfig
+
+        self.preprocess = PreprocessConfig(image_size=image_size)
+
+    def encode_preprocessed(self, images: np.ndarray) -> np.ndarray:
+        vectors = images.reshape(len(images), 3, -1).mean(axis=2) + 4.0
+        return (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_every_key_serves_its_own_thumbnail(tmp_path) -> None:
+    """Each key's thumbnail is that image's own (its colour and shape, not a neighbour's), the
+    thumbnails lie back to back from offset 0 and their sizes add up to the file, across
+    batches and skipped items."""
+    import pyarrow.parquet as pq
+
+    colours = [(220, 30, 30), (30, 200, 40), (40, 50, 210), (230, 220, 40), (20, 20, 20),
+               (240, 240, 240), (160, 40, 170)]
+    sizes = [(48, 40), (30, 60), (64, 64), (20, 50), (70, 35), (40, 40), (56, 24)]
+    items = [Item(f"k{i}", jpeg_bytes(Image.new("RGB", size, colour)), f"c{i}", "val")
+             for i, (colour, size) in enumerate(zip(colours, sizes, strict=True))]
+    items.insert(3, Item("broken", b"not an image", "", "val"))  # skipped, between batches
+    report = build_index(MeanColourEncoder(), items, tmp_path / "index", "digest",
+                         SearchOptions(), thumbnail_size=16, batch_size=3)
+    assert report["rows"] == len(colours) and report["skipped"]["undecodable_image"] == 1
+    index = ImageIndex.load(tmp_path / "index", bundle_digest="digest")
+    for i, (colour, (width, height)) in enumerate(zip(colours, sizes, strict=True)):
+        thumb = Image.open(io.BytesIO(index.thumbnail(f"k{i}")))
+        scale = 16 / max(width, height)  # its own shape, shrunk to fit 16 x 16
+        assert thumb.format == "JPEG" and thumb.size == (round(width * scale),
+                                                         round(height * scale))
+        mean = np.asarray(thumb.convert("RGB"), np.float64).reshape(-1, 3).mean(axis=0)
+        np.testing.assert_allclose(mean, colour, atol=12, err_msg=f"k{i}")
+    items_table = pq.read_table(tmp_path / "index" / "items.parquet").to_pydict()
+    offsets, lengths = items_table["thumb_offset"], items_table["thumb_size"]
+    assert offsets == [sum(lengths[:i]) for i in range(len(lengths))] and min(lengths) > 0
+    assert sum(lengths) == (tmp_path / "index" / "thumbnails.bin").stat().st_size
+
+
 @pytest.mark.slow  # exports a bundle (the module fixture)
 def test_build_and_load_round_trip(encoder, bundle, tmp_path) -> None:
     items = collection()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 import mindspore as ms
+import numpy as np
 import pytest
 
 from clipms.data import dataset as shard_dataset
@@ -95,6 +96,21 @@ def test_a_sunk_run_sends_its_training_pipeline_once_and_nothing_decodes_after_i
     queue.close()  # idempotent: the loop closes whatever feed it has
     time.sleep(1.0)
     assert counted.samples == sent
+
+
+def test_a_real_batch_has_the_shapes_and_dtypes_of_the_sink_signature(shards):
+    """The device queue is declared from the signature, before any batch exists: a batch of the
+    real loader (one decode worker, tiny shards) and of the random source must match it exactly,
+    NCHW uint8 images and int32 token rows."""
+    signature = BatchSignature(BATCH, 16, CTX)  # as Training.feed builds it from the config
+    random_source = RandomBatches(MICRO, BATCH, 2, seed=1)
+    micro = BatchSignature(BATCH, MICRO.vision.image_size, MICRO.text.context_length)
+    for source, want in ((shard_source(shards), signature), (random_source, micro)):
+        batch = next(feed.sink_dataset(source, 0, 1).create_tuple_iterator(
+            num_epochs=1, output_numpy=True))
+        assert [tuple(column.shape) for column in batch] == want.shapes()
+        assert [column.dtype for column in batch] == [
+            np.dtype(ms.dtype_to_nptype(t)) for t in want.types()]
 
 
 @pytest.mark.slow  # builds and iterates a MindSpore data pipeline with a transfer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clipms.utils.redact import host_only, redact_text, redact_url
+from clipms.utils.redact import has_userinfo, host_only, redact_text, redact_url
 
 PRESIGNED = ("https://bucket.s3.eu-west-1.amazonaws.com/data/meta.parquet?X-Amz-Algorithm="
              "AWS4-HMAC-SHA256&X-Amz-Credential=AKIAFAKE%2F20261201%2Fs3%2Faws4_request&"
@@ -16,6 +16,10 @@ PRESIGNED = ("https://bucket.s3.eu-west-1.amazonaws.com/data/meta.parquet?X-Amz-
     ("http://127.0.0.1:8000/x.parquet?token=T0KEN", "http://127.0.0.1:8000/x.parquet?<redacted>"),
     ("https://user:PASSWORD@example.org/a", "https://<redacted>@example.org/a"),
     ("https://TOKENONLY@example.org/a", "https://<redacted>@example.org/a"),
+    ("https://user:@example.org/a", "https://<redacted>@example.org/a"),
+    ("https://:PASSWORD@example.org/a", "https://<redacted>@example.org/a"),
+    ("https://@example.org/a", "https://<redacted>@example.org/a"),
+    ("http://[::1@TOKEN/a", "http://<redacted>"),
     ("https://example.org/a#access_token=FRAG", "https://example.org/a#<redacted>"),
     ("http://[::1]:9000/p?q=1", "http://[::1]:9000/p?<redacted>"),
     ("https://example.org/plain.parquet", "https://example.org/plain.parquet"),
@@ -56,11 +60,40 @@ def test_redact_text_finds_every_url_in_a_message() -> None:
     ("user:p@ss@word@host.example:22/x", "<redacted>@host.example:22/x"),  # '@' in a password
     ("host (u:pw@10.0.0.1) refused", "host (<redacted>@10.0.0.1) refused"),
     ("key=u:pw@h.example", "key=<redacted>@h.example"),
-    ("mail alice@example.com about it", "mail alice@example.com about it"),  # no password
+    # a token as the user name, as http.client quotes it in its errors: no password, no colon
+    ("refused (unresolvable_host): ghp_SECRET123@127.0.0.1: [Errno -2] not known",
+     "refused (unresolvable_host): <redacted>@127.0.0.1: [Errno -2] not known"),
+    ("<urlopen error ghp_SECRET123@mirror.example: not known>",
+     "<urlopen error <redacted>@mirror.example: not known>"),
+    ("'ghp_SECRET123@mirror:/data/x.parquet'", "'<redacted>@mirror:/data/x.parquet'"),
+    ("at ghp_SECRET123@[::1]:80", "at <redacted>@[::1]:80"),
+    ("host user:@10.0.0.1 and :ghp_SECRET123@10.0.0.2", "host <redacted>@10.0.0.1 and "
+                                                         "<redacted>@10.0.0.2"),
+    # an e-mail address cannot be told from a token before a host: redacted too
+    ("mail alice@example.com about it", "mail <redacted>@example.com about it"),
     ("ratio 1:2 @ 3", "ratio 1:2 @ 3"),
+    # not a host after the `@`: metric names and registry aliases stay readable
+    ("i2t_R@5: 0.61, mAP@10:0.5", "i2t_R@5: 0.61, mAP@10:0.5"),
+    ("init_from models:/clip@champion or clip@challenger",
+     "init_from models:/clip@champion or clip@challenger"),
 ])
 def test_redact_text_drops_the_user_info_of_host_strings_without_a_scheme(text, shown) -> None:
     """urllib and http.client quote a request's host as `user:password@host` in their errors,
     and an scp-style path has one: no `://` for a URL rule to find."""
     assert redact_text(text) == shown
     assert redact_text(shown) == shown
+
+
+@pytest.mark.parametrize("url", [
+    "https://ghp_SECRET123@host.example/x.jpg", "https://user:@host.example/x.jpg",
+    "https://:ghp_SECRET123@host.example/x.jpg", "https://user:ghp_SECRET123@host.example/x",
+    "https://@host.example/x.jpg", "http://a@b@127.0.0.1:80/x", "http://[::1@TOKEN/x"])
+def test_has_userinfo_knows_every_form(url: str) -> None:
+    assert has_userinfo(url)
+
+
+@pytest.mark.parametrize("url", [
+    "https://host.example/x.jpg", "https://host.example/a@b.jpg", "https://h.example/x?u=a@b",
+    "https://h.example/x#a@b", "/local/a@b.parquet", "file:data/a@b.png"])
+def test_has_userinfo_ignores_an_at_sign_outside_the_authority(url: str) -> None:
+    assert not has_userinfo(url)
