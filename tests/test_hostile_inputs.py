@@ -31,6 +31,7 @@ from harness.hostile_images import png_sliver
 from harness.image_site import Site, images_parquet, run_stage, write_params
 from harness.inprocess_service import InProcessService, tiny_world
 from harness.serving_server import post_json, request
+from tests.test_hostile_service import unclosed_quotes
 
 MAX_ROWS, MAX_CONNECTIONS, MAX_HEADER, HEAD_TIMEOUT, BODY_TIMEOUT = 16, 12, 8192, 1.0, 1.0
 ALLOWED_HOST = "search.example"
@@ -271,6 +272,56 @@ def test_a_body_that_does_not_arrive_is_answered_408(service) -> None:
     sock.close()
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
     assert b"did not arrive within 1 s" in answer
+
+
+# ------------------------------------------------------------------ 3b. bodies that hold the loop
+
+# How long /healthz may wait while hostile bodies are read: a liveness bound, not a speed
+# measure (the bodies below held the event loop for minutes before the scan was linear).
+ALIVE_S = 10.0
+
+
+def _post_raw(port: int, path: str, body: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=ALIVE_S)
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (path.encode(),
+                                                                         len(body), body))
+    return sock
+
+
+def _answer(sock: socket.socket) -> bytes:
+    chunks = []
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    sock.close()
+    return b"".join(chunks)
+
+
+def test_healthz_answers_while_hostile_bodies_are_read(service) -> None:
+    """Three 96 KB bodies of unclosed escaped quotes, one per endpoint, sent in full before
+    /healthz is asked: each is refused as not JSON, and /healthz is answered meanwhile (it waited
+    as long as the bodies held the event loop: minutes)."""
+    posts = [_post_raw(service.port, path, unclosed_quotes(96 * 1024, head)) for path, head in (
+        ("/v1/embeddings", b'{"texts": ["a", "'), ("/v1/search", b'{"text": "'),
+        ("/v1/rank", b'{"image": "x", "texts": ["'))]
+    healthz: list[int | str] = []
+
+    def ask() -> None:
+        try:
+            healthz.append(request(f"{service.url}/healthz", timeout=ALIVE_S)[0])
+        except OSError as err:  # timed out: the event loop was held
+            healthz.append(repr(err))
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    answers = [_answer(sock) for sock in posts]
+    asker.join()
+    assert healthz == [200]
+    for answer in answers:
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {
+            "error": "the request body is not valid JSON"}
 
 
 # ------------------------------------------------------------------ 4. other sites' pages
