@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from harness.hostile_images import png_sliver
+from harness.hostile_images import encoded, jpeg_many_scans, png_sliver
 from harness.image_site import Site, images_parquet, run_stage, write_params
 from harness.inprocess_service import InProcessService, tiny_world
 from harness.serving_server import post_json, request
@@ -322,6 +322,19 @@ def test_healthz_answers_while_hostile_bodies_are_read(service) -> None:
         assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
         assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {
             "error": "the request body is not valid JSON"}
+
+
+def test_a_jpeg_of_10000_empty_scans_is_refused_by_every_image_endpoint(service) -> None:
+    """Two such files kept both decode threads busy for minutes; refused before the decode."""
+    hostile = b64(jpeg_many_scans(10_000))
+    answers = [post_json(f"{service.url}/v1/embeddings", {"images": [b64(encoded("PNG")),
+                                                                      hostile]}),
+               post_json(f"{service.url}/v1/search", {"image": hostile}),
+               post_json(f"{service.url}/v1/rank", {"image": hostile, "texts": ["a"]})]
+    said = ["images[1]: a JPEG of", "image: a JPEG of", "image: a JPEG of"]
+    for (status, answer), start in zip(answers, said, strict=True):
+        assert status == 400 and answer["error"].startswith(start), answer
+        assert "scans, over the limit of 100" in answer["error"]
 
 
 # ------------------------------------------------------------------ 4. other sites' pages
