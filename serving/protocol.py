@@ -117,8 +117,10 @@ def bounded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
             self._head_done()
             if not self.transport.is_closing():
                 self.transport.close()
-                if self.transport.get_write_buffer_size() and self._send_timer is None:
-                    self._watch_send()  # a close waits for the client to take what is unsent
+            # A close (this one, or uvicorn's keep-alive timeout's) waits for the client to take
+            # what is unsent, below the high-water mark too.
+            if self.transport.get_write_buffer_size() and self._send_timer is None:
+                self._watch_send()
 
         # -- answers the client does not take
         def pause_writing(self) -> None:
@@ -128,7 +130,8 @@ def bounded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
 
         def resume_writing(self) -> None:
             super().resume_writing()
-            self._send_done()
+            if not self.transport.is_closing():  # closing: watched until all is sent
+                self._send_done()
 
         def _watch_send(self) -> None:
             self._send_timer = self.loop.call_later(
