@@ -57,7 +57,7 @@ def encoded(fmt: str, size: tuple[int, int] = (24, 20), colour=(200, 30, 30)) ->
 def jpeg_many_scans(scans: int = 10_000, size: tuple[int, int] = (64, 64)) -> bytes:
     """A valid progressive JPEG followed by `scans` empty DC refinement scans of every component
     (14 bytes each): it decodes to the same pixels, but libjpeg reads every coefficient of the
-    image once per scan (at 7000 x 7000 pixels, 10,000 scans took 21 CPU-s)."""
+    image once per scan (at 2000 x 2000 pixels, 10,000 scans took 1.7 CPU-s)."""
     buffer = io.BytesIO()
     Image.new("RGB", size, (120, 60, 200)).save(buffer, "JPEG", progressive=True, quality=90)
     data = buffer.getvalue()

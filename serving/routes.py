@@ -82,7 +82,7 @@ SHAPE_MARGIN = 16
 # a body whose last string never closes. Possessive, so the engine never backtracks and reads each
 # byte once however quotes and backslashes fall: the plain pattern, run over a body whose string
 # of escaped quotes never closes, read to the end of the body from every one of its quotes
-# (65 KB took 13 s of the event loop, 129 KB 49 s).
+# (quadratic: 8 KB took 0.10 s of the event loop, 16 KB 0.43 s).
 STRING_REST = re.compile(rb'[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\Z)', re.DOTALL)
 # A body at least this large is bounded and parsed in a worker thread, not on the event loop:
 # /healthz and every other connection keep being answered while it is read (a 16 MiB body

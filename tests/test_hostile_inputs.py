@@ -292,8 +292,8 @@ def never_reading(port: int, requests: int = 4000) -> socket.socket:
 
 def test_clients_that_never_read_their_answers_do_not_keep_others_out(service) -> None:
     """Pipelined requests whose answers were never read held every slot of --max-connections
-    for minutes, and new clients were turned away: a connection whose client takes none of
-    its answers for --send-timeout-s is dropped."""
+    for as long as the client liked, and new clients were turned away: a connection whose
+    client takes none of its answers for --send-timeout-s is dropped."""
     stuck = [never_reading(service.port) for _ in range(MAX_CONNECTIONS)]
     try:
         statuses = []
@@ -351,7 +351,7 @@ def test_a_pipelined_request_head_has_the_time_limit_of_the_first(service) -> No
 # ------------------------------------------------------------------ 3b. bodies that hold the loop
 
 # How long /healthz may wait while hostile bodies are read: a liveness bound, not a speed
-# measure (the bodies below held the event loop for minutes before the scan was linear).
+# measure (the bodies below held the event loop past it before the scan was linear).
 ALIVE_S = 10.0
 
 
@@ -399,7 +399,8 @@ def test_healthz_answers_while_hostile_bodies_are_read(service) -> None:
 
 
 def test_a_jpeg_of_10000_empty_scans_is_refused_by_every_image_endpoint(service) -> None:
-    """Two such files kept both decode threads busy for minutes; refused before the decode."""
+    """Each scan is a pass over the whole image in a decode thread that no request can stop:
+    refused before the decode."""
     hostile = b64(jpeg_many_scans(10_000))
     answers = [post_json(f"{service.url}/v1/embeddings", {"images": [b64(encoded("PNG")),
                                                                       hostile]}),
