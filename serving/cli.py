@@ -63,6 +63,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="seconds an idle keep-alive connection stays open")
     p.add_argument("--body-timeout-s", type=float, default=connections.body_timeout_s,
                    help="seconds for a request body to arrive (408 beyond)")
+    p.add_argument("--send-timeout-s", type=float, default=connections.send_timeout_s,
+                   help="seconds a client may take none of its unsent answers before the "
+                   "connection is dropped")
     p.add_argument("--max-batch", type=int, default=32, help="items per model call")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long a batch waits for more items")
@@ -156,7 +159,8 @@ def model_source(args: argparse.Namespace) -> tuple[Any, Any]:
 def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
     try:
         limits = ConnectionLimits(args.max_connections, args.max_header_bytes,
-                                  args.header_timeout_s, args.keep_alive_s, args.body_timeout_s)
+                                  args.header_timeout_s, args.keep_alive_s, args.body_timeout_s,
+                                  args.send_timeout_s)
     except ValueError as err:
         raise SystemExit(f"clipms-serve: {err}") from None
     bounded = limits.within_open_files()

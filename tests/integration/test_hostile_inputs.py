@@ -27,16 +27,19 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from harness.hostile_images import png_sliver
+from harness.hostile_images import encoded, jpeg_many_scans, png_sliver
 from harness.image_site import Site, images_parquet, run_stage, write_params
 from harness.inprocess_service import InProcessService, tiny_world
 from harness.serving_server import post_json, request
+from tests.test_hostile_service import unclosed_quotes
 
 MAX_ROWS, MAX_CONNECTIONS, MAX_HEADER, HEAD_TIMEOUT, BODY_TIMEOUT = 16, 12, 8192, 1.0, 1.0
+SEND_TIMEOUT = 1.0
 ALLOWED_HOST = "search.example"
 ARGS = ["--max-batch", "2", "--max-queue", "64", "--max-rows", str(MAX_ROWS),
         "--max-connections", str(MAX_CONNECTIONS), "--max-header-bytes", str(MAX_HEADER),
         "--header-timeout-s", str(HEAD_TIMEOUT), "--body-timeout-s", str(BODY_TIMEOUT),
+        "--send-timeout-s", str(SEND_TIMEOUT),
         "--allowed-host", ALLOWED_HOST]
 # How long a refusal, or a /healthz asked meanwhile, may take on a loaded 2-core machine: the
 # inputs below took 8-38 s before they were refused early.
@@ -224,6 +227,8 @@ def test_a_new_connection_when_every_one_is_busy_is_answered_503_at_once(service
         answer = _read_quietly(newcomer)
         newcomer.close()
         assert answer.startswith(b"HTTP/1.1 503 ") and b"too many connections" in answer
+        head, payload = answer.split(b"\r\n\r\n", 1)
+        assert b"content-length: %d\r\n" % len(payload) in head  # it said one byte more
     finally:
         release.set()
     for sock in busy:
@@ -271,6 +276,140 @@ def test_a_body_that_does_not_arrive_is_answered_408(service) -> None:
     sock.close()
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
     assert b"did not arrive within 1 s" in answer
+
+
+def never_reading(port: int, requests: int = 4000) -> socket.socket:
+    """A connection that sends `requests` pipelined GET / and reads none of their answers (a
+    small receive buffer, so the answers back up into the service soon)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.settimeout(30)
+    threading.Thread(target=_send_quietly, args=(
+        sock, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * requests), daemon=True).start()
+    return sock
+
+
+def test_clients_that_never_read_their_answers_do_not_keep_others_out(service) -> None:
+    """Pipelined requests whose answers were never read held every slot of --max-connections
+    for as long as the client liked, and new clients were turned away: a connection whose
+    client takes none of its answers for --send-timeout-s is dropped."""
+    stuck = [never_reading(service.port) for _ in range(MAX_CONNECTIONS)]
+    try:
+        statuses = []
+        for _ in range(int((SEND_TIMEOUT + 10) / 0.25)):  # a liveness bound, not a speed measure
+            with contextlib.suppress(OSError):
+                statuses.append(request(f"{service.url}/healthz", timeout=5)[0])
+            if statuses[-1:] == [200]:
+                break
+            time.sleep(0.25)
+        assert statuses[-1:] == [200], statuses
+        assert all(closed_by_server(sock, 5) for sock in stuck)
+    finally:
+        for sock in stuck:
+            sock.close()
+
+
+def test_a_pipelined_request_head_has_the_size_limit_of_the_first(service) -> None:
+    """Behind a request still being answered, 151 MiB of header was read and kept (the limit
+    counted bytes only while the connection was idle): cut off at the limit."""
+    release = threading.Event()
+    service.state.model_thread.submit(release.wait, 60)  # the first request waits
+    try:
+        sock = connect(service.port)
+        body = b'{"texts": ["x"]}'
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        huge = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Filler: " + b"a" * 2**22
+        sender = threading.Thread(target=_send_quietly, args=(sock, huge), daemon=True)
+        sender.start()
+        assert closed_by_server(sock, 10), "a pipelined head over the limit was read on"
+        sender.join(10)
+        assert not sender.is_alive()
+    finally:
+        release.set()
+        sock.close()
+    assert request(f"{service.url}/healthz")[0] == 200
+
+
+def test_a_pipelined_request_head_has_the_time_limit_of_the_first(service) -> None:
+    """A pipelined head trickling in behind a request being answered had no timer at all."""
+    release = threading.Event()
+    service.state.model_thread.submit(release.wait, 60)
+    sock = connect(service.port)
+    try:
+        body = b'{"texts": ["x"]}'
+        sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%sGET /healthz HTTP/1.1"
+                     b"\r\n" % (len(body), body))
+        assert closed_by_server(sock, HEAD_TIMEOUT + 5), "a late pipelined head was waited for"
+    finally:
+        release.set()
+        sock.close()
+
+
+# ------------------------------------------------------------------ 3b. bodies that hold the loop
+
+# How long /healthz may wait while hostile bodies are read: a liveness bound, not a speed
+# measure (the bodies below held the event loop past it before the scan was linear).
+ALIVE_S = 10.0
+
+
+def _post_raw(port: int, path: str, body: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=ALIVE_S)
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (path.encode(),
+                                                                         len(body), body))
+    return sock
+
+
+def _answer(sock: socket.socket) -> bytes:
+    chunks = []
+    with contextlib.suppress(OSError):
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    sock.close()
+    return b"".join(chunks)
+
+
+def test_healthz_answers_while_hostile_bodies_are_read(service) -> None:
+    """Three 96 KB bodies of unclosed escaped quotes, one per endpoint, sent in full before
+    /healthz is asked: each is refused as not JSON, and /healthz is answered meanwhile (it waited
+    as long as the bodies held the event loop: minutes)."""
+    posts = [_post_raw(service.port, path, unclosed_quotes(96 * 1024, head)) for path, head in (
+        ("/v1/embeddings", b'{"texts": ["a", "'), ("/v1/search", b'{"text": "'),
+        ("/v1/rank", b'{"image": "x", "texts": ["'))]
+    healthz: list[int | str] = []
+
+    def ask() -> None:
+        try:
+            healthz.append(request(f"{service.url}/healthz", timeout=ALIVE_S)[0])
+        except OSError as err:  # timed out: the event loop was held
+            healthz.append(repr(err))
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    answers = [_answer(sock) for sock in posts]
+    asker.join()
+    assert healthz == [200]
+    for answer in answers:
+        assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {
+            "error": "the request body is not valid JSON"}
+
+
+def test_a_jpeg_of_10000_empty_scans_is_refused_by_every_image_endpoint(service) -> None:
+    """Each scan is a pass over the whole image in a decode thread that no request can stop:
+    refused before the decode."""
+    hostile = b64(jpeg_many_scans(10_000))
+    answers = [post_json(f"{service.url}/v1/embeddings", {"images": [b64(encoded("PNG")),
+                                                                      hostile]}),
+               post_json(f"{service.url}/v1/search", {"image": hostile}),
+               post_json(f"{service.url}/v1/rank", {"image": hostile, "texts": ["a"]})]
+    said = ["images[1]: a JPEG of", "image: a JPEG of", "image: a JPEG of"]
+    for (status, answer), start in zip(answers, said, strict=True):
+        assert status == 400 and answer["error"].startswith(start), answer
+        assert "scans, over the limit of 100" in answer["error"]
 
 
 # ------------------------------------------------------------------ 4. other sites' pages
@@ -560,3 +699,5 @@ def test_the_service_refuses_a_bad_limit_at_start() -> None:
 
     with pytest.raises(SystemExit, match="max_connections must be > 0, got 0"):
         connection_limits(parse_args(["--max-connections", "0"]))
+    with pytest.raises(SystemExit, match="send_timeout_s must be > 0, got 0.0"):
+        connection_limits(parse_args(["--send-timeout-s", "0"]))

@@ -24,7 +24,14 @@ import pytest
 from PIL import Image
 
 from harness import processes
-from harness.hostile_images import EPS, encoded, png_bomb, png_header_bomb, png_sliver
+from harness.hostile_images import (
+    EPS,
+    encoded,
+    jpeg_many_scans,
+    png_bomb,
+    png_header_bomb,
+    png_sliver,
+)
 from harness.mlflow_server import http_get
 from harness.processes import free_port
 
@@ -127,6 +134,8 @@ def hostile_requests(root: Path) -> dict[str, tuple[list[str], list[list], str]]
         "EPS": (["image"], [[b64(EPS)]], "not a JPEG, PNG or WEBP image"),
         "GIF": (["image"], [[b64(encoded("GIF"))]], "not a JPEG, PNG or WEBP image"),
         "truncated PNG": (["image"], [[b64(noise_png(64)[:2000])]], "cannot decode image"),
+        "JPEG of 10,000 empty scans": (["image"], [[b64(jpeg_many_scans())]],
+                                       "scans, over the limit of 100"),
         "too many rows": (["text"], [[f"caption {i}"] for i in range(MAX_ROWS + 1)],
                           f"{MAX_ROWS + 1} rows in one request, over the limit of {MAX_ROWS}"),
         "too many bytes": (["image"], [[big]], f"over the limit of {MAX_BYTES}"),
@@ -149,6 +158,8 @@ def test_hostile_inputs_are_400s_and_the_server_keeps_answering(served) -> None:
         assert "Traceback" not in text and "site-packages" not in text, (name, text[:500])
         assert str(bundle) not in text and ".py" not in text, (name, text[:500])
         assert expected in body["message"], (name, body["message"][-400:])
+        for cell in {str(value)[:40] for row in rows for value in row}:  # never the input
+            assert cell not in body["message"], (name, body["message"][:400])
         assert seconds < ANSWER_WITHIN_S, (name, seconds)
         messages[name] = body["message"].split("\nError: ", 1)[-1]
         print(f"{name}: {status} in {seconds:.2f} s: {messages[name]}")

@@ -35,11 +35,21 @@ class Registry:
         return SimpleNamespace(version=version, run_id=f"run-{version}")
 
 
-def source_on(registry: Registry) -> RegistrySource:
+def source_on(registry: Registry, failing: dict[str, Exception] | None = None,
+              fetched: list[str] | None = None) -> RegistrySource:
+    """A source on `registry` whose downloads are recorded in `fetched` (nothing is downloaded)
+    and fail as `failing` says."""
     source = RegistrySource("models:/clip@champion", tracking_uri="sqlite:///unused.db")
     source._client = lambda: registry  # noqa: SLF001 - the registry stand-in (module docstring)
-    source.fetch = lambda version, run_id: Fetched(  # nothing to download
-        ModelInfo("clip", version, "champion", run_id), Path("bundle"), Path("index"))
+
+    def fetch(version: str, run_id: str | None) -> Fetched:
+        (fetched if fetched is not None else []).append(version)
+        if version in (failing or {}):
+            raise failing[version]
+        return Fetched(ModelInfo("clip", version, "champion", run_id), Path("bundle"),
+                       Path("index"))
+
+    source.fetch = fetch
     return source
 
 
@@ -108,10 +118,11 @@ def test_the_follower_swaps_in_each_version_the_alias_moves_to_once() -> None:
     assert loaded == ["2", "3"] and state.engine.info.version == "3"
 
 
-def test_a_broken_version_is_not_tried_again_and_a_transient_failure_is() -> None:
+def test_a_broken_version_is_not_tried_again_and_a_failed_download_is() -> None:
     registry = Registry("1")
-    state, loaded = follower(registry, failing={"2": SourceError("no index"),
-                                                "3": ConnectionError("registry down")})
+    state, loaded = follower(registry, failing={"2": SourceError("no index")})
+    fetched: list[str] = []
+    source = source_on(registry, {"3": ConnectionError("registry down")}, fetched)
 
     async def script() -> None:
         registry.alias["champion"] = "2"
@@ -119,9 +130,28 @@ def test_a_broken_version_is_not_tried_again_and_a_transient_failure_is() -> Non
         asked = registry.asked
         await until(lambda: registry.asked >= asked + 5, "five more polls")
         registry.alias["champion"] = "3"
-        await until(lambda: loaded.count("3") >= 2, "v3 tried again")
+        await until(lambda: fetched.count("3") >= 5, "v3 downloaded at every poll")
 
-    asyncio.run(following(state, source_on(registry), script))
+    asyncio.run(following(state, source, script))
     assert loaded.count("2") == 1, loaded
     assert state.failed == {"2": "SourceError: no index"}
     assert state.engine.info.version == "1"  # still serving what it had
+
+
+def test_a_version_that_does_not_build_is_tried_once_more_then_not_again() -> None:
+    """A champion whose MindIR does not load here (MindSpore raises RuntimeError, which says
+    nothing of whether it would pass) was downloaded and tried at every poll, forever."""
+    registry = Registry("1")
+    state, loaded = follower(registry, failing={"2": RuntimeError("MindIR load failed")})
+    fetched: list[str] = []
+
+    async def script() -> None:
+        registry.alias["champion"] = "2"
+        await until(lambda: "2" in state.failed, "v2 given up")
+        asked = registry.asked
+        await until(lambda: registry.asked >= asked + 10, "ten more polls")
+
+    asyncio.run(following(state, source_on(registry, fetched=fetched), script))
+    assert loaded == ["2", "2"] and fetched == ["2", "2"]
+    assert state.failed == {"2": "RuntimeError: MindIR load failed"}
+    assert state.engine.info.version == "1"  # the old version keeps serving

@@ -11,14 +11,25 @@ from PIL import Image
 from clipms.data.preprocess import (
     DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_PIXELS,
+    MAX_JPEG_SCANS,
     OPENAI_MEAN,
     OPENAI_STD,
     PreprocessConfig,
     PreprocessError,
+    ScanLimitError,
+    decode_image,
+    jpeg_scans,
     open_image,
     preprocess_image,
 )
-from harness.hostile_images import EPS, encoded, png_bomb, png_header_bomb, png_sliver
+from harness.hostile_images import (
+    EPS,
+    encoded,
+    jpeg_many_scans,
+    png_bomb,
+    png_header_bomb,
+    png_sliver,
+)
 
 
 def column_image(width: int, height: int) -> Image.Image:
@@ -160,3 +171,48 @@ def test_data_cut_inside_the_pixels_is_an_error() -> None:
     data = buffer.getvalue()
     with pytest.raises(PreprocessError, match="cannot decode image"):
         open_image(data[: len(data) * 2 // 3])
+
+
+def test_a_jpeg_of_thousands_of_empty_scans_is_refused_before_its_decode() -> None:
+    """10,000 empty scans decode to the same pixels, once per scan over the whole image: 1.7
+    CPU-s at 2000 x 2000 pixels, in a decode thread no request can stop. Counted from the bytes
+    (SOS markers), refused before libjpeg starts."""
+    hostile = jpeg_many_scans(10_000)
+    assert len(hostile) < 150_000
+    with pytest.raises(ScanLimitError, match=rf"^upload: a JPEG of 100\d\d scans, over the limit "
+                                             rf"of {MAX_JPEG_SCANS}"):
+        preprocess_image(hostile, PreprocessConfig(16), name="upload")
+    just_in = jpeg_many_scans(MAX_JPEG_SCANS - jpeg_scans(jpeg_many_scans(0)))
+    assert jpeg_scans(just_in) == MAX_JPEG_SCANS
+    assert np.array_equal(np.asarray(open_image(just_in)), np.asarray(open_image(
+        jpeg_many_scans(0))))  # the empty scans change no pixel: a valid file, refused for cost
+
+
+def test_scans_are_counted_from_markers_not_from_header_payloads() -> None:
+    """An FF DA inside an APP segment (an EXIF thumbnail, an ICC profile) is not a scan."""
+    progressive = io.BytesIO()
+    Image.new("RGB", (32, 32), (9, 99, 199)).save(progressive, "JPEG", progressive=True)
+    data = progressive.getvalue()
+    payload = b"\xff\xda" * 1000
+    with_app = data[:2] + b"\xff\xe9" + (len(payload) + 2).to_bytes(2, "big") + payload + data[2:]
+    assert jpeg_scans(with_app) == jpeg_scans(data) == 10  # libjpeg's progressive script
+    assert open_image(with_app).size == (32, 32)
+    assert jpeg_scans(encoded("JPEG")) == 1
+
+
+def png16_grey(value: int, size: tuple[int, int] = (8, 8)) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.full(size[::-1], value, np.uint16)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_16_bit_greyscale_png_is_scaled_to_8_bits_not_clipped() -> None:
+    """PIL's convert("RGB") clips mode I;16 at 255: a 50% grey embedded as pure white."""
+    cfg = PreprocessConfig(8)
+    mid_grey = png_bytes(Image.new("L", (8, 8), 128))
+    assert Image.open(io.BytesIO(png16_grey(128 * 257))).mode == "I;16"
+    assert np.array_equal(preprocess_image(png16_grey(128 * 257), cfg),
+                          preprocess_image(mid_grey, cfg))
+    for wide, narrow in ((0, 0), (65535, 255), (257 * 200 + 100, 200), (257 * 200 + 129, 201)):
+        rgb = np.asarray(decode_image(png16_grey(wide)))
+        assert (rgb == narrow).all(), (wide, rgb[0, 0])
