@@ -1,6 +1,6 @@
 """Request bodies built to make the service's shape check slow, checked on the check itself
-(docs/security.md, "Service and model inputs"; tests/test_hostile_inputs.py sends them to a
-running service)."""
+(docs/security.md, "Service and model inputs"; tests/integration/test_hostile_inputs.py sends them
+to a running service)."""
 
 from __future__ import annotations
 

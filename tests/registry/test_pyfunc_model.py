@@ -1,7 +1,7 @@
 """The served pyfunc's 400s say what is wrong without repeating the request, through MLflow's own
 scoring function (`mlflow.pyfunc.scoring_server.invocations`, what `mlflow models serve` runs per
 request) in this process. The inputs here are refused before the model computes anything, so the
-model needs no bundle (tests/test_pyfunc_serve.py serves a real one, slow)."""
+model needs no bundle (tests/registry/test_pyfunc.py serves a real one, slow)."""
 
 from __future__ import annotations
 
