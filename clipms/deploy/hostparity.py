@@ -1,7 +1,7 @@
 """An export's parity computed on the host CPU, where its bars were calibrated, from a process that
 runs on a device.
 
-`clipms.deploy.export.PARITY`'s fp32 bar (1e-5 absolute) was calibrated on CPU, where the static
+`clipms.deploy.mindir.PARITY`'s fp32 bar (1e-5 absolute) was calibrated on CPU, where the static
 graph and the dynamic-batch MindIR pick the same kernels and the error is 0. On an NPU they may
 pick other kernels (another matmul tiling, fused element-wise ops, HF32 where allowed) and differ
 by more than fp32 rounding, so the bar would fail a correct export. The gate is therefore the
@@ -12,6 +12,8 @@ A process chooses its device once, so the host parity runs in a process of its o
 clipms.deploy.hostparity` on CPU, which loads the checkpoint and both MindIR graphs there, with
 CPU kernel fusion off (nothing for AKG to compile on the host, x86 or aarch64).
 """
+
+# tested by: tests/clipms/deploy/test_mindir.py
 
 from __future__ import annotations
 
@@ -27,14 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from clipms.model.config import CLIPConfig
+from clipms.model.architecture import CLIPConfig
 
 
 def host_parity(bundle_dir: Path | str, checkpoint: Path | str, model: CLIPConfig,
                 images: np.ndarray, tokens: np.ndarray, batch_sizes: Sequence[int],
                 precision: str = "fp32", tolerance: float | None = None,
                 timeout: float = 1800) -> dict[str, Any]:
-    """`clipms.deploy.export.parity_report` of the bundle against the checkpoint, on CPU."""
+    """`clipms.deploy.mindir.parity_report` of the bundle against the checkpoint, on CPU."""
     with tempfile.TemporaryDirectory(prefix="clipms-host-parity-") as tmp:
         inputs, spec = Path(tmp) / "inputs.npz", Path(tmp) / "spec.json"
         np.savez(inputs, images=images, tokens=tokens)
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     # nothing from fused kernels.
     configure(for_precision(RuntimeConfig(device_target="CPU", kernel_fusion=False),
                             spec["precision"]))
-    from clipms.deploy.export import parity_report
+    from clipms.deploy.mindir import parity_report
     from clipms.train.trained import load_clip
 
     net = load_clip(spec["checkpoint"], CLIPConfig.from_dict(spec["model"]))
