@@ -38,6 +38,7 @@ MSRUN_LOGS = CHECKPOINTS / "msrun"
 BUNDLE = Path("models/export")
 INDEX = Path("models/index")  # the search index of the bundle's embeddings (serving/)
 WARM_START = Path("models/warm-start")  # train: the registered checkpoint it starts from (no out)
+RETENTION_PLAN = Path("models/retention-plan.json")  # retain: a plan not yet applied (no out)
 
 # metrics/ (`dvc metrics show`) and plots/ (`dvc plots show`); cache: false in dvc.yaml
 DEDUPE_METRICS = Path("metrics/dedupe.json")
@@ -52,6 +53,7 @@ CLIP_BENCHMARK = Path("metrics/clip_benchmark")  # the same results as CLIP_benc
 EXPORT_METRICS = Path("metrics/export.json")
 INDEX_METRICS = Path("metrics/index.json")
 REGISTER_METRICS = Path("metrics/register.json")
+RETAIN_METRICS = Path("metrics/retain.json")  # what retention kept and removed, and why
 TRAIN_CURVE = Path("plots/train.csv")
 RECALL_CURVE = Path("plots/recall_at_k.csv")
 RECALL_PLOT = Path("plots/recall_at_k.png")
