@@ -15,8 +15,9 @@ every other version, what is heavy leaves:
   object that the current `dvc.lock`, a `.dvc` file of the workspace or a kept version names
   is never removed, nor is one whose users are unknown. DVC has no command that removes chosen
   objects (`dvc gc` keeps only what git revisions use), so the files are deleted from the cache
-  folder DVC names. When a DVC remote is configured, `dvc push` runs first and only objects the
-  remote then holds are removed: a failed push removes nothing from the cache.
+  folder DVC names. When a DVC remote is configured, `dvc push` runs first (and the removed
+  versions' objects are pushed too, when no earlier night did), and only objects the remote then
+  holds are removed: a failed push removes nothing from the cache.
 
 Never removed: a version's registry entry, its run, params, metrics, tags and lineage (the
 logged model's MLmodel, the logged `dvc.lock`), so `python -m registry compare` and the MLflow
@@ -328,6 +329,16 @@ class DvcCache:
             return None
         return (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1][:300]
 
+    def push_objects(self, oids: Iterable[tuple[str, bool]]) -> None:
+        """Push these objects of the cache to the default remote (`dvc push` sends only what the
+        workspace uses: an older version's objects reach the remote here, when no earlier night
+        pushed them). A failure shows in `on_remote` afterwards."""
+        from dvc_data.hashfile.hash_info import HashInfo
+
+        infos = [HashInfo("md5-dos2unix" if legacy else "md5", md5) for md5, legacy in oids]
+        if infos:
+            self.repo.cloud.push(infos, remote=self.remote)
+
     def on_remote(self, oids: Iterable[tuple[str, bool]]) -> set[tuple[str, bool]]:
         present: set[tuple[str, bool]] = set()
         for legacy in (False, True):
@@ -456,6 +467,11 @@ def _apply_cache(plan: Plan, cache: DvcCache | None, progress: Path, done: set[s
                               "removed from the DVC cache")
             on_line(f"retain: {plan.notes[-1]}")
             return [0, 0]
+        held = cache.on_remote(oids)
+        try:
+            cache.push_objects([oid for oid in oids if oid not in held])
+        except Exception as err:  # what the remote holds decides, just below
+            on_line(f"retain: pushing older versions' objects failed ({err})")
         held = cache.on_remote(oids)
         missing = [oid for oid in oids if oid not in held]
         if missing:

@@ -45,7 +45,8 @@ bundle = test_registry_server.bundle
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "retention-test"
 ALIAS = "/api/2.0/mlflow/registered-models/alias"
-SCORES = {1: 0.5, 2: 0.4, 3: 0.3, 4: 0.35, 5: 0.2, 6: 0.1}
+SCORES = {1: 0.5, 2: 0.4, 3: 0.3, 4: 0.35, 5: 0.2, 6: 0.1, 7: 0.05}
+NIGHTS = (1, 2, 3, 4, 5, 6)  # the module's nights; the last test adds night 7
 GATE_FAILS = (5,)
 KEPT, REMOVED = (1, 2, 6), (3, 4, 5)
 
@@ -134,7 +135,7 @@ def nights(mlflow_server: MlflowServer, bundle: Path,
     os.environ["MLFLOW_TRACKING_URI"] = proxy.url
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     try:
-        for number in SCORES:
+        for number in NIGHTS:
             night(root, number, bundle, proxy)
         client = settings.client()
         client.set_model_version_tag(MODEL, "2", "keep", "true")
@@ -192,7 +193,7 @@ def cache_has(root: Path, md5: str) -> bool:
 def snapshot(root: Path) -> tuple[dict, list[str]]:
     cache = sorted(str(p.relative_to(root)) for p in (root / ".dvc" / "cache").rglob("*")
                    if p.is_file())
-    return {n: version_files(n) for n in SCORES}, cache
+    return {n: version_files(n) for n in NIGHTS}, cache
 
 
 # ---------------------------------------------------------------- the tests
@@ -201,7 +202,7 @@ def snapshot(root: Path) -> tuple[dict, list[str]]:
 def test_the_nights_left_the_expected_aliases_and_lineage(nights: tuple[Path, FaultProxy]) -> None:
     aliases = settings.client().get_registered_model(MODEL).aliases
     assert aliases == {"champion": "1", "challenger": "6"}
-    assert all(version_files(n)["lineage"] for n in SCORES)  # every version's dvc.lock logged
+    assert all(version_files(n)["lineage"] for n in NIGHTS)  # every version's dvc.lock logged
 
 
 def test_a_dry_run_lists_what_would_go_and_why_and_removes_nothing(
@@ -224,7 +225,7 @@ def test_a_dry_run_lists_what_would_go_and_why_and_removes_nothing(
 def test_a_run_killed_midway_is_finished_by_the_next_retain_stage(
         nights: tuple[Path, FaultProxy]) -> None:
     root, proxy = nights
-    objects = {n: lineage_objects(n, root) for n in SCORES}
+    objects = {n: lineage_objects(n, root) for n in NIGHTS}
     # Killed while removing the heavy files of v3's logged model, after its checkpoint.
     proxy.add(Rule("DELETE", "/models/", "hang"))
     proc = subprocess.Popen([sys.executable, "-m", "registry", "retain"], cwd=root,
@@ -253,7 +254,7 @@ def test_a_run_killed_midway_is_finished_by_the_next_retain_stage(
 
     client = settings.client()
     assert client.get_registered_model(MODEL).aliases == {"champion": "1", "challenger": "6"}
-    for number in SCORES:
+    for number in NIGHTS:
         files = version_files(number)
         assert files["lineage"], number  # lineage is never removed
         tags = client.get_model_version(MODEL, str(number)).tags
@@ -293,5 +294,28 @@ def test_removed_versions_still_compare_with_their_metrics(
     assert "6 version(s)" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.startswith("v") and line[1].isdigit()}
-    for number in SCORES:
+    for number in NIGHTS:
         assert f"{SCORES[number]:.4f}" in rows[f"v{number}"], rows
+
+
+def test_a_failed_push_removes_nothing_from_the_cache(nights: tuple[Path, FaultProxy],
+                                                      bundle: Path) -> None:
+    """Night 7's challenger retires v6 (no alias, not the newest): with the DVC remote unwritable
+    its MLflow artifacts go, its cache objects stay; with the remote back, they go too."""
+    root, proxy = nights
+    night(root, 7, bundle, proxy)
+    only_v6 = lineage_objects(6, root)["models/clip.ckpt"]
+    blocker = root.parent / "not-a-folder"
+    blocker.write_text("a file where the remote's folder would be")
+    dvc = [sys.executable, "-m", "dvc", "remote", "modify", "store", "url"]
+    run([*dvc, str(blocker / "remote")], root)
+    proc = run([sys.executable, "-m", "registry", "retain"], root, env=env(proxy.url))
+    assert "`dvc push` to 'store' failed" in proc.stdout and "nothing was removed from the DVC " \
+        "cache" in proc.stdout, proc.stdout
+    assert cache_has(root, only_v6)
+    assert version_files(6)["checkpoint"] == []  # MLflow's side does not depend on the remote
+
+    run([*dvc, str(root.parent / "remote")], root)
+    run([sys.executable, "-m", "registry", "retain"], root, env=env(proxy.url))
+    assert not cache_has(root, only_v6)
+    assert object_path(root.parent / "remote", only_v6).is_file()
