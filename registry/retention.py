@@ -123,26 +123,43 @@ def choose(versions: Sequence[VersionState], params: RetentionParams) -> Selecti
 # ---------------------------------------------------------------- DVC objects (pure)
 
 
-def lock_outs(lock_text: str) -> list[tuple[str, str, bool]]:
-    """(path, md5, legacy) of every cached out in a dvc.lock or .dvc file's text. `legacy`: a DVC
-    2 hash (no `hash: md5` field), kept in DVC's other cache folder."""
+def uncached_outs(pipeline_text: str) -> set[str]:
+    """The out paths a dvc.yaml declares `cache: false` (dvc.lock records their hashes but does
+    not say so; DVC keeps no object of theirs)."""
+    data = yaml.safe_load(pipeline_text) or {}
+    found = set()
+    for stage in (data.get("stages") or {}).values():
+        for kind in ("outs", "metrics", "plots"):
+            for entry in stage.get(kind) or []:
+                if isinstance(entry, dict):
+                    found |= {str(path) for path, flags in entry.items()
+                              if isinstance(flags, dict) and flags.get("cache") is False}
+    return found
+
+
+def lock_outs(lock_text: str, uncached: Iterable[str] = ()) -> list[tuple[str, str, bool]]:
+    """(path, md5, legacy) of every cached out in a dvc.lock or .dvc file's text (`uncached`:
+    the paths that are not). `legacy`: a DVC 2 hash (no `hash: md5` field), kept in DVC's other
+    cache folder."""
     data = yaml.safe_load(lock_text) or {}
     outs = [out for stage in (data.get("stages") or {}).values() for out in stage.get("outs", [])]
     outs += data.get("outs") or []  # a .dvc file
-    return [(str(out["path"]), str(out["md5"]), out.get("hash") != "md5")
-            for out in outs if out.get("md5") and out.get("cache", True)]
+    skip = set(uncached)
+    return [(str(out["path"]), str(out["md5"]), out.get("hash") != "md5") for out in outs
+            if out.get("md5") and out.get("cache", True) and str(out["path"]) not in skip]
 
 
 Listing = Callable[[str, bool], "list[tuple[str, str]] | None"]
 
 
-def objects(lock_text: str, listing: Listing) -> tuple[dict[tuple[str, bool], str], list[str]]:
+def objects(lock_text: str, listing: Listing, uncached: Iterable[str] = (),
+            ) -> tuple[dict[tuple[str, bool], str], list[str]]:
     """The cache objects a lock names, {(md5, legacy): a path that uses it}, with each folder's
     files (its `.dir` object listed by `listing`, None when not in the cache); and the paths of
-    folders whose listing could not be read."""
+    folders whose listing could not be read. `uncached`: out paths DVC does not cache."""
     found: dict[tuple[str, bool], str] = {}
     unreadable = []
-    for path, md5, legacy in lock_outs(lock_text):
+    for path, md5, legacy in lock_outs(lock_text, uncached):
         found.setdefault((md5, legacy), path)
         if md5.endswith(".dir"):
             entries = listing(md5, legacy)
@@ -297,6 +314,8 @@ class DvcCache:
         self.root = root
         self.repo = Repo(str(root))
         self.remote: str | None = self.repo.config["core"].get("remote") or None
+        pipeline = root / "dvc.yaml"  # today's declaration of which outs are not cached
+        self.uncached = uncached_outs(pipeline.read_text()) if pipeline.is_file() else set()
 
     def odb(self, legacy: bool) -> Any:
         return self.repo.cache.legacy if legacy else self.repo.cache.local
@@ -357,7 +376,7 @@ def cache_actions(locks: Mapping[int, str | None], selection: Selection, cache: 
     protected: set[tuple[str, bool]] = set()
     for text in [*cache.workspace_files(),
                  *(t for v, t in locks.items() if v in selection.keep and t)]:
-        found, unreadable = objects(text, cache.listing)
+        found, unreadable = objects(text, cache.listing, cache.uncached)
         if unreadable:
             notes.append(f"nothing removed from the DVC cache: the file list of {unreadable[0]} "
                          "(a folder the workspace or a kept version uses) is not in the cache, "
@@ -370,7 +389,7 @@ def cache_actions(locks: Mapping[int, str | None], selection: Selection, cache: 
         text = locks.get(number)
         if not text:
             continue
-        found, _ = objects(text, cache.listing)
+        found, _ = objects(text, cache.listing, cache.uncached)
         for oid, path in found.items():
             if oid not in protected:
                 users.setdefault(oid, []).append(number)

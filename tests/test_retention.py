@@ -120,3 +120,20 @@ def test_the_dry_run_text_says_what_goes_and_why() -> None:
     assert f"DVC cache {'a' * 32} (models/clip.ckpt), 0.50 MB, of v1: unused" in text
     assert text.endswith("dry run: nothing was removed")
     assert "dry run" not in render(plan, dry_run=False)
+
+
+def test_outs_dvc_does_not_cache_are_no_objects_nor_unknown_folders() -> None:
+    """dvc.lock records a hash for a `cache: false` out (training checkpoints, metrics) without
+    saying it is not cached: read from dvc.yaml, such a folder is not one whose files are
+    unknown (which would stop every removal from the cache)."""
+    from registry.retention import uncached_outs
+
+    pipeline = (Path(__file__).resolve().parents[1] / "dvc.yaml").read_text()
+    skip = uncached_outs(pipeline)
+    assert {"models/checkpoints", "data/shard-checks", "metrics/eval.json",
+            "metrics/retain.json", "plots/train.csv"} <= skip
+    assert not skip & {"models/clip.ckpt", "data/shards/train", "models/index", "data/download"}
+    text = lock({"path": "models/checkpoints", "md5": "c" * 32 + ".dir", "hash": "md5"},
+                {"path": "models/clip.ckpt", "md5": "1" * 32, "hash": "md5"})
+    found, unreadable = objects(text, lambda md5, legacy: None, skip)
+    assert found == {("1" * 32, False): "models/clip.ckpt"} and unreadable == []
