@@ -49,7 +49,6 @@ def _retain(args: argparse.Namespace) -> int:
     from pipeline.params import ParamsError
     from registry.retention import RetentionError, retain, retention_params
     from registry.settings import client
-    from stages import paths
 
     try:
         params = retention_params(args.params)
@@ -59,8 +58,7 @@ def _retain(args: argparse.Namespace) -> int:
     name = args.name or _default_model_name(args.params)
     root = args.params.resolve().parent  # the project: its dvc.lock and DVC cache
     try:
-        retain(client(), name, params, root, root / paths.RETENTION_PLAN,
-               dry_run=True if args.dry_run else None)
+        retain(client(), name, params, root, dry_run=True if args.dry_run else None)
     except RetentionError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -54,6 +54,10 @@ REMOVED_TAG = "retention.removed"  # on a version whose heavy artifacts are gone
 # lineage/<logged model id>/: which DVC cache objects it uses. Lineage: never removed.
 LINEAGE_ARTIFACT = "lineage"
 LOCK_NAME = "dvc.lock"
+# A plan written and not yet applied to the end (a killed run), relative to the project root: the
+# retain stage and `python -m registry retain` share it, so either finishes the other's. Not a DVC
+# out (DVC would delete it before the stage runs).
+PLAN_FILE = Path("models/retention-plan.json")
 _NOT_KEPT = ("0", "false", "no")  # keep_tag values that do not keep a version
 
 
@@ -510,10 +514,13 @@ def _apply_cache(plan: Plan, cache: DvcCache | None, progress: Path, done: set[s
 
 
 def retain(mlflow_client: Any, model_name: str, params: RetentionParams, root: Path,
-           plan_file: Path, dry_run: bool | None = None,
+           dry_run: bool | None = None,
            on_line: Callable[[str], None] = print) -> dict[str, Any]:
-    """Plan and (unless a dry run: `dry_run`, else the params') apply the policy; the report."""
+    """Plan and (unless a dry run: `dry_run`, else the params') apply the policy in the project
+    at `root` (its dvc.lock, DVC cache and plan file); the report."""
     import tempfile
+
+    plan_file = root / PLAN_FILE
 
     dry = params.dry_run if dry_run is None else dry_run
     report: dict[str, Any] = {"model_name": model_name, "enabled": params.enabled,

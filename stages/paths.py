@@ -38,7 +38,6 @@ MSRUN_LOGS = CHECKPOINTS / "msrun"
 BUNDLE = Path("models/export")
 INDEX = Path("models/index")  # the search index of the bundle's embeddings (serving/)
 WARM_START = Path("models/warm-start")  # train: the registered checkpoint it starts from (no out)
-RETENTION_PLAN = Path("models/retention-plan.json")  # retain: a plan not yet applied (no out)
 
 # metrics/ (`dvc metrics show`) and plots/ (`dvc plots show`); cache: false in dvc.yaml
 DEDUPE_METRICS = Path("metrics/dedupe.json")

@@ -33,7 +33,7 @@ def main() -> int:
     from clipms.utils.jsonio import write_json
 
     try:  # DVC runs every stage in the project root
-        report = retain(client(), model_name, params, Path("."), paths.RETENTION_PLAN)
+        report = retain(client(), model_name, params, Path("."))
     except RetentionError as err:
         print(f"retain: error: {err}", file=sys.stderr)
         return 1
