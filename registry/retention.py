@@ -544,12 +544,15 @@ def retain(mlflow_client: Any, model_name: str, params: RetentionParams, root: P
                   planned_items=len(plan.actions),
                   planned_bytes=sum(a.bytes for a in plan.actions), remote=plan.remote,
                   resumed=resumed and not dry)
-    if not dry:
-        try:
+    try:
+        if not dry:
             report.update(apply_plan(mlflow_client, plan, cache, plan_file, on_line))
-        except Exception as err:  # the plan file stays: the next run finishes it
-            raise RetentionError(f"retention stopped midway ({type(err).__name__}: "
-                                 f"{str(err).strip()[:300]}); its plan is in {plan_file}, "
-                                 "the next run finishes it") from err
+    except Exception as err:  # the plan file stays: the next run finishes it
+        raise RetentionError(f"retention stopped midway ({type(err).__name__}: "
+                             f"{str(err).strip()[:300]}); its plan is in {plan_file}, "
+                             "the next run finishes it") from err
+    finally:
+        if cache is not None:
+            cache.repo.close()
     report["notes"] = plan.notes
     return report

@@ -300,11 +300,19 @@ def test_removed_versions_still_compare_with_their_metrics(
 
 def test_a_failed_push_removes_nothing_from_the_cache(nights: tuple[Path, FaultProxy],
                                                       bundle: Path) -> None:
-    """Night 7's challenger retires v6 (no alias, not the newest): with the DVC remote unwritable
-    its MLflow artifacts go, its cache objects stay; with the remote back, they go too."""
+    """Night 7's challenger retires v6 (no alias, not the newest). The artifact store refusing
+    deletions stops retention with the plan kept; with the DVC remote unwritable its MLflow
+    artifacts go, its cache objects stay; with the remote back, they go too."""
     root, proxy = nights
     night(root, 7, bundle, proxy)
     only_v6 = lineage_objects(6, root)["models/clip.ckpt"]
+    proxy.add(Rule("DELETE", "/mlflow-artifacts/", "fail", status=503))
+    refused = run([sys.executable, "-m", "registry", "retain"], root, env=env(proxy.url),
+                  check=False)
+    proxy.clear()
+    assert refused.returncode == 1 and "retention stopped midway" in refused.stderr, refused
+    assert "the next run finishes it" in refused.stderr
+    assert (root / "models" / "retention-plan.json").exists() and version_files(6)["checkpoint"]
     blocker = root.parent / "not-a-folder"
     blocker.write_text("a file where the remote's folder would be")
     dvc = [sys.executable, "-m", "dvc", "remote", "modify", "store", "url"]
