@@ -7,6 +7,8 @@ notice's message has its URLs redacted (`clipms.utils.redact`).
 The body is JSON with a `text` field, which Slack/Teams/Mattermost incoming webhooks accept.
 """
 
+# tested by: tests/flows/test_pipeline.py
+
 from __future__ import annotations
 
 import json

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         return _retain(args)
 
     from registry.compare import collect, render
-    from registry.settings import client
+    from tracking.settings import client
 
     name = args.name or _default_model_name(args.params)
     rows = collect(client(), name, args.limit)
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 def _retain(args: argparse.Namespace) -> int:
     from pipeline.params import ParamsError
     from registry.retention import RetentionError, retain, retention_params
-    from registry.settings import client
+    from tracking.settings import client
 
     try:
         params = retention_params(args.params)
@@ -67,7 +67,7 @@ def _retain(args: argparse.Namespace) -> int:
 
 def _default_model_name(params_file: Path) -> str:
     from pipeline.params import ParamsError
-    from registry.settings import RegisterParams, register_params
+    from tracking.settings import RegisterParams, register_params
 
     try:
         return register_params(params_file).model_name

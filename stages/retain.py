@@ -7,14 +7,15 @@ tagged to keep stay whole; no version's registry entry, run, metrics or lineage 
 Writes `metrics/retain.json`: what was kept and removed, why, and how many bytes it freed.
 `python -m registry retain --dry-run` shows the same plan without removing anything.
 """
+# tested by: tests/integration/test_retention_store.py
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+from pipeline import paths
 from pipeline.params import ParamsError
-from stages import paths
 
 READS = (paths.REGISTER_METRICS,)  # after the gate: the versions and aliases it left
 WRITES = (paths.RETAIN_METRICS,)
@@ -22,7 +23,7 @@ WRITES = (paths.RETAIN_METRICS,)
 
 def main() -> int:
     from registry.retention import RetentionError, retain, retention_params
-    from registry.settings import client, register_params
+    from tracking.settings import client, register_params
 
     try:
         params = retention_params(paths.PARAMS)
