@@ -412,8 +412,9 @@ def cache_actions(locks: Mapping[int, str | None], selection: Selection, cache: 
 
 
 def make_plan(mlflow_client: Any, model_name: str, params: RetentionParams, root: Path,
-              scratch: Path) -> tuple[Plan, DvcCache | None]:
-    """What the policy removes now (nothing is removed here)."""
+              scratch: Path, dvc_cache: bool = True) -> tuple[Plan, DvcCache | None]:
+    """What the policy removes now (nothing is removed here); `dvc_cache` False: nothing of the
+    DVC cache."""
     versions = registered_versions(mlflow_client, model_name)
     selection = choose(versions, params)
     plan = Plan(model_name, params.model_dump(), selection.keep, selection.remove)
@@ -430,8 +431,9 @@ def make_plan(mlflow_client: Any, model_name: str, params: RetentionParams, root
     if unknown:
         plan.notes.append(f"{', '.join(f'v{n}' for n in unknown)}: no dvc.lock logged with "
                           "it (registered before retention), its DVC cache objects stay")
-    if not (root / ".dvc").is_dir():
-        plan.notes.append(f"{root.resolve()} is not a DVC project: the DVC cache is left alone")
+    if not (root / ".dvc").is_dir() or not dvc_cache:
+        plan.notes.append(f"the DVC cache is left alone ({root.resolve()} is "
+                          f"{'not a DVC project' if dvc_cache else 'a temporary copy'})")
         return plan, None
     cache = DvcCache(root)
     plan.remote = cache.remote
@@ -514,10 +516,11 @@ def _apply_cache(plan: Plan, cache: DvcCache | None, progress: Path, done: set[s
 
 
 def retain(mlflow_client: Any, model_name: str, params: RetentionParams, root: Path,
-           dry_run: bool | None = None,
+           dry_run: bool | None = None, dvc_cache: bool = True,
            on_line: Callable[[str], None] = print) -> dict[str, Any]:
     """Plan and (unless a dry run: `dry_run`, else the params') apply the policy in the project
-    at `root` (its dvc.lock, DVC cache and plan file); the report."""
+    at `root` (its dvc.lock, DVC cache and plan file; `dvc_cache` False: not its cache); the
+    report."""
     import tempfile
 
     plan_file = root / PLAN_FILE
@@ -531,7 +534,8 @@ def retain(mlflow_client: Any, model_name: str, params: RetentionParams, root: P
     resumed = plan_file.exists()
     try:
         with tempfile.TemporaryDirectory(prefix="retain-") as scratch:
-            plan, cache = make_plan(mlflow_client, model_name, params, root, Path(scratch))
+            plan, cache = make_plan(mlflow_client, model_name, params, root, Path(scratch),
+                                    dvc_cache)
     except Exception as err:  # the registry or the lock could not be read: remove nothing
         raise RetentionError(f"retention could not plan ({type(err).__name__}: "
                              f"{str(err).strip()[:300]}); nothing was removed") from err

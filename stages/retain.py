@@ -11,6 +11,7 @@ Writes `metrics/retain.json`: what was kept and removed, why, and how many bytes
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,15 @@ from pipeline.params import ParamsError
 
 READS = (paths.REGISTER_METRICS,)  # after the gate: the versions and aliases it left
 WRITES = (paths.RETAIN_METRICS,)
+
+
+def temporary_copy(cwd: Path) -> bool:
+    """Whether DVC runs this stage in a temporary copy of the project (`dvc exp run --temp`, a
+    queued experiment): DVC_ROOT names the user's project, not `cwd`. There the copy's dvc.lock
+    is not the project's and its remote's relative path points into the copy, so the shared DVC
+    cache is left alone (the next `dvc repro` of the project applies it)."""
+    root = os.environ.get("DVC_ROOT")
+    return bool(root) and Path(root).resolve() != cwd.resolve()
 
 
 def main() -> int:
@@ -34,7 +44,8 @@ def main() -> int:
     from clipms.utils.jsonio import write_json
 
     try:  # DVC runs every stage in the project root
-        report = retain(client(), model_name, params, Path("."))
+        report = retain(client(), model_name, params, Path("."),
+                        dvc_cache=not temporary_copy(Path.cwd()))
     except RetentionError as err:
         print(f"retain: error: {err}", file=sys.stderr)
         return 1
