@@ -41,11 +41,10 @@ DEFAULT_MAX_PIXELS = 50_000_000
 # download.max_aspect_ratio) the resize of a 224 model holds at most 224 x 2,240 pixels.
 DEFAULT_MAX_ASPECT_RATIO = 10.0
 # Scans of one JPEG. libjpeg re-reads every coefficient of the image at each scan of a progressive
-# JPEG, however little the scan holds: 10,000 empty scans (a 160 KB file) of a 2000 x 2000 image
-# took 1.7 CPU-s (0.014 s without them), growing with the pixels, and a thread cannot stop a
-# decode once it has started. libjpeg's own progressive
-# script writes 10 scans (6 for greyscale); at 100, a 50 MP image's scans cost a fraction of a
-# second.
+# JPEG, however little the scan holds, so a small file of thousands of empty scans costs CPU
+# seconds that grow with the pixels (docs/security.md, "Service and model inputs"), and a thread
+# cannot stop a decode once it has started. libjpeg's own progressive script writes 10 scans (6
+# for greyscale); 100 leaves room for any real encoder.
 MAX_JPEG_SCANS = 100
 JPEG_HEADER_SEGMENTS = 1024  # segments walked before the first scan; past it, every FF DA counts
 
