@@ -52,6 +52,7 @@ CLIP_BENCHMARK = Path("metrics/clip_benchmark")  # the same results as CLIP_benc
 EXPORT_METRICS = Path("metrics/export.json")
 INDEX_METRICS = Path("metrics/index.json")
 REGISTER_METRICS = Path("metrics/register.json")
+RETAIN_METRICS = Path("metrics/retain.json")  # what retention kept and removed, and why
 TRAIN_CURVE = Path("plots/train.csv")
 RECALL_CURVE = Path("plots/recall_at_k.csv")
 RECALL_PLOT = Path("plots/recall_at_k.png")

@@ -1,4 +1,6 @@
-"""Command line of the registry: `python -m registry compare [--name clip] [--metrics a,b]`.
+"""Command line of the registry: `python -m registry compare [--name clip] [--metrics a,b]`, and
+`python -m registry retain [--dry-run]`: the retention policy (`retention` in params.yaml) applied
+now, or only shown (what would be removed, and why).
 
 Reads the same store as the pipeline (`MLFLOW_TRACKING_URI`, default sqlite:///mlflow.db).
 """
@@ -23,7 +25,16 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--limit", type=int, default=20, help="newest N versions")
     compare.add_argument("--params", type=Path, default=Path("params.yaml"),
                          help="the params file --name defaults from (register.model_name)")
+    retain = sub.add_parser("retain", help="apply the retention policy of params.yaml now")
+    retain.add_argument("--dry-run", action="store_true",
+                        help="list what would be removed and why; remove nothing")
+    retain.add_argument("--name", default=None,
+                        help="registered model (default: register.model_name in params.yaml)")
+    retain.add_argument("--params", type=Path, default=Path("params.yaml"),
+                        help="the params file with the retention section")
     args = parser.parse_args(argv)
+    if args.command == "retain":
+        return _retain(args)
 
     from registry.compare import collect, render
     from tracking.settings import client
@@ -31,6 +42,26 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or _default_model_name(args.params)
     rows = collect(client(), name, args.limit)
     print(render(name, rows, [m for m in args.metrics.split(",") if m]))
+    return 0
+
+
+def _retain(args: argparse.Namespace) -> int:
+    from pipeline.params import ParamsError
+    from registry.retention import RetentionError, retain, retention_params
+    from tracking.settings import client
+
+    try:
+        params = retention_params(args.params)
+    except ParamsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    name = args.name or _default_model_name(args.params)
+    root = args.params.resolve().parent  # the project: its dvc.lock and DVC cache
+    try:
+        retain(client(), name, params, root, dry_run=True if args.dry_run else None)
+    except RetentionError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

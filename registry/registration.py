@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from clipms.eval.metrics import metric_direction
 from registry import gate, pyfunc
 from registry.gatelock import gate_lock
+from registry.retention import LINEAGE_ARTIFACT
 from registry.versions import checkpoint_path
 from tracking.journal import mlflow_key, now_ms
 from tracking.lineage import val_digest
@@ -139,6 +140,12 @@ def log_checkpoint(mlflow_client: Any, run_id: str, model_id: str,
         mlflow_client.log_artifact(run_id, str(path), checkpoint_path(model_id))
 
 
+def log_lineage_lock(mlflow_client: Any, run_id: str, model_id: str, lock: Path) -> None:
+    """The pipeline's dvc.lock as this version was made, beside it in the run (none: nothing)."""
+    if lock.is_file():
+        mlflow_client.log_artifact(run_id, str(lock), f"{LINEAGE_ARTIFACT}/{model_id}")
+
+
 def describe_model(mlflow_client: Any, params: RegisterParams) -> None:
     """The registered model's description, unless someone wrote another one."""
     text = MODEL_DESCRIPTION.format(metric=params.primary_metric,
@@ -180,6 +187,7 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
         if index_dir is not None:
             mlflow_client.log_model_artifacts(info.model_id, str(index_dir), INDEX_ARTIFACT)
         log_checkpoint(mlflow_client, run.run_id, info.model_id, checkpoint_files)
+        log_lineage_lock(mlflow_client, run.run_id, info.model_id, run.files.lock)
         link_metrics(mlflow_client, run.run_id, info.model_id, metrics)
     with _step(f"registering a new version of '{params.model_name}'"):
         number = str(mlflow.register_model(info.model_uri, params.model_name).version)

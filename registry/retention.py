@@ -1,0 +1,562 @@
+"""Retention: what a machine keeps of the registered versions, and the removal of the rest's heavy
+files, so storage grows with the data and not with the nights.
+
+The policy (`retention` in params.yaml): the versions behind the `champion` and `challenger`
+aliases, the newest `keep_last` versions and every version tagged `keep_tag` are kept whole. Of
+every other version, what is heavy leaves:
+
+- the MLflow artifact store: its training checkpoint (`checkpoint/<logged model id>/` in its
+  run), and its logged model's folders: the bundle (`artifacts/`), the search index (`index/`)
+  and the code copy (`code/`); the model's top-level files (MLmodel, its environment, input
+  example) stay. Through the artifact repository's `delete_artifacts` (a local store, an `mlflow
+  server` proxying its artifacts, S3, ...);
+- the local DVC cache: the objects that only removed versions use, read from the `dvc.lock`
+  logged with each version (`lineage/<logged model id>/dvc.lock`, `registry.registration`). An
+  object that the current `dvc.lock`, a `.dvc` file of the workspace or a kept version names
+  is never removed, nor is one whose users are unknown. DVC has no command that removes chosen
+  objects (`dvc gc` keeps only what git revisions use), so the files are deleted from the cache
+  folder DVC names. When a DVC remote is configured, `dvc push` runs first (and the removed
+  versions' objects are pushed too, when no earlier night did), and only objects the remote then
+  holds are removed: a failed push removes nothing from the cache.
+
+Never removed: a version's registry entry, its run, params, metrics, tags and lineage (the
+logged model's MLmodel, the logged `dvc.lock`), so `python -m registry compare` and the MLflow
+UI still compare it and `git checkout` + `dvc pull` (or `dvc repro`) rebuilds it. A removed
+version is tagged `retention.removed` (what went and why).
+
+Killed midway is safe: the plan is written first, each action is recorded once done, and every
+action is idempotent. The next run plans afresh (an alias may have moved meanwhile: the fresh
+plan decides), which finishes whatever of the old plan the policy still removes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field
+
+from clipms.schema import Section
+from pipeline.params import load_section
+from registry.gate import CHALLENGER, CHAMPION
+from registry.versions import checkpoint_path
+
+REMOVED_TAG = "retention.removed"  # on a version whose heavy artifacts are gone
+# The dvc.lock a version was made with, logged by `register` in its run under
+# lineage/<logged model id>/: which DVC cache objects it uses. Lineage: never removed.
+LINEAGE_ARTIFACT = "lineage"
+LOCK_NAME = "dvc.lock"
+# A plan written and not yet applied to the end (a killed run), relative to the project root: the
+# retain stage and `python -m registry retain` share it, so either finishes the other's. Not a DVC
+# out (DVC would delete it before the stage runs).
+PLAN_FILE = Path("models/retention-plan.json")
+_NOT_KEPT = ("0", "false", "no")  # keep_tag values that do not keep a version
+
+
+class RetentionParams(Section):
+    """The `retention` section of params.yaml."""
+
+    enabled: bool = True  # false: the stage and the command remove nothing (and say so)
+    keep_last: int = Field(3, ge=0)  # the newest N versions are kept whole
+    keep_tag: str = Field("keep", pattern=r"^[A-Za-z0-9_.-]+$")  # a version tag that keeps it
+    dry_run: bool = False  # true: plan and report, remove nothing
+
+
+def retention_params(params_file: Path | str) -> RetentionParams:
+    """The validated `retention` section of params.yaml (ParamsError if invalid)."""
+    return load_section("retention", RetentionParams, params_file)
+
+
+class RetentionError(RuntimeError):
+    """Retention could not read what it needs to decide (the registry, a lock): nothing of the
+    decision's removals was made."""
+
+
+# ---------------------------------------------------------------- the policy (pure)
+
+
+@dataclass(frozen=True)
+class VersionState:
+    """A registered version as the policy sees it."""
+
+    number: int
+    aliases: tuple[str, ...] = ()
+    tags: Mapping[str, str] = field(default_factory=dict)
+    run_id: str | None = None
+    model_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Selection:
+    keep: dict[int, str]  # version -> why it is kept
+    remove: dict[int, str]  # version -> why its heavy files go
+
+
+def tagged_to_keep(version: VersionState, keep_tag: str) -> bool:
+    value = version.tags.get(keep_tag)
+    return value is not None and value.strip().lower() not in _NOT_KEPT
+
+
+def choose(versions: Sequence[VersionState], params: RetentionParams) -> Selection:
+    """Which versions are kept whole and which lose their heavy files, each with its reason."""
+    newest = sorted((v.number for v in versions), reverse=True)[:params.keep_last]
+    keep: dict[int, str] = {}
+    remove: dict[int, str] = {}
+    for version in sorted(versions, key=lambda v: v.number):
+        reasons = [f"alias {a}" for a in (CHAMPION, CHALLENGER) if a in version.aliases]
+        if version.number in newest:
+            reasons.append(f"one of the newest {params.keep_last}")
+        if tagged_to_keep(version, params.keep_tag):
+            reasons.append(f"tagged {params.keep_tag}")
+        if reasons:
+            keep[version.number] = ", ".join(reasons)
+        else:
+            remove[version.number] = (f"older than the newest {params.keep_last}, neither "
+                                      f"champion nor challenger, not tagged {params.keep_tag}")
+    return Selection(keep, remove)
+
+
+# ---------------------------------------------------------------- DVC objects (pure)
+
+
+def uncached_outs(pipeline_text: str) -> set[str]:
+    """The out paths a dvc.yaml declares `cache: false` (dvc.lock records their hashes but does
+    not say so; DVC keeps no object of theirs)."""
+    data = yaml.safe_load(pipeline_text) or {}
+    found = set()
+    for stage in (data.get("stages") or {}).values():
+        for kind in ("outs", "metrics", "plots"):
+            for entry in stage.get(kind) or []:
+                if isinstance(entry, dict):
+                    found |= {str(path) for path, flags in entry.items()
+                              if isinstance(flags, dict) and flags.get("cache") is False}
+    return found
+
+
+def lock_outs(lock_text: str, uncached: Iterable[str] = ()) -> list[tuple[str, str, bool]]:
+    """(path, md5, legacy) of every cached out in a dvc.lock or .dvc file's text (`uncached`:
+    the paths that are not). `legacy`: a DVC 2 hash (no `hash: md5` field), kept in DVC's other
+    cache folder."""
+    data = yaml.safe_load(lock_text) or {}
+    outs = [out for stage in (data.get("stages") or {}).values() for out in stage.get("outs", [])]
+    outs += data.get("outs") or []  # a .dvc file
+    skip = set(uncached)
+    return [(str(out["path"]), str(out["md5"]), out.get("hash") != "md5") for out in outs
+            if out.get("md5") and out.get("cache", True) and str(out["path"]) not in skip]
+
+
+Listing = Callable[[str, bool], "list[tuple[str, str]] | None"]
+
+
+def objects(lock_text: str, listing: Listing, uncached: Iterable[str] = (),
+            ) -> tuple[dict[tuple[str, bool], str], list[str]]:
+    """The cache objects a lock names, {(md5, legacy): a path that uses it}, with each folder's
+    files (its `.dir` object listed by `listing`, None when not in the cache); and the paths of
+    folders whose listing could not be read. `uncached`: out paths DVC does not cache."""
+    found: dict[tuple[str, bool], str] = {}
+    unreadable = []
+    for path, md5, legacy in lock_outs(lock_text, uncached):
+        found.setdefault((md5, legacy), path)
+        if md5.endswith(".dir"):
+            entries = listing(md5, legacy)
+            if entries is None:
+                unreadable.append(path)
+                continue
+            for relpath, child in entries:
+                found.setdefault((child, legacy), f"{path}/{relpath}")
+    return found, unreadable
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass
+class Action:
+    kind: str  # "mlflow" | "dvc-cache"
+    target: str  # mlflow: the artifact repository URI; dvc-cache: "md5" or "md5 (legacy)"
+    path: str  # mlflow: the artifact path removed; dvc-cache: a path of a removed version
+    versions: list[int]
+    bytes: int
+    reason: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind} {self.target} {self.path if self.kind == 'mlflow' else ''}".strip()
+
+
+@dataclass
+class Plan:
+    model_name: str
+    params: dict[str, Any]
+    keep: dict[int, str]
+    remove: dict[int, str]
+    actions: list[Action] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    remote: str | None = None  # the DVC remote pushed to before the cache actions
+    untagged: list[int] = field(default_factory=list)  # removed versions not tagged so yet
+    created: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def render(plan: Plan, dry_run: bool) -> str:
+    """The plan for a person: each version kept or not and why, then every removal and why."""
+    lines = [f"retention of '{plan.model_name}' (keep_last {plan.params['keep_last']}, "
+             f"keep_tag {plan.params['keep_tag']!r}): {len(plan.keep)} kept, "
+             f"{len(plan.remove)} older"]
+    versions = sorted({*plan.keep, *plan.remove})
+    for number in versions:
+        kept = number in plan.keep
+        lines.append(f"  v{number}: {'keep' if kept else 'remove heavy files'} "
+                     f"({plan.keep[number] if kept else plan.remove[number]})")
+    verb = "would remove" if dry_run else "removes"
+    total = sum(a.bytes for a in plan.actions)
+    lines.append(f"{verb} {len(plan.actions)} item(s), {total / 1e6:.1f} MB:")
+    for action in plan.actions:
+        where = (f"MLflow {action.path}" if action.kind == "mlflow"
+                 else f"DVC cache {action.target} ({action.path})")
+        lines.append(f"  {where}, {action.bytes / 1e6:.2f} MB, of "
+                     f"{', '.join(f'v{v}' for v in action.versions)}: {action.reason}")
+    lines += [f"note: {note}" for note in plan.notes]
+    if dry_run:
+        lines.append("dry run: nothing was removed")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- MLflow
+
+
+def registered_versions(mlflow_client: Any, name: str) -> list[VersionState]:
+    """Every version of `name` with its aliases and tags ([] when it is not registered)."""
+    from mlflow.exceptions import MlflowException
+
+    from registry.versions import logged_model_id
+
+    try:
+        aliases = mlflow_client.get_registered_model(name).aliases or {}
+    except MlflowException as err:
+        if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return []
+        raise
+    by_version: dict[str, list[str]] = {}
+    for alias, number in aliases.items():
+        by_version.setdefault(str(number), []).append(alias)
+    return [VersionState(int(v.version), tuple(sorted(by_version.get(str(v.version), []))),
+                         dict(v.tags or {}), v.run_id or None, logged_model_id(v))
+            for v in mlflow_client.search_model_versions(f"name = '{name}'")]
+
+
+def _repo(uri: str, tracking_uri: str) -> Any:
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    return get_artifact_repository(uri, tracking_uri=tracking_uri)
+
+
+def _size(repo: Any, path: str) -> int | None:
+    """The bytes under `path` of an artifact repository, None when nothing is there."""
+    items = repo.list_artifacts(path)
+    if not items:
+        return None
+    total = 0
+    for item in items:
+        total += (_size(repo, item.path) or 0) if item.is_dir else (item.file_size or 0)
+    return total
+
+
+def heavy_artifacts(mlflow_client: Any, version: VersionState) -> list[tuple[str, str, int]]:
+    """(repository URI, path, bytes) of the version's heavy artifacts still in the store."""
+    uri = mlflow_client.tracking_uri
+    found = []
+    if version.run_id and version.model_id:
+        run_root = mlflow_client.get_run(version.run_id).info.artifact_uri
+        where = checkpoint_path(version.model_id)
+        size = _size(_repo(run_root, uri), where)
+        if size is not None:
+            found.append((run_root, where, size))
+    if version.model_id:  # its folders: the bundle (`artifacts/`), the index, the code copy
+        model_root = mlflow_client.get_logged_model(version.model_id).artifact_location
+        repo = _repo(model_root, uri)
+        for item in repo.list_artifacts():
+            size = _size(repo, item.path) if item.is_dir else None
+            if size is not None:
+                found.append((model_root, item.path, size))
+    return found
+
+
+def version_lock(mlflow_client: Any, version: VersionState, scratch: Path) -> str | None:
+    """The dvc.lock logged with the version, None when none was (registered before)."""
+    if not (version.run_id and version.model_id):
+        return None
+    where = f"{LINEAGE_ARTIFACT}/{version.model_id}"
+    run_root = mlflow_client.get_run(version.run_id).info.artifact_uri
+    repo = _repo(run_root, mlflow_client.tracking_uri)
+    if not any(Path(i.path).name == LOCK_NAME for i in repo.list_artifacts(where)):
+        return None
+    dst = scratch / f"v{version.number}"
+    dst.mkdir(parents=True, exist_ok=True)
+    return Path(repo.download_artifacts(f"{where}/{LOCK_NAME}", str(dst))).read_text()
+
+
+# ---------------------------------------------------------------- DVC
+
+
+class DvcCache:
+    """The project's DVC caches (DVC 3's and DVC 2's), its default remote, `dvc push`."""
+
+    def __init__(self, root: Path) -> None:
+        from dvc.repo import Repo
+
+        self.root = root
+        self.repo = Repo(str(root))
+        self.remote: str | None = self.repo.config["core"].get("remote") or None
+        pipeline = root / "dvc.yaml"  # today's declaration of which outs are not cached
+        self.uncached = uncached_outs(pipeline.read_text()) if pipeline.is_file() else set()
+
+    def odb(self, legacy: bool) -> Any:
+        return self.repo.cache.legacy if legacy else self.repo.cache.local
+
+    def path(self, md5: str, legacy: bool) -> Path:
+        return Path(self.odb(legacy).oid_to_path(md5))
+
+    def listing(self, md5: str, legacy: bool) -> list[tuple[str, str]] | None:
+        path = self.path(md5, legacy)
+        try:
+            return [(e["relpath"], e["md5"]) for e in json.loads(path.read_text())]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def workspace_files(self) -> list[str]:
+        """The texts of dvc.lock and every .dvc file git sees in the workspace."""
+        proc = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                               "--exclude-standard", "--", "*.dvc"], cwd=self.root,
+                              capture_output=True, text=True, timeout=60)
+        names = [n for n in proc.stdout.split("\0") if n] if proc.returncode == 0 else []
+        texts = [(self.root / n).read_text() for n in names if (self.root / n).is_file()]
+        lock = self.root / LOCK_NAME
+        return [lock.read_text(), *texts] if lock.is_file() else texts
+
+    def push(self) -> str | None:
+        """`dvc push` to the default remote; the error's text, None on success."""
+        proc = subprocess.run([sys.executable, "-m", "dvc", "push"], cwd=self.root,
+                              capture_output=True, text=True, timeout=6 * 3600)
+        if proc.returncode == 0:
+            return None
+        return (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1][:300]
+
+    def push_objects(self, oids: Iterable[tuple[str, bool]]) -> None:
+        """Push these objects of the cache to the default remote (`dvc push` sends only what the
+        workspace uses: an older version's objects reach the remote here, when no earlier night
+        pushed them). A failure shows in `on_remote` afterwards."""
+        from dvc_data.hashfile.hash_info import HashInfo
+
+        infos = [HashInfo("md5-dos2unix" if legacy else "md5", md5) for md5, legacy in oids]
+        if infos:
+            self.repo.cloud.push(infos, remote=self.remote)
+
+    def on_remote(self, oids: Iterable[tuple[str, bool]]) -> set[tuple[str, bool]]:
+        present: set[tuple[str, bool]] = set()
+        for legacy in (False, True):
+            chosen = [md5 for md5, leg in oids if leg == legacy]
+            if chosen:
+                odb = self.repo.cloud.get_remote_odb(
+                    self.remote, "push", hash_name="md5-dos2unix" if legacy else "md5")
+                present |= {(md5, legacy) for md5 in odb.oids_exist(chosen)}
+        return present
+
+
+def cache_actions(locks: Mapping[int, str | None], selection: Selection, cache: DvcCache,
+                  notes: list[str]) -> list[Action]:
+    """The DVC cache objects only removed versions use and the local cache holds. Nothing when a
+    folder a kept version or the workspace uses cannot be listed (its files are unknown)."""
+    protected: set[tuple[str, bool]] = set()
+    for text in [*cache.workspace_files(),
+                 *(t for v, t in locks.items() if v in selection.keep and t)]:
+        found, unreadable = objects(text, cache.listing, cache.uncached)
+        if unreadable:
+            notes.append(f"nothing removed from the DVC cache: the file list of {unreadable[0]} "
+                         "(a folder the workspace or a kept version uses) is not in the cache, "
+                         "so which objects it uses is unknown (`dvc fetch` restores it)")
+            return []
+        protected |= set(found)
+    users: dict[tuple[str, bool], list[int]] = {}
+    where: dict[tuple[str, bool], str] = {}
+    for number in sorted(selection.remove):
+        text = locks.get(number)
+        if not text:
+            continue
+        found, _ = objects(text, cache.listing, cache.uncached)
+        for oid, path in found.items():
+            if oid not in protected:
+                users.setdefault(oid, []).append(number)
+                where.setdefault(oid, path)
+    actions = []
+    for (md5, legacy), numbers in sorted(users.items()):
+        path = cache.path(md5, legacy)
+        if path.is_file():
+            actions.append(Action("dvc-cache", md5 + (" (legacy)" if legacy else ""),
+                                  where[(md5, legacy)], numbers, path.stat().st_size,
+                                  "used by no kept version and not by the workspace"))
+    return actions
+
+
+# ---------------------------------------------------------------- planning and applying
+
+
+def make_plan(mlflow_client: Any, model_name: str, params: RetentionParams, root: Path,
+              scratch: Path, dvc_cache: bool = True) -> tuple[Plan, DvcCache | None]:
+    """What the policy removes now (nothing is removed here); `dvc_cache` False: nothing of the
+    DVC cache."""
+    versions = registered_versions(mlflow_client, model_name)
+    selection = choose(versions, params)
+    plan = Plan(model_name, params.model_dump(), selection.keep, selection.remove)
+    by_number = {v.number: v for v in versions}
+    for number, reason in selection.remove.items():
+        version = by_number[number]
+        if version.tags.get(REMOVED_TAG):
+            continue  # done on an earlier run (the tag is set last)
+        plan.untagged.append(number)
+        for repo_uri, path, size in heavy_artifacts(mlflow_client, version):
+            plan.actions.append(Action("mlflow", repo_uri, path, [number], size, reason))
+    locks = {v.number: version_lock(mlflow_client, v, scratch) for v in versions}
+    unknown = sorted(n for n in selection.remove if not locks[n])
+    if unknown:
+        plan.notes.append(f"{', '.join(f'v{n}' for n in unknown)}: no dvc.lock logged with "
+                          "it (registered before retention), its DVC cache objects stay")
+    if not (root / ".dvc").is_dir() or not dvc_cache:
+        plan.notes.append(f"the DVC cache is left alone ({root.resolve()} is "
+                          f"{'not a DVC project' if dvc_cache else 'a temporary copy'})")
+        return plan, None
+    cache = DvcCache(root)
+    plan.remote = cache.remote
+    plan.actions += cache_actions(locks, selection, cache, plan.notes)
+    if plan.remote:
+        plan.notes.append(f"DVC cache objects are removed only after `dvc push` to remote "
+                          f"'{plan.remote}' succeeds, and only those the remote holds")
+    return plan, cache
+
+
+def _record_done(progress: Path, key: str) -> None:
+    with progress.open("a") as out:
+        out.write(key + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def apply_plan(mlflow_client: Any, plan: Plan, cache: DvcCache | None, plan_file: Path,
+               on_line: Callable[[str], None] = print) -> dict[str, Any]:
+    """Remove what the plan says (each action recorded as done), tag the versions done; the
+    plan file is removed at the end. Returns the counts of what went."""
+    from clipms.utils.atomic import write_text
+
+    progress = plan_file.with_name(plan_file.name + ".done")
+    write_text(plan_file, json.dumps(plan.to_json(), indent=1), durable=True)
+    done = set(progress.read_text().split("\n")) if progress.exists() else set()
+    freed = {"mlflow": [0, 0], "dvc-cache": [0, 0]}  # [items, bytes]
+    for action in (a for a in plan.actions if a.kind == "mlflow"):
+        if action.key not in done:
+            _repo(action.target, mlflow_client.tracking_uri).delete_artifacts(action.path)
+            _record_done(progress, action.key)
+        freed["mlflow"][0] += 1
+        freed["mlflow"][1] += action.bytes
+    for number in plan.untagged:  # last: a tagged version's artifacts are all gone
+        mlflow_client.set_model_version_tag(plan.model_name, str(number), REMOVED_TAG,
+                                            f"checkpoint, bundle and index removed by retention "
+                                            f"({plan.remove[number]})")
+    cache_done = _apply_cache(plan, cache, progress, done, on_line)
+    freed["dvc-cache"] = cache_done
+    plan_file.unlink(missing_ok=True)
+    progress.unlink(missing_ok=True)
+    return {"mlflow_artifacts": freed["mlflow"][0], "mlflow_bytes": freed["mlflow"][1],
+            "dvc_cache_objects": freed["dvc-cache"][0], "dvc_cache_bytes": freed["dvc-cache"][1]}
+
+
+def _apply_cache(plan: Plan, cache: DvcCache | None, progress: Path, done: set[str],
+                 on_line: Callable[[str], None]) -> list[int]:
+    actions = [a for a in plan.actions if a.kind == "dvc-cache"]
+    if not actions or cache is None:
+        return [0, 0]
+    oids = [(a.target.split()[0], a.target.endswith("(legacy)")) for a in actions]
+    if cache.remote:
+        error = cache.push()
+        if error is not None:  # fail closed: an object not pushed may exist nowhere else
+            plan.notes.append(f"`dvc push` to '{cache.remote}' failed ({error}): nothing was "
+                              "removed from the DVC cache")
+            on_line(f"retain: {plan.notes[-1]}")
+            return [0, 0]
+        held = cache.on_remote(oids)
+        try:
+            cache.push_objects([oid for oid in oids if oid not in held])
+        except Exception as err:  # what the remote holds decides, just below
+            on_line(f"retain: pushing older versions' objects failed ({err})")
+        held = cache.on_remote(oids)
+        missing = [oid for oid in oids if oid not in held]
+        if missing:
+            plan.notes.append(f"{len(missing)} DVC cache object(s) of removed versions are not "
+                              f"on remote '{cache.remote}' and stay in the cache")
+    else:
+        held = set(oids)
+    count, size = 0, 0
+    for action, oid in zip(actions, oids, strict=True):
+        if oid not in held:
+            continue
+        if action.key not in done:
+            cache.path(*oid).unlink(missing_ok=True)
+            _record_done(progress, action.key)
+        count, size = count + 1, size + action.bytes
+    return [count, size]
+
+
+def retain(mlflow_client: Any, model_name: str, params: RetentionParams, root: Path,
+           dry_run: bool | None = None, dvc_cache: bool = True,
+           on_line: Callable[[str], None] = print) -> dict[str, Any]:
+    """Plan and (unless a dry run: `dry_run`, else the params') apply the policy in the project
+    at `root` (its dvc.lock, DVC cache and plan file; `dvc_cache` False: not its cache); the
+    report."""
+    import tempfile
+
+    plan_file = root / PLAN_FILE
+
+    dry = params.dry_run if dry_run is None else dry_run
+    report: dict[str, Any] = {"model_name": model_name, "enabled": params.enabled,
+                              "dry_run": dry}
+    if not params.enabled:
+        on_line("retain: retention.enabled is false: nothing removed")
+        return report
+    resumed = plan_file.exists()
+    try:
+        with tempfile.TemporaryDirectory(prefix="retain-") as scratch:
+            plan, cache = make_plan(mlflow_client, model_name, params, root, Path(scratch),
+                                    dvc_cache)
+    except Exception as err:  # the registry or the lock could not be read: remove nothing
+        raise RetentionError(f"retention could not plan ({type(err).__name__}: "
+                             f"{str(err).strip()[:300]}); nothing was removed") from err
+    if resumed and not dry:
+        plan.notes.append("an earlier retention run stopped midway: its plan is finished "
+                          "by this one (planned afresh)")
+    on_line(render(plan, dry))
+    report.update(kept={f"v{n}": r for n, r in plan.keep.items()},
+                  removed={f"v{n}": r for n, r in plan.remove.items()},
+                  planned_items=len(plan.actions),
+                  planned_bytes=sum(a.bytes for a in plan.actions), remote=plan.remote,
+                  resumed=resumed and not dry)
+    try:
+        if not dry:
+            report.update(apply_plan(mlflow_client, plan, cache, plan_file, on_line))
+    except Exception as err:  # the plan file stays: the next run finishes it
+        raise RetentionError(f"retention stopped midway ({type(err).__name__}: "
+                             f"{str(err).strip()[:300]}); its plan is in {plan_file}, "
+                             "the next run finishes it") from err
+    finally:
+        if cache is not None:
+            cache.repo.close()
+    report["notes"] = plan.notes
+    return report

@@ -1,0 +1,139 @@
+"""The retention policy's decisions, without a registry: which versions stay whole and why, which
+DVC cache objects a lock names, and the params' errors. (The store side, against a real MLflow
+server and real DVC: tests/integration/test_retention_store.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.params import ParamsError
+from registry.retention import RetentionParams, VersionState, choose, objects, retention_params
+
+
+def versions(*specs: tuple[int, tuple[str, ...], dict[str, str]]) -> list[VersionState]:
+    return [VersionState(n, aliases, tags) for n, aliases, tags in specs]
+
+
+def test_the_champion_and_challenger_stay_however_old() -> None:
+    found = choose(versions((1, ("champion",), {}), (2, ("challenger",), {}), (3, (), {}),
+                            (4, (), {}), (5, (), {}), (6, (), {})),
+                   RetentionParams(keep_last=2))
+    assert sorted(found.keep) == [1, 2, 5, 6] and sorted(found.remove) == [3, 4]
+    assert found.keep[1] == "alias champion" and found.keep[2] == "alias challenger"
+    assert found.keep[6] == "one of the newest 2"
+    assert "older than the newest 2" in found.remove[3]
+
+
+def test_a_failed_gate_leaves_newer_versions_without_alias_and_the_champion_still_stays() -> None:
+    """A gate that failed closed registers the version but moves no alias: the champion is then
+    older than every version of the window, and stays."""
+    found = choose(versions((1, ("champion",), {}), (2, (), {}), (3, (), {}), (4, (), {})),
+                   RetentionParams(keep_last=1))
+    assert sorted(found.keep) == [1, 4] and sorted(found.remove) == [2, 3]
+
+
+def test_a_version_tagged_to_keep_stays_unless_the_tag_says_false() -> None:
+    found = choose(versions((1, (), {"pin": "true"}), (2, (), {"pin": ""}), (3, (), {"pin": "no"}),
+                            (4, (), {"pin": "False"}), (5, (), {"keep": "true"}), (6, (), {})),
+                   RetentionParams(keep_last=1, keep_tag="pin"))
+    assert sorted(found.keep) == [1, 2, 6] and found.keep[1] == "tagged pin"
+    assert sorted(found.remove) == [3, 4, 5]  # `keep` is not the tag in use here
+
+
+def test_keep_last_zero_keeps_only_aliases_and_tags_and_reasons_add_up() -> None:
+    found = choose(versions((1, ("champion", "challenger"), {"keep": "1"}), (2, (), {})),
+                   RetentionParams(keep_last=0))
+    assert found.keep == {1: "alias champion, alias challenger, tagged keep"}
+    assert list(found.remove) == [2]
+
+
+def test_no_versions_plan_nothing() -> None:
+    found = choose([], RetentionParams())
+    assert found.keep == {} and found.remove == {}
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ("keep_last: -1", "retention.keep_last = -1: Input should be greater than or equal to 0"),
+    ("keep_last: three", "retention.keep_last = 'three'"),
+    ("keep_tag: 'not a tag'", "retention.keep_tag = 'not a tag': String should match pattern"),
+    ("enabled: maybe", "retention.enabled = 'maybe'"),
+    ("keep: 3", "retention.keep: unknown key (allowed keys here: dry_run, enabled, keep_last, "
+                "keep_tag)"),
+])
+def test_bad_params_name_the_key_the_value_and_what_is_allowed(tmp_path: Path, text: str,
+                                                               named: str) -> None:
+    path = tmp_path / "params.yaml"
+    path.write_text(f"retention:\n  {text}\n")
+    with pytest.raises(ParamsError) as err:
+        retention_params(path)
+    assert named in str(err.value)
+
+
+def test_the_project_params_are_valid_and_keep_a_small_window() -> None:
+    params = retention_params(Path(__file__).resolve().parents[2] / "params.yaml")
+    assert params.enabled and not params.dry_run and 1 <= params.keep_last <= 5
+
+
+def lock(*outs: dict) -> str:
+    return yaml.safe_dump({"schema": "2.0", "stages": {"s": {"cmd": "x", "outs": list(outs)}}})
+
+
+def test_a_lock_names_its_files_and_each_folders_files() -> None:
+    listings = {"d" * 32 + ".dir": [("a.tar", "a" * 32), ("b/c.tar", "c" * 32)]}
+    text = lock({"path": "models/clip.ckpt", "md5": "1" * 32, "hash": "md5"},
+                {"path": "data/shards", "md5": "d" * 32 + ".dir", "hash": "md5"},
+                {"path": "metrics/x.json", "md5": "9" * 32, "hash": "md5", "cache": False})
+    found, unreadable = objects(text, lambda md5, legacy: listings.get(md5))
+    assert found == {("1" * 32, False): "models/clip.ckpt",
+                     ("d" * 32 + ".dir", False): "data/shards",
+                     ("a" * 32, False): "data/shards/a.tar",
+                     ("c" * 32, False): "data/shards/b/c.tar"}
+    assert unreadable == []
+
+
+def test_a_folder_whose_listing_is_missing_is_named_and_dvc2_hashes_are_legacy() -> None:
+    text = lock({"path": "data/download", "md5": "e" * 32 + ".dir"})  # no `hash: md5`: DVC 2
+    found, unreadable = objects(text, lambda md5, legacy: None)
+    assert found == {("e" * 32 + ".dir", True): "data/download"} and unreadable == ["data/download"]
+
+
+def test_a_dvc_file_names_its_outs() -> None:
+    text = yaml.safe_dump({"outs": [{"path": "val", "md5": "f" * 32, "hash": "md5"}]})
+    found, _ = objects(text, lambda md5, legacy: None)
+    assert found == {("f" * 32, False): "val"}
+
+
+def test_the_dry_run_text_says_what_goes_and_why() -> None:
+    from registry.retention import Action, Plan, render
+
+    plan = Plan("clip", RetentionParams(keep_last=1).model_dump(), {2: "one of the newest 1"},
+                {1: "older than the newest 1"},
+                [Action("mlflow", "file:///a", "checkpoint/m-1", [1], 2_000_000, "older"),
+                 Action("dvc-cache", "a" * 32, "models/clip.ckpt", [1], 500_000, "unused")])
+    text = render(plan, dry_run=True)
+    assert "v1: remove heavy files (older than the newest 1)" in text
+    assert "v2: keep (one of the newest 1)" in text
+    assert "would remove 2 item(s), 2.5 MB:" in text
+    assert f"DVC cache {'a' * 32} (models/clip.ckpt), 0.50 MB, of v1: unused" in text
+    assert text.endswith("dry run: nothing was removed")
+    assert "dry run" not in render(plan, dry_run=False)
+
+
+def test_outs_dvc_does_not_cache_are_no_objects_nor_unknown_folders() -> None:
+    """dvc.lock records a hash for a `cache: false` out (training checkpoints, metrics) without
+    saying it is not cached: read from dvc.yaml, such a folder is not one whose files are
+    unknown (which would stop every removal from the cache)."""
+    from registry.retention import uncached_outs
+
+    pipeline = (Path(__file__).resolve().parents[2] / "dvc.yaml").read_text()
+    skip = uncached_outs(pipeline)
+    assert {"models/checkpoints", "data/shard-checks", "metrics/eval.json",
+            "metrics/retain.json", "plots/train.csv"} <= skip
+    assert not skip & {"models/clip.ckpt", "data/shards/train", "models/index", "data/download"}
+    text = lock({"path": "models/checkpoints", "md5": "c" * 32 + ".dir", "hash": "md5"},
+                {"path": "models/clip.ckpt", "md5": "1" * 32, "hash": "md5"})
+    found, unreadable = objects(text, lambda md5, legacy: None, skip)
+    assert found == {("1" * 32, False): "models/clip.ckpt"} and unreadable == []
