@@ -26,7 +26,7 @@ from tests.tiny_model import CAPTIONS, make_train_and_val_shards
 from tests.workspace import PROJECT_ROOT, checkpoint_arrays, tool_env
 
 pytestmark = pytest.mark.slow
-mlflow_server = server_fixtures.mlflow_server  # session fixtures, found by name
+mlflow_server = server_fixtures.mlflow_server  # module fixtures, found by name
 bundle = test_registry_server.bundle
 
 # The tiny architecture of tests/tiny_model.py as train params (vocabulary and context: the

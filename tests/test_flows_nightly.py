@@ -43,7 +43,7 @@ from tests.test_flows_secrets import run_flow
 from tests.workspace import make_workspace
 
 pytestmark = pytest.mark.slow
-prefect_stack = prefect_server.prefect_stack  # the session fixture (shared with test_flows_*)
+prefect_stack = prefect_server.prefect_stack  # the module fixture (pytest finds it by name)
 
 MODEL = "clip-nightly"
 CHAMPION = f"models:/{MODEL}@champion"

@@ -26,7 +26,7 @@ from tests.mlflow_server import MlflowServer, http_get
 from tests.test_registry import write_pipeline_state
 
 pytestmark = pytest.mark.slow
-mlflow_server = server_fixtures.mlflow_server  # the session fixture (pytest finds it by name)
+mlflow_server = server_fixtures.mlflow_server  # the module fixture (pytest finds it by name)
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from tests.test_registry import write_pipeline_state
 from tests.workspace import make_workspace, run, tool_env
 
 pytestmark = pytest.mark.slow
-mlflow_server = server_fixtures.mlflow_server  # the session fixture, found by name
+mlflow_server = server_fixtures.mlflow_server  # the module fixture, found by name
 
 
 class SilentServer:

@@ -19,7 +19,7 @@ from tests.mlflow_server import MlflowServer
 from tests.test_registry_server import prepare_workspace, register_in
 
 pytestmark = pytest.mark.slow
-mlflow_server = server_fixtures.mlflow_server  # the session fixture (pytest finds it by name)
+mlflow_server = server_fixtures.mlflow_server  # the module fixture (pytest finds it by name)
 bundle = server_tests.bundle  # a real export bundle of a tiny CLIP
 MODEL = "clip-ui"
 
