@@ -80,7 +80,7 @@ def mode(request):
 # nothing left to take. Here the modules go longest first, shortest last (the two workers then
 # finish together, give or take the last fast module): these modules
 # (the longest of a CI run, longest first, but the test_flows_* ones in the order they always ran
-# in), then the other
+# in: a worker's modules share one Prefect server, prefect_server.prefect_stack), then the other
 # modules with slow tests, most slow tests first (the best guess of their length there is before
 # they run), then the rest; pytest_configure below makes xdist keep this order.
 LONGEST_MODULES = (

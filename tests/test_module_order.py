@@ -36,7 +36,7 @@ def test_modules_go_longest_first_then_slow_then_fast_each_module_together():
     assert [i.name for i in items] == ["n", "k", "i1", "i2", "e1", "e2", "e3", "a1", "a2"]
 
 
-def test_the_flows_modules_keep_their_order():
+def test_the_flows_modules_keep_their_order_on_a_shared_prefect_server():
     flows = [name for name in conftest.LONGEST_MODULES if name.startswith("test_flows_")]
     assert flows == sorted(flows)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+HELPERS = (ROOT / "tests", ROOT / "harness")  # test modules and the fixtures they import
 
 
 def session_fixtures(source: str) -> list[str]:
@@ -34,7 +35,7 @@ def test_the_check_finds_a_session_fixture():
 
 
 def test_no_session_fixture_outside_conftest():
-    found = [f"{path.name}::{name}" for path in sorted(TESTS.rglob("*.py"))
-             if path.name != "conftest.py"
+    found = [f"{path.relative_to(ROOT)}::{name}" for folder in HELPERS
+             for path in sorted(folder.rglob("*.py")) if path.name != "conftest.py"
              for name in session_fixtures(path.read_text())]
     assert found == [], "module-scope them, or share them from conftest.py (see the docstring)"
