@@ -247,8 +247,11 @@ def deployed(root: Path, stack_type: type[Stack], **start: Any) -> Iterator[Stac
         stack.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def prefect_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
-    """One tiny synthetic workspace deployed to one real server with one worker, per session."""
+    """One tiny synthetic workspace deployed to one real server with one worker, for the tests of
+    a module, stopped when it ends. (A fixture a test module assigns gets one instance per module
+    whatever its scope: a session scope only kept every module's stack running, polling, to the
+    end of `make test`.)"""
     with deployed(tmp_path_factory.mktemp("prefect-stack"), PrefectStack) as stack:
         yield stack

@@ -157,6 +157,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 def pytest_runtest_logreport(report):
     props = dict(report.user_properties)
+    _add_module_time(report, props)
     if report.when == "teardown" and not props.get("slow", True) and \
             props.get("cpu_s", 0.0) > FAST_BUDGET_CPU_S:
         _over_budget.append((props["cpu_s"], report.nodeid))
@@ -168,3 +169,41 @@ def pytest_terminal_summary(terminalreporter):
                                         "(tests/conftest.py says when to mark a test slow)")
         for cpu_s, nodeid in sorted(_over_budget, reverse=True):
             terminalreporter.write_line(f"{cpu_s:6.1f} CPU-s  {nodeid}")
+    _write_module_times(terminalreporter)
+
+
+# ---------------------------------------------------------------- where the time goes
+
+# Per module: seconds (its tests' setup, call and teardown, module fixtures included), CPU-s (as
+# above), tests, slow tests; the end of a run lists the longest modules and each tier's total,
+# summed over the workers, so that a slow `make test` says where its time went.
+_module_times: dict[str, list[float]] = {}
+LONGEST_SHOWN = 15
+
+
+def _add_module_time(report, props) -> None:
+    entry = _module_times.setdefault(report.nodeid.split("::")[0], [0.0, 0.0, 0, 0])
+    entry[0] += report.duration
+    if report.when == "teardown":
+        entry[1] += props.get("cpu_s", 0.0)
+        entry[2] += 1
+        entry[3] += bool(props.get("slow"))
+
+
+def _write_module_times(terminalreporter) -> None:
+    if not _module_times:
+        return
+    longest = sorted(_module_times.items(), key=lambda kv: kv[1][0], reverse=True)
+    terminalreporter.write_sep("-", f"the {LONGEST_SHOWN} longest modules (test seconds summed "
+                                    "over the workers, CPU-s, slow tests / tests)")
+    for module, (seconds, cpu_s, tests, slow) in longest[:LONGEST_SHOWN]:
+        terminalreporter.write_line(f"{seconds:7.1f} s {cpu_s:7.1f} CPU-s {slow:3d}/{tests:<3d} "
+                                    f"{module}")
+    # a module is in the slow tier's total when any of its tests is slow (its fixtures with it)
+    tiers = {True: [0.0, 0], False: [0.0, 0]}
+    for seconds, _, _, slow in _module_times.values():
+        tiers[slow > 0][0] += seconds
+        tiers[slow > 0][1] += 1
+    terminalreporter.write_line(
+        f"modules with slow tests: {tiers[True][1]}, {tiers[True][0]:.0f} s; the others: "
+        f"{tiers[False][1]}, {tiers[False][0]:.0f} s")

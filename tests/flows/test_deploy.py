@@ -28,7 +28,7 @@ from harness.prefect_server import PrefectStack
 pytestmark = pytest.mark.slow
 MANUAL = "clip-pipeline/manual"
 STATE: dict[str, Any] = {}  # what earlier tests learned, for later ones
-prefect_stack = prefect_server.prefect_stack  # the session fixture (pytest finds it by this name)
+prefect_stack = prefect_server.prefect_stack  # the module fixture (pytest finds it by this name)
 
 
 def _artifact(stack: PrefectStack, run_id: str) -> str:

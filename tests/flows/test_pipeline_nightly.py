@@ -43,7 +43,7 @@ from harness.prefect_server import PrefectStack
 from tests.flows.test_pipeline_secrets import run_flow
 
 pytestmark = pytest.mark.slow
-prefect_stack = prefect_server.prefect_stack  # the session fixture (shared with test_flows_*)
+prefect_stack = prefect_server.prefect_stack  # the module fixture (pytest finds it by name)
 
 MODEL = "clip-nightly"
 CHAMPION = f"models:/{MODEL}@champion"

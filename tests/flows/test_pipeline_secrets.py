@@ -27,7 +27,7 @@ from harness.dvc_workspace import make_workspace, run, tool_env
 from harness.prefect_server import PrefectStack
 
 pytestmark = pytest.mark.slow
-prefect_stack = prefect_server.prefect_stack  # the session fixture (shared with test_flows_deploy)
+prefect_stack = prefect_server.prefect_stack  # the module fixture (pytest finds it by name)
 
 SIGNATURE, CREDENTIAL, TOKEN = "SIGsecret0a1b2c3d4e5f", "AKIAsecretCREDENTIAL", "TOKsecret9z8y7x6w"
 IMAGE_TOKEN, HOOK_SECRET = "IMGsecret5v4u3t2s1r", "HOOKsecretT000B000XXXX"

@@ -1,5 +1,5 @@
 """A flow run with overrides that is killed mid-run (a worker crash) leaves the checkout untouched:
-the real `clip-pipeline` flow on the session's Prefect server, in a toy checkout
+the real `clip-pipeline` flow on the module's Prefect server, in a toy checkout
 whose one stage is slow; the process is SIGKILLed while the stage runs in the private worktree."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from harness.dvc_workspace import run
 from harness.prefect_server import PrefectStack
 
 pytestmark = pytest.mark.slow
-prefect_stack = prefect_server.prefect_stack  # the session fixture (shared with test_flows_deploy)
+prefect_stack = prefect_server.prefect_stack  # the module fixture (pytest finds it by name)
 PY = sys.executable
 SLOW = {"cmd": f"{PY} -c \"import pathlib, time; pathlib.Path('started').write_text('x'); "
                "time.sleep(${slow.seconds}); pathlib.Path('out.txt').write_text('done')\"",

@@ -65,9 +65,8 @@ def tracking_server(postgres: PostgresServer,
 
 @pytest.fixture(scope="module")
 def prefect(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
-    """A bare Prefect server: the gate's Prefect lock needs only an API. (The session fixture
-    `prefect_stack` would deploy and start a worker too: pytest runs a session fixture that is
-    assigned in a test module once per module, so it would not be shared either.)"""
+    """A bare Prefect server: the gate's Prefect lock needs only an API. (The module fixture
+    `prefect_stack` would deploy and start a worker too.)"""
     stack = start_server(tmp_path_factory.mktemp("prefect-home"))
     try:
         yield stack

@@ -27,7 +27,7 @@ from tracking.callback import TrainCallback
 from tracking.files import FILES
 
 pytestmark = pytest.mark.slow
-mlflow_server = server_fixtures.mlflow_server  # the session fixture (pytest finds it by name)
+mlflow_server = server_fixtures.mlflow_server  # the module fixture (pytest finds it by name)
 
 
 @pytest.fixture

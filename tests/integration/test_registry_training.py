@@ -28,7 +28,7 @@ from tracking.files import FILES
 from tracking.journal import CreateRun, Journal, LogMetrics
 
 pytestmark = pytest.mark.slow
-mlflow_server = server_fixtures.mlflow_server  # the session fixture, found by name
+mlflow_server = server_fixtures.mlflow_server  # the module fixture, found by name
 
 
 class SilentServer:

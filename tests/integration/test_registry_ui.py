@@ -20,7 +20,7 @@ from tests.integration.test_registry_server import prepare_workspace, register_i
 from tracking import settings
 
 pytestmark = pytest.mark.slow
-mlflow_server = server_fixtures.mlflow_server  # the session fixture (pytest finds it by name)
+mlflow_server = server_fixtures.mlflow_server  # the module fixture (pytest finds it by name)
 bundle = server_tests.bundle  # a real export bundle of a tiny CLIP
 MODEL = "clip-ui"
 

@@ -23,7 +23,7 @@ from harness.serving_server import ServingServer, post_json, request
 from harness.tiny_model import jpeg_bytes, random_images
 
 pytestmark = pytest.mark.slow
-mlflow_server = server_fixtures.mlflow_server  # the session's server, found by name
+mlflow_server = server_fixtures.mlflow_server  # the module's server, found by name
 MODEL = "clip-swap"
 LOOP_LIMIT_S = 240.0  # the client loop stops by itself after this, whatever happens
 
@@ -103,7 +103,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 @pytest.fixture
 def tracking(mlflow_server: MlflowServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The session's server for this test's fluent MLflow calls, undone afterwards. Both the
+    """The module's server for this test's fluent MLflow calls, undone afterwards. Both the
     variable and the process-global URI: a URI an earlier test left set with
     mlflow.set_tracking_uri outranks MLFLOW_TRACKING_URI, and the versions would be registered
     in that store while the service follows this server."""

@@ -53,3 +53,25 @@ def test_xdist_keeps_the_collection_order(xdist):
     option = SimpleNamespace(loadscopereorder=True) if xdist else SimpleNamespace()
     conftest.pytest_configure(SimpleNamespace(option=option))
     assert getattr(option, "loadscopereorder", False) is False
+
+
+def test_a_run_ends_with_its_longest_modules_and_the_time_of_each_tier(monkeypatch):
+    """Where a slow `make test` spent its time: per module, the seconds of its tests' phases
+    (module fixtures included), the CPU-s its teardown reports carry, slow tests / tests."""
+    monkeypatch.setattr(conftest, "_module_times", {})
+
+    def report(nodeid: str, when: str, seconds: float, cpu_s: float = 0.0, slow: bool = False):
+        props = [("cpu_s", cpu_s), ("slow", slow)] if when == "teardown" else []
+        return SimpleNamespace(nodeid=nodeid, when=when, duration=seconds, user_properties=props)
+
+    for args in [("tests/test_b.py::t", "call", 2.0), ("tests/test_b.py::t", "teardown", 0.5, 0.3),
+                 ("tests/test_a.py::t1", "setup", 10.0), ("tests/test_a.py::t1", "call", 5.0),
+                 ("tests/test_a.py::t1", "teardown", 1.0, 4.0, True),
+                 ("tests/test_a.py::t2", "call", 3.0), ("tests/test_a.py::t2", "teardown", 0.0)]:
+        conftest.pytest_runtest_logreport(report(*args))
+    lines: list[str] = []
+    conftest._write_module_times(SimpleNamespace(write_sep=lambda _, text: lines.append(text),
+                                                 write_line=lines.append))
+    assert lines[1:] == ["   19.0 s     4.0 CPU-s   1/2   tests/test_a.py",
+                         "    2.5 s     0.3 CPU-s   0/1   tests/test_b.py",
+                         "modules with slow tests: 1, 19 s; the others: 1, 2 s"]

@@ -26,7 +26,7 @@ from tests.integration.test_registry_server import prepare_workspace, register_i
 from tracking import settings
 
 pytestmark = pytest.mark.slow
-mlflow_server = server_fixtures.mlflow_server  # session fixtures, found by name
+mlflow_server = server_fixtures.mlflow_server  # module fixtures, found by name
 bundle = test_registry_server.bundle
 
 # The tiny architecture of harness/tiny_model.py as train params (vocabulary and context: the

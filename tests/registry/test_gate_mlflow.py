@@ -24,7 +24,7 @@ from tracking import settings
 
 pytestmark = pytest.mark.slow
 ALIAS = "/api/2.0/mlflow/registered-models/alias"  # GET: the gate's champion lookup; POST: a move
-mlflow_server = server_fixtures.mlflow_server  # session fixtures, found by name
+mlflow_server = server_fixtures.mlflow_server  # module fixtures, found by name
 bundle = test_registry_server.bundle
 
 
