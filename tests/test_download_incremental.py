@@ -4,8 +4,8 @@ parquet that changes night to night), through the real stages - metadata, dedupe
 (counted at the server), removed images leave the shards, a caption changed for an old image is
 the new one, and the shards hold byte for byte the samples a from-scratch run on the same final
 source writes; an interrupted night resumes its part; other download settings start another
-store, which `prune` removes when asked. The distributors and remote stores: tests/test_distributors.py,
-tests/test_download_remote.py, tests/test_download_s3.py."""
+store, which `prune` removes when asked. The distributors and remote stores:
+tests/test_distributors.py, tests/test_download_remote.py, tests/test_download_s3.py."""
 
 from __future__ import annotations
 
