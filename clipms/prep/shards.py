@@ -448,12 +448,12 @@ def _build(tars: list[Path], output_dir: Path, settings: ShardSettings,
                                         old, settings, reader, progress)
     finally:
         reader.close()
-    _remove_unlisted(output_dir, splits)
-    webds.write_manifest(output_dir, settings.samples_per_shard, splits, plan=plan_of(settings))
     metrics["rewrite"] = rewrite
     for split, entry in splits.items():
         metrics[split] = {"samples": entry["samples"], "shards": len(entry["shards"]),
                           "bytes": entry["bytes"], **entry.pop("_counts")}
+    _remove_unlisted(output_dir, splits)
+    webds.write_manifest(output_dir, settings.samples_per_shard, splits, plan=plan_of(settings))
     seconds = time.perf_counter() - started
     print_fn(summary(metrics, seconds))
     return metrics
