@@ -171,3 +171,32 @@ def test_training_order_on_grown_shards_is_seeded_and_resumes(tmp_path):
     for i in range(4):
         for a, b in zip(whole[5 * 4 + i], resumed[i], strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_dvc_repro_on_a_grown_source_keeps_the_earlier_shards_byte_for_byte(tmp_path):
+    """Real DVC in a fresh git repo: the shard outputs are persisted, so `dvc repro` on a source
+    grown by a sixth keeps every tar of the first run and caches only the new ones."""
+    from harness.workspace import set_params
+    from tests.workspace import make_workspace, run
+
+    ws = make_workspace(tmp_path / "ws", {"metadata.num_images": 48})
+    run(["dvc", "repro", "shard"], ws)
+    shards = ws / "data/shards"
+    before = tars(shards)
+    cached = {p for p in (ws / ".dvc/cache").rglob("*") if p.is_file()}
+
+    set_params(ws / "params.yaml", {"metadata.num_images": 56})
+    run(["dvc", "repro", "shard"], ws)
+    after = tars(shards)
+    metrics = json.loads((ws / "metrics/shard.json").read_text())
+    new_cache = {p for p in (ws / ".dvc/cache").rglob("*") if p.is_file()} - cached
+
+    assert {name: after[name] for name in before} == before
+    added = set(after) - set(before)
+    assert added and metrics["rewrite"] is None
+    assert sum(metrics[s]["samples_new"] for s in ("train", "val")) == \
+        metrics["samples_out"] - sum(len(keys_in(shards, n)) for n in before)
+    cached_tars = {p.read_bytes() for p in new_cache if p.read_bytes() in set(after.values())}
+    assert cached_tars == {after[name] for name in added}  # only the new tars entered the cache
+    assert "up to date" in run(["dvc", "status", "shard"], ws).stdout
