@@ -13,6 +13,12 @@ import numpy as np
 import pytest
 
 from registry import index_store
+from tests import test_registry_server
+
+mlflow_server = test_registry_server.mlflow_server  # the real MLflow server, the tiny bundle
+server = test_registry_server.server
+workspace = test_registry_server.workspace
+bundle = test_registry_server.bundle
 
 
 def store_bytes(root: Path) -> int:
@@ -97,3 +103,43 @@ def test_a_folder_without_a_reference_is_served_as_it_is(tmp_path):
     copy = shutil.copytree(whole, tmp_path / "copy")
     assert index_store.materialize(copy) is False
     assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in whole.iterdir())
+
+
+@pytest.mark.slow
+def test_two_versions_with_the_same_index_add_its_bytes_once(workspace: Path, bundle: Path,
+                                                             server) -> None:
+    """The register stage against a real MLflow server (proxied artifacts), twice with the same
+    bundle and index, from two pipeline runs: the index's bytes enter the artifact store once,
+    and each version is served with its index from MLflow alone."""
+    from clipms.deploy.index import EMBEDDINGS, ImageIndex, bundle_digest
+    from registry import settings
+    from serving.source import RegistrySource
+    from tests.test_registry_server import prepare_workspace, register_in
+    from tests.test_serving_swap import make_index
+
+    index = make_index(bundle, workspace / "index")
+    embeddings = (index / EMBEDDINGS).read_bytes()
+    earlier = {p for p in server.artifacts.rglob("*") if p.is_file()}  # other tests' too
+    records = []
+    for name in ("night-1", "night-2"):
+        root = prepare_workspace(workspace / name, bundle, {"i2t_R@5": 0.5}, model="clip-cas")
+        shutil.copytree(index, root / "models" / "index")
+        code, record = register_in(root)
+        assert code == 0 and record is not None
+        records.append(record)
+
+    size = sum(p.stat().st_size for p in index.iterdir())
+    assert records[0]["index_bytes"] == records[1]["index_bytes"] == size
+    assert (records[0]["index_added_bytes"], records[1]["index_added_bytes"]) == (size, 0)
+    stored = [p for p in server.artifacts.rglob("*")
+              if p.is_file() and p not in earlier and p.stat().st_size == len(embeddings)
+              and p.read_bytes() == embeddings]
+    assert len(stored) == 1  # not once per version
+    for version in ("1", "2"):
+        source = RegistrySource(f"models:/clip-cas/{version}", settings.tracking_uri())
+        fetched = source.fetch(*source.current())
+        try:
+            loaded = ImageIndex.load(fetched.index_dir, bundle_digest(bundle))
+            assert len(loaded) == 12
+        finally:
+            fetched.cleanup()
