@@ -200,3 +200,17 @@ def test_dvc_repro_on_a_grown_source_keeps_the_earlier_shards_byte_for_byte(tmp_
     cached_tars = {p.read_bytes() for p in new_cache if p.read_bytes() in set(after.values())}
     assert cached_tars == {after[name] for name in added}  # only the new tars entered the cache
     assert "up to date" in run(["dvc", "status", "shard"], ws).stdout
+
+
+def test_a_val_image_removed_changes_the_evaluation_sets_digest(tmp_path):
+    """The gate compares versions on one evaluation set, named by a digest of the val split:
+    a sample excluded from a tar that stays as it was is another set."""
+    from registry.lineage import val_digest
+
+    src, out, before = night_one(tmp_path)
+    digest = val_digest(out / "manifest.json")
+    (src / "00000.tar").unlink()
+    write_tar(src / "00001.tar", [good(i, split_of(i)) for i in range(24) if i != 4])
+    build_shards(src, out, SETTINGS, quiet)
+    assert tars(out) == before and key(4) not in live(out, "val")
+    assert val_digest(out / "manifest.json") != digest
