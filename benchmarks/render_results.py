@@ -430,10 +430,20 @@ def storage_growth(record: Record) -> str:
              "-" if n["index_added_bytes"] is None else
              f"{n['index_added_bytes'] / kb:,.0f} / {n['index_bytes'] / kb:,.0f}", n["repro_s"]]
             for n in record["results"]["nights"]]
-    return table(["night", "images", "new", "new image KiB", "DVC cache + KiB",
-                  "DVC remote + KiB", "MLflow artifacts + KiB", "model files KiB",
-                  "bound KiB (2 x new + model)", "shards kept / new",
-                  "index uploaded / size KiB", "dvc repro s"], rows, right=11)
+    nights = table(["night", "images", "new", "new image KiB", "DVC cache + KiB",
+                    "DVC remote + KiB", "MLflow artifacts + KiB", "model files KiB",
+                    "bound KiB (2 x new + model)", "shards kept / new",
+                    "index uploaded / size KiB", "dvc repro s"], rows, right=11)
+    last = record["results"]["nights"][-1]
+    kinds = last.get("added_by_kind")
+    if not kinds:
+        return nights
+    stores = ("dvc_cache", "dvc_remote", "mlflow_artifacts")
+    names = list(dict.fromkeys(k for store in stores for k in kinds.get(store, {})))
+    split = [[name, *(f"{kinds.get(store, {}).get(name, 0) / kb:,.0f}" for store in stores)]
+             for name in names]
+    return nights + f"\nNight {last['night']}'s growth by what it is (KiB):\n\n" + table(
+        ["what", "DVC cache", "DVC remote", "MLflow artifacts"], split, right=3)
 
 
 WARM_METRICS = ("i2t_R@1", "i2t_R@5", "t2i_R@5", "zeroshot_top1")

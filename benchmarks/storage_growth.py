@@ -18,7 +18,9 @@ export, index, register) and `dvc push`, then measures:
 - the growth of the DVC cache (`.dvc/cache`), the DVC remote and the MLflow artifact store;
 - one version's model files (the export bundle and the training checkpoint, as `register` logs
   them), and the bound the stores are held to: twice the new image bytes plus those files;
-- what the shard stage kept and wrote, and what `register` uploaded of the search index.
+- what the shard stage kept and wrote, and what `register` uploaded of the search index;
+- what each store's new files are: DVC's by the output holding a file of that md5, MLflow's by
+  where they lie (bundle, checkpoint, the pyfunc's copy of the code, index chunks, plots).
 
 The JSON (benchmarks/record.py's envelope) holds every night; benchmarks/RESULTS.md renders it
 ("Storage per night"). No retention runs here, so what stays in the stores for good is read
@@ -28,6 +30,7 @@ from the growth of one night, not from the totals.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -76,16 +79,58 @@ def model_files(ws: Path) -> int:
                                                            "tokenizer.json"))
 
 
+STORE_FOLDERS = {"dvc_cache": ".dvc/cache", "dvc_remote": "dvc-remote",
+                 "mlflow_artifacts": "mlartifacts"}
+# What an MLflow artifact is, by where it lies (registry/registration.py, registry/pyfunc.py).
+MLFLOW_PARTS = (("/artifacts/code/", "pyfunc code copy"), ("/artifacts/artifacts/", "bundle"),
+                ("/checkpoint/", "checkpoint"), ("/chunks/", "index chunks"),
+                ("/plots/", "plots"))
+
+
 def stores(ws: Path) -> dict[str, int]:
-    return {"dvc_cache": folder_bytes(ws / ".dvc/cache"),
-            "dvc_remote": folder_bytes(ws / "dvc-remote"),
-            "mlflow_artifacts": folder_bytes(ws / "mlartifacts")}
+    return {name: folder_bytes(ws / folder) for name, folder in STORE_FOLDERS.items()}
+
+
+def files_of(ws: Path) -> dict[str, set[Path]]:
+    return {name: {p for p in (ws / folder).rglob("*") if p.is_file()}
+            for name, folder in STORE_FOLDERS.items() if (ws / folder).exists()}
+
+
+def dvc_owner(ws: Path) -> dict[str, str]:
+    """md5 -> the DVC output holding a file of that content (as DVC names cache files)."""
+    owners: dict[str, str] = {}
+    for top in ("data", "models", "plots"):
+        for path in (ws / top).rglob("*") if (ws / top).exists() else ():
+            if path.is_file():
+                parts = path.relative_to(ws).parts
+                owners[hashlib.md5(path.read_bytes()).hexdigest()] = "/".join(parts[:2])
+    return owners
+
+
+def breakdown(ws: Path, new: dict[str, set[Path]]) -> dict[str, dict[str, int]]:
+    """Per store, the bytes of its new files by what they are."""
+    owners = dvc_owner(ws)
+    out: dict[str, dict[str, int]] = {}
+    for name, paths in new.items():
+        groups: dict[str, int] = {}
+        for path in paths:
+            text = path.as_posix()
+            if name == "mlflow_artifacts":
+                group = next((g for part, g in MLFLOW_PARTS if part in text), "other")
+            else:
+                md5 = path.parent.name + path.name.removesuffix(".dir")
+                group = ("directory listings" if path.name.endswith(".dir")
+                         else owners.get(md5, "other"))
+            groups[group] = groups.get(group, 0) + path.stat().st_size
+        out[name] = dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+    return out
 
 
 def night(ws: Path, env: dict[str, str], held: dict[str, int],
           before: dict[str, int]) -> tuple[dict[str, Any], dict[str, int], dict[str, int]]:
     from tests.workspace import run
 
+    earlier = files_of(ws)
     started = time.perf_counter()
     # As the nightly deployment does (`refresh: [metadata]`): the source is outside DVC's view.
     run(["dvc", "repro", "-f", "-s", "metadata"], ws, timeout=600, env=env)
@@ -109,6 +154,8 @@ def night(ws: Path, env: dict[str, str], held: dict[str, int],
         "index_added_bytes": register.get("index_added_bytes"),
         "version": register["version"], "alias": register["alias"],
         "totals": after,
+        "added_by_kind": breakdown(ws, {name: paths - earlier.get(name, set())
+                                        for name, paths in files_of(ws).items()}),
     }
     bound = 2 * row["new_image_bytes"] + bound_files
     for name, total in after.items():
