@@ -410,6 +410,37 @@ def incremental_download(record: Record) -> str:
     return medians + "\n" + every
 
 
+def storage_growth(record: Record) -> str:
+    """Per night: the new image bytes, what each store grew by, and the bound it is held to."""
+    kb = 1024
+
+    def grew(night: dict[str, Any], store: str) -> str:
+        within = "" if night[f"{store}_within_bound"] else " (over)"
+        return f"{night[f'{store}_added'] / kb:,.0f}{within}"
+
+    rows = [[n["night"], n["images"], n["new_images"], f"{n['new_image_bytes'] / kb:,.1f}",
+             grew(n, "dvc_cache"), grew(n, "dvc_remote"), grew(n, "mlflow_artifacts"),
+             f"{n['model_files_bytes'] / kb:,.0f}", f"{n['bound_bytes'] / kb:,.0f}",
+             f"{n['shards_kept']} / {n['shards_new']}",
+             "-" if n["index_added_bytes"] is None else
+             f"{n['index_added_bytes'] / kb:,.0f} / {n['index_bytes'] / kb:,.0f}", n["repro_s"]]
+            for n in record["results"]["nights"]]
+    nights = table(["night", "images", "new", "new image KiB", "DVC cache + KiB",
+                    "DVC remote + KiB", "MLflow artifacts + KiB", "model files KiB",
+                    "bound KiB (2 x new + model)", "shards kept / new",
+                    "index uploaded / size KiB", "dvc repro s"], rows, right=11)
+    last = record["results"]["nights"][-1]
+    kinds = last.get("added_by_kind")
+    if not kinds:
+        return nights
+    stores = ("dvc_cache", "dvc_remote", "mlflow_artifacts")
+    names = list(dict.fromkeys(k for store in stores for k in kinds.get(store, {})))
+    split = [[name, *(f"{kinds.get(store, {}).get(name, 0) / kb:,.0f}" for store in stores)]
+             for name in names]
+    return nights + f"\nNight {last['night']}'s growth by what it is (KiB):\n\n" + table(
+        ["what", "DVC cache", "DVC remote", "MLflow artifacts"], split, right=3)
+
+
 WARM_METRICS = ("i2t_R@1", "i2t_R@5", "t2i_R@5", "zeroshot_top1")
 
 
@@ -444,6 +475,7 @@ RENDERERS: dict[str, Callable[[Record], str]] = {
     "quality_vs_openclip_levers": quality_vs_openclip,
     "rehearsal": rehearsal, "search_at_size": search_at_size,
     "incremental_download": incremental_download, "warm_start": warm_start,
+    "storage_growth": storage_growth,
 }
 SIZE_SUFFIX = re.compile(r"-\d+$")  # rehearsal-2000, rehearsal-123287: one renderer per benchmark
 

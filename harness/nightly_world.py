@@ -7,6 +7,7 @@ the workspace folder); `night` runs them in order and says what each printed.
 from __future__ import annotations
 
 import colorsys
+import hashlib
 import io
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -119,6 +120,23 @@ def write_params(folder: Path, source: Path, **sections: dict[str, Any]) -> None
         params.setdefault(name, {}).update(keys)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "params.yaml").write_text(yaml.safe_dump(params))
+
+
+def shard_content(folder: Path) -> dict[str, dict[str, str]]:
+    """Per split, every sample the workspace's shard manifest lists (excluded ones left out):
+    key -> sha256 of its members' bytes. Two workspaces with the same content may hold it in
+    other shards: a nightly one appends, a from-scratch one writes all at once."""
+    from clipms.data import webds
+
+    content: dict[str, dict[str, str]] = {}
+    for split in ("train", "val"):
+        content[split] = {}
+        for sample in webds.iter_split(folder / "data/shards", split):
+            digest = hashlib.sha256()
+            for ext, data in sorted(sample.files.items()):
+                digest.update(f"{ext}\0{len(data)}\0".encode() + data)
+            content[split][sample.key] = digest.hexdigest()
+    return content
 
 
 def night(folder: Path, stages: Iterable[str] = DATA_STAGES, check: bool = True) -> dict[str, Any]:

@@ -11,10 +11,11 @@ reported and skipped whole. The output key is the sample's `image_key` (dedupe's
 checked against the shard key format of `clipms.data.webds` here, where keys enter the shards; the
 format itself is `clipms.data.webds`'.
 
-Output is a pure function of the input samples and the settings: samples are sorted by key,
-shuffled once with a seeded RNG per split, and written to tars whose headers carry fixed
-mtimes/owners, so the same input always gives the same bytes (and the same DVC hashes). JPEG bytes
-that decoded are copied as they are, never re-encoded.
+Output is append-only (see "the append-only plan" below): the shards an earlier run wrote are
+kept byte for byte and only samples no kept shard holds go into new shards, sorted by key and
+shuffled with a seeded RNG per split; tar headers carry fixed mtimes/owners. So the same input
+always gives the same bytes (and the same DVC hashes), and a night adds shards in proportion to
+its new samples. JPEG bytes that decoded are copied as they are, never re-encoded.
 """
 
 from __future__ import annotations
@@ -335,14 +336,6 @@ class _ImageReader:
             handle.close()
 
 
-def output_files(samples: list[Sample], reader: _ImageReader,
-                 progress: Callable[[int], None]) -> Iterator[webds.SampleFiles]:
-    """The members of each output sample, in the order they are written (image bytes read late)."""
-    for sample in samples:
-        yield sample.key, {"jpg": reader.read(sample), "json": sample.meta, "txt": sample.text}
-        progress(1)
-
-
 def shuffled(samples: list[Sample], seed: int, split: str) -> list[Sample]:
     """Sorted by key (independent of input order), then one seeded shuffle per split."""
     ordered = sorted(samples, key=lambda s: s.key)
@@ -431,34 +424,178 @@ def _build(tars: list[Path], output_dir: Path, settings: ShardSettings,
            names: list[str] | None = None, checks_dir: Path | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     samples, metrics = _collect(tars, settings, print_fn, started, wanted, names, checks_dir)
-    if output_dir.exists():
-        shutil.rmtree(output_dir)
-    output_dir.mkdir(parents=True)
+    previous, rewrite = previous_plan(output_dir, settings)
+    if previous is None:
+        print_fn(f"shard: writing every shard ({rewrite})")
+        for split in SPLITS:
+            shutil.rmtree(output_dir / split, ignore_errors=True)
+    output_dir.mkdir(parents=True, exist_ok=True)
     reader = _ImageReader()
     written = [0]
 
     def progress(n: int) -> None:
         written[0] += n
-        if written[0] % (settings.samples_per_shard * 20) == 0 or written[0] == len(samples):
-            print_fn(f"shard: wrote {written[0]:,}/{len(samples):,} samples "
+        if written[0] % (settings.samples_per_shard * 20) == 0:
+            print_fn(f"shard: wrote {written[0]:,} samples "
                      f"({time.perf_counter() - started:.1f} s)")
 
     splits: dict[str, Any] = {}
     try:
         for split in SPLITS:
-            chosen = shuffled([s for s in samples if s.split == split], settings.seed, split)
-            splits[split] = webds.write_split(output_dir, split,
-                                              output_files(chosen, reader, progress),
-                                              settings.samples_per_shard)
+            old = (previous or {}).get("splits", {}).get(split)
+            splits[split] = _plan_split(output_dir, split,
+                                        [s for s in samples if s.split == split],
+                                        old, settings, reader, progress)
     finally:
         reader.close()
-    webds.write_manifest(output_dir, settings.samples_per_shard, splits)
+    metrics["rewrite"] = rewrite
     for split, entry in splits.items():
         metrics[split] = {"samples": entry["samples"], "shards": len(entry["shards"]),
-                          "bytes": entry["bytes"]}
+                          "bytes": entry["bytes"], **entry.pop("_counts")}
+    _remove_unlisted(output_dir, splits)
+    webds.write_manifest(output_dir, settings.samples_per_shard, splits, plan=plan_of(settings))
     seconds = time.perf_counter() - started
     print_fn(summary(metrics, seconds))
     return metrics
+
+
+# ---------------------------------------------------------------- the append-only plan
+#
+# A night keeps every shard an earlier night wrote, byte for byte, and writes only its new samples
+# into new shards, so the DVC cache and remote grow by the new images alone. The manifest is the
+# plan: per shard its keys and each sample's fingerprint. A key that left the split (removed,
+# dropped, moved to the other split) or whose content changed (e.g. a new caption list) is
+# `excluded` in its old shard - the tar stays as it is, readers skip it - and a changed one is
+# written again into a new shard. Training order does not come from the write order: the loader
+# shuffles shards and samples per epoch at read time (`clipms.data.sampling`).
+
+PLAN_VERSION = 1
+COMPACT_SHARE = 0.5  # a shard with more than this share of its samples excluded is rewritten
+
+
+def plan_of(settings: ShardSettings) -> dict[str, Any]:
+    """What a shard's content depends on beside its samples: another value rewrites every shard."""
+    return {"version": PLAN_VERSION, "seed": settings.seed,
+            "samples_per_shard": settings.samples_per_shard}
+
+
+def previous_plan(output_dir: Path, settings: ShardSettings
+                  ) -> tuple[dict[str, Any] | None, str | None]:
+    """(the earlier manifest to append to, None) or (None, why every shard is written)."""
+    try:
+        manifest = webds.read_manifest(output_dir)
+    except webds.DataError:
+        return None, "no earlier manifest"
+    plan = manifest.get("plan")
+    if not isinstance(plan, dict) or plan.get("version") != PLAN_VERSION:
+        return None, "the earlier manifest has no shard plan of this version"
+    changed = [f"shard.{name} {plan.get(name)} -> {value}"
+               for name, value in plan_of(settings).items()
+               if name != "version" and plan.get(name) != value]
+    if changed:
+        return None, ", ".join(changed)
+    return manifest, None
+
+
+def fingerprint(files: dict[str, bytes]) -> str:
+    """The sha256 of a sample's members (names, sizes and bytes), 16 hex digits."""
+    digest = hashlib.sha256()
+    for ext, data in files.items():
+        digest.update(f"{ext}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()[:16]
+
+
+def _plan_split(root: Path, split: str, samples: list[Sample], old: dict[str, Any] | None,
+                settings: ShardSettings, reader: _ImageReader,
+                progress: Callable[[int], None]) -> dict[str, Any]:
+    """The split's manifest entry: the earlier shards kept (with today's exclusions), then new
+    shards holding every sample no kept shard holds."""
+    today = {sample.key: sample for sample in samples}
+    kept: list[dict[str, Any]] = []
+    held: set[str] = set()
+    counts = Counter()
+    for shard in (old or {}).get("shards", []):
+        entry = _keep_shard(root, shard, today, reader)
+        if entry is None:
+            counts["shards_dropped"] += 1
+            continue
+        kept.append(entry)
+        held.update(set(entry["keys"]) - webds.excluded_keys(entry))
+    fresh = shuffled([s for s in samples if s.key not in held], settings.seed, split)
+    number = 1 + max((_shard_number(s["name"]) for s in (old or {}).get("shards", [])),
+                     default=-1)
+    new: list[dict[str, Any]] = []
+    for start in range(0, len(fresh), settings.samples_per_shard):
+        chunk = fresh[start:start + settings.samples_per_shard]
+        name = webds.SHARD_NAME.format(split=split, index=number + len(new))
+        new.append(_write_shard(root, name, chunk, reader, progress))
+    shards = kept + new
+    live = sum(s["samples"] - len(s.get("excluded", [])) for s in shards)
+    return {"samples": live, "bytes": sum(s["bytes"] for s in shards), "shards": shards,
+            "_counts": {"shards_kept": len(kept), "shards_new": len(new),
+                        "shards_dropped": counts["shards_dropped"],
+                        "samples_new": len(fresh),
+                        "excluded": sum(len(s.get("excluded", [])) for s in shards)}}
+
+
+def _keep_shard(root: Path, shard: dict[str, Any], today: dict[str, Sample],
+                reader: _ImageReader) -> dict[str, Any] | None:
+    """An earlier shard's entry with today's exclusions, or None when it is dropped: most of it
+    excluded (its live samples go into new shards), or its tar missing or changed and no longer
+    rebuildable from today's samples."""
+    keys, prints = list(shard.get("keys") or []), list(shard.get("fingerprints") or [])
+    if len(keys) != len(prints) or len(keys) != shard.get("samples"):
+        return None  # not a plan this code wrote: its samples are written again
+    before = webds.excluded_keys(shard)
+    live = {k for k, fp in zip(keys, prints, strict=True)
+            if k not in before and k in today and _fingerprint_of(today[k], reader) == fp}
+    if len(keys) - len(live) > COMPACT_SHARE * len(keys):
+        return None
+    path = root / shard["name"]
+    if not path.is_file() or webds.size_and_sha256(path) != (shard["bytes"], shard["sha256"]):
+        if len(live) < len(keys):
+            return None  # what was excluded cannot be written again as it was
+        _write_shard(root, shard["name"], [today[k] for k in keys], reader, lambda _n: None)
+    return {**shard, "excluded": [k for k in keys if k not in live]}
+
+
+def _fingerprint_of(sample: Sample, reader: _ImageReader) -> str:
+    return fingerprint(_files(sample, reader))
+
+
+def _files(sample: Sample, reader: _ImageReader) -> dict[str, bytes]:
+    return {"jpg": reader.read(sample), "json": sample.meta, "txt": sample.text}
+
+
+def _write_shard(root: Path, name: str, samples: list[Sample], reader: _ImageReader,
+                 progress: Callable[[int], None]) -> dict[str, Any]:
+    prints: list[str] = []
+
+    def members() -> Iterator[webds.SampleFiles]:
+        for sample in samples:
+            files = _files(sample, reader)
+            prints.append(fingerprint(files))
+            yield sample.key, files
+            progress(1)
+
+    written = webds.write_tar(root / name, members())
+    return {"name": name, **written, "keys": [s.key for s in samples], "fingerprints": prints,
+            "excluded": []}
+
+
+def _shard_number(name: str) -> int:
+    stem = Path(name).stem
+    return int(stem) if stem.isdigit() else -1
+
+
+def _remove_unlisted(root: Path, splits: dict[str, dict[str, Any]]) -> None:
+    """Delete the split folders' tars the manifest does not list (dropped shards)."""
+    listed = {shard["name"] for entry in splits.values() for shard in entry["shards"]}
+    for split in SPLITS:
+        for path in (root / split).glob("*.tar"):
+            if path.relative_to(root).as_posix() not in listed:
+                path.unlink()
 
 
 def _collect(tars: list[Path], settings: ShardSettings, print_fn: Callable[[str], None],
@@ -512,10 +649,17 @@ def summary(metrics: dict[str, Any], seconds: float) -> str:
     drops = ", ".join(f"{k} {v:,}" for k, v in metrics["dropped"].items() if v) or "none"
     rate = metrics["samples_in"] / seconds if seconds > 0 else 0.0
     corrupt = "; ".join(metrics["corrupt_input_shards"]) or "none"
+    appended = ""
+    if "rewrite" in metrics:  # the append-only plan's account (the stage's run)
+        appended = (f" Every shard written ({metrics['rewrite']})." if metrics["rewrite"] else
+                    " " + "; ".join(f"{split}: {metrics[split]['shards_kept']} shard(s) kept as "
+                                    f"they were, {metrics[split]['shards_new']} new, "
+                                    f"{metrics[split]['excluded']} sample(s) excluded"
+                                    for split in SPLITS) + ".")
     return (
         f"shard: {metrics['samples_in']:,} samples from {metrics['input_shards']} input tar(s) "
         f"checked in {seconds:.1f} s (~{rate:,.0f} samples/s) -> {metrics['train']['samples']:,} "
         f"train samples in {metrics['train']['shards']} shard(s), {metrics['val']['samples']:,} "
         f"val samples in {metrics['val']['shards']} shard(s). Dropped: {drops}. "
-        f"Corrupt input tars skipped: {corrupt}."
+        f"Corrupt input tars skipped: {corrupt}.{appended}"
     )

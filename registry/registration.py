@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clipms.eval.metrics import metric_direction
-from registry import gate, pyfunc
+from registry import gate, index_store, pyfunc
 from registry.gatelock import gate_lock
 from registry.retention import LINEAGE_ARTIFACT
 from registry.versions import checkpoint_path
@@ -41,8 +42,9 @@ MODEL_ARTIFACT = "clip"  # the logged model's name inside the run
 # the bundle: the version points at one folder that holds both, and every log_model makes a new
 # model id, so nothing logged later (export/index/register rerun in the same pipeline run, which
 # continues the same MLflow run) can overwrite an earlier version's index. A folder in the run
-# would be shared by every version registered from that run. (The pyfunc's own loaders download
-# it too: the model's size includes its index.)
+# would be shared by every version registered from that run. The folder holds a reference
+# (registry.index_store): the index files are stored once, by content, in the experiment's store
+# run, so an index that did not change is not copied again; serving writes them back on fetch.
 INDEX_ARTIFACT = "index"
 # MLflow's log_model links every run metric of the model's step to the logged model. Step 0 holds
 # every stage's summary (counts, chance levels, train and export figures), so the model is logged
@@ -144,6 +146,16 @@ def log_lineage_lock(mlflow_client: Any, run_id: str, model_id: str, lock: Path)
     """The pipeline's dvc.lock as this version was made, beside it in the run (none: nothing)."""
     if lock.is_file():
         mlflow_client.log_artifact(run_id, str(lock), f"{LINEAGE_ARTIFACT}/{model_id}")
+def log_index(mlflow_client: Any, run_id: str, model_id: str,
+              index_dir: Path | str) -> dict[str, int]:
+    """The index's chunks the store lacks, then its reference into the logged model; what it
+    cost: {"index_bytes": the index's size, "index_added_bytes": what was uploaded}."""
+    experiment_id = mlflow_client.get_run(run_id).info.experiment_id
+    ref = index_store.store_index(mlflow_client, experiment_id, index_dir)
+    with tempfile.TemporaryDirectory(prefix="clipms-index-ref-") as tmp:
+        index_store.write_ref(ref, Path(tmp))
+        mlflow_client.log_model_artifacts(model_id, tmp, INDEX_ARTIFACT)
+    return {"index_bytes": ref["total_bytes"], "index_added_bytes": ref["added_bytes"]}
 
 
 def describe_model(mlflow_client: Any, params: RegisterParams) -> None:
@@ -184,8 +196,8 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
     with _step("logging the model"), _quiet_log_model():
         info = pyfunc.log_model(bundle_dir, name=MODEL_ARTIFACT, run_id=run.run_id,
                                 step=MODEL_STEP)
-        if index_dir is not None:
-            mlflow_client.log_model_artifacts(info.model_id, str(index_dir), INDEX_ARTIFACT)
+        index = None if index_dir is None else log_index(mlflow_client, run.run_id,
+                                                         info.model_id, index_dir)
         log_checkpoint(mlflow_client, run.run_id, info.model_id, checkpoint_files)
         log_lineage_lock(mlflow_client, run.run_id, info.model_id, run.files.lock)
         link_metrics(mlflow_client, run.run_id, info.model_id, metrics)
@@ -212,7 +224,7 @@ def register_version(run: PipelineRun, bundle_dir: Path | str, params: RegisterP
 
     record = {"model_name": params.model_name, "version": int(number), "run_id": run.run_id,
               "model_uri": f"models:/{params.model_name}/{number}", "lock": lock,
-              **decision.to_dict()}
+              **(index or {}), **decision.to_dict()}
     run.set_tags({"register.version": number, "register.decision": decision.alias,
                   "register.reason": decision.reason})
     run.log_metrics({"register.version": int(number),

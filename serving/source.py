@@ -83,6 +83,7 @@ class RegistrySource:
         import mlflow
 
         from clipms.deploy.searchindex import INDEX_JSON
+        from registry.index_store import IndexStoreError, materialize
         from registry.registration import INDEX_ARTIFACT
 
         if self.cache_dir is not None:
@@ -100,6 +101,11 @@ class RegistrySource:
                 raise SourceError(f"{self.name} v{version}: no export bundle in the model's "
                                   "artifacts (not logged by registry.pyfunc?)")
             index = model / INDEX_ARTIFACT
+            if index.is_dir():  # its files from the index store, by the reference logged
+                try:
+                    materialize(index, uri)
+                except IndexStoreError as err:
+                    raise SourceError(f"{self.name} v{version}: {err}") from err
             if not (index / INDEX_JSON).is_file():  # not the run's: the version's own index
                 raise SourceError(f"{self.name} v{version}: its model has no "
                                   f"'{INDEX_ARTIFACT}' artifact (registered without an index?)")

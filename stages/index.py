@@ -39,15 +39,13 @@ class IndexParams(Section):
 
 def items(splits: list[str]) -> Iterator:
     """Every sample of the splits, in manifest order, as clipms.deploy.searchindex.Item."""
-    from clipms.data.webds import read_manifest, read_tar, split_entry
+    from clipms.data.webds import iter_split
     from clipms.deploy.searchindex import Item
 
-    manifest = read_manifest(paths.SHARDS)
     for split in splits:
-        for shard in split_entry(manifest, split, str(paths.SHARDS))["shards"]:
-            for sample in read_tar(paths.SHARDS / shard["name"]):
-                captions = sample.meta.get("captions") or [sample.caption]
-                yield Item(sample.key, sample.image or b"", str(captions[0]), split)
+        for sample in iter_split(paths.SHARDS, split):
+            captions = sample.meta.get("captions") or [sample.caption]
+            yield Item(sample.key, sample.image or b"", str(captions[0]), split)
 
 
 def main() -> int:

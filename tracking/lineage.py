@@ -99,13 +99,16 @@ def lock_params(lock: Mapping[str, Any], stages: Iterable[str]) -> dict[str, str
 
 
 def val_digest(manifest: Path, split: str = "val") -> str | None:
-    """A digest of the evaluation set: sha256 over the split's shards' names and sha256s."""
+    """A digest of the evaluation set: sha256 over the split's shards' names and sha256s, and the
+    keys excluded from each (append-only shards keep a removed sample's tar as it was; a shard
+    without exclusions counts as before they existed)."""
     if not manifest.exists():
         return None
     shards = read_json(manifest).get("splits", {}).get(split, {}).get("shards", [])
     if not shards:
         return None
-    lines = sorted(f"{s['name']}:{s['sha256']}" for s in shards)
+    lines = sorted(f"{s['name']}:{s['sha256']}" + (
+        f":-{','.join(sorted(s['excluded']))}" if s.get("excluded") else "") for s in shards)
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
 
 

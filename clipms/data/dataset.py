@@ -151,9 +151,11 @@ def index_shards(shards_dir: Path | str, split: str) -> ShardIndex:
         path = shards_dir / shard["name"]
         index.shards.append(str(path))
         index.shard_starts.append(len(index))
+        excluded, found = webds.excluded_keys(shard), 0
         for key, spans in webds.index_tar(path).items():
-            _add_sample(index, shard_id, path, key, spans)
-        found = len(index) - index.shard_starts[-1]
+            found += 1
+            if key not in excluded:  # no longer in the split; the tar is kept as it was
+                _add_sample(index, shard_id, path, key, spans)
         if found != int(shard["samples"]):
             raise DataError(f"{path}: {found} samples, but the manifest says {shard['samples']} "
                             "(shard changed after the manifest was written?)")

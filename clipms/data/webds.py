@@ -9,7 +9,15 @@ per sample `<key>.jpg` (the image), `<key>.json` ({"captions": [...], "url", "ke
     {"samples_per_shard": N,
      "splits": {split: {"samples": n, "bytes": b,
                         "shards": [{"name": "train/000000.tar", "samples": n, "bytes": b,
-                                    "sha256": hex}, ...]}}}
+                                    "sha256": hex, "keys": [...], "fingerprints": [...],
+                                    "excluded": [...]}, ...]}}},
+     "plan": {"version": 1, "seed": s, "samples_per_shard": N}}
+
+A shard's `samples` counts what its tar holds; `excluded` lists keys of it that are no longer
+part of the split (removed or changed since the tar was written: the tar is kept as it is, its
+bytes already in every store), and the split's `samples` counts the rest, what readers see.
+`keys` and `fingerprints` (sha256 of each sample's members, in tar order) are the shard stage's
+plan: which key lives in which existing shard and with what content (`prep.shards`).
 
 Two rules, both here and nowhere else:
 - the key rule (webdataset's): a member's key is its name up to the first dot of the file name,
@@ -339,9 +347,10 @@ def split_summary(shards: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write_manifest(root: Path | str, samples_per_shard: int,
-                   splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """`root/manifest.json` from the entries `write_split` returned."""
-    manifest = {"samples_per_shard": samples_per_shard, "splits": splits}
+                   splits: dict[str, dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """`root/manifest.json` from the entries `write_split` returned (`extra`: more top-level
+    fields, e.g. the shard stage's `plan`)."""
+    manifest = {"samples_per_shard": samples_per_shard, "splits": splits, **extra}
     write_json(Path(root) / MANIFEST, manifest)
     return manifest
 
@@ -369,3 +378,18 @@ def split_entry(manifest: dict[str, Any], split: str, source: str) -> dict[str, 
         raise DataError(f"{source}: no split {split!r} with a 'shards' list "
                         f"(splits: {sorted(manifest['splits'])})")
     return entry
+
+
+def excluded_keys(shard: dict[str, Any]) -> set[str]:
+    """The keys of a manifest shard entry that are not part of its split any more."""
+    return set(shard.get("excluded") or ())
+
+
+def iter_split(root: Path | str, split: str) -> Iterator[Sample]:
+    """Every sample of a split as the manifest lists it: its shards in order, excluded keys
+    left out."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    for shard in split_entry(manifest, split, str(root / MANIFEST))["shards"]:
+        excluded = excluded_keys(shard)
+        yield from (s for s in read_tar(root / shard["name"]) if s.key not in excluded)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -263,8 +264,11 @@ def test_jpeg_bytes_are_copied_other_formats_converted_and_the_caption_file_is_a
     (shards / "train" / "stale.tar").write_bytes(b"from an older run")
     metrics = build_shards(src, shards, ShardSettings(workers=1), quiet)  # a rerun replaces (_21)
     assert not (shards / "train" / "stale.tar").exists()
+    per_split = ["bytes", "excluded", "samples", "samples_new", "shards", "shards_dropped",
+                 "shards_kept", "shards_new"]
     assert {split: sorted(metrics[split]) for split in ("train", "val")} == {  # _79/_80
-        "train": ["bytes", "samples", "shards"], "val": ["bytes", "samples", "shards"]}
+        "train": per_split, "val": per_split}
+    assert metrics["train"]["shards_kept"] == 1 and metrics["train"]["samples_new"] == 0
     out = read_output(shards)
     assert out[f"{1:016x}"]["jpg"] == jpeg  # byte for byte, never re-encoded
     expected = io.BytesIO()
@@ -337,6 +341,7 @@ def test_shards_from_a_url_are_the_shards_of_the_same_local_folder(tmp_path):
 
     for _ in range(2):  # the second time the output's parent exists
         lines.clear()
+        shutil.rmtree(out, ignore_errors=True)  # written from scratch, as the local one was
         assert build_shards(url, out, settings, print_fn, recorded) == local
         assert (out / "manifest.json").read_bytes() == \
             (tmp_path / "local/manifest.json").read_bytes()
