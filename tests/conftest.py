@@ -81,8 +81,8 @@ def mode(request):
 # end-to-end runs of the suite - where one worker could be left running them while the other had
 # nothing left to take. Here the modules go longest first, shortest last (the two workers then
 # finish together, give or take the last fast module): these modules
-# (the longest of a CI run, longest first, but the flows/ ones in the order they always ran
-# in: a worker's modules share one Prefect server, prefect_server.prefect_stack), then the other
+# (the longest of a CI run, longest first; the table a run ends with gives their times), then the
+# other
 # modules with slow tests, most slow tests first (the best guess of their length there is before
 # they run), then the rest; pytest_configure below makes xdist keep this order.
 LONGEST_MODULES = (

@@ -37,11 +37,6 @@ def test_modules_go_longest_first_then_slow_then_fast_each_module_together():
     assert [i.name for i in items] == ["n", "k", "i1", "i2", "e1", "e2", "e3", "a1", "a2"]
 
 
-def test_the_flows_modules_keep_their_order_on_a_shared_prefect_server():
-    flows = [name for name in conftest.LONGEST_MODULES if name.startswith("flows/")]
-    assert flows == sorted(flows)
-
-
 def test_every_listed_longest_module_exists_and_is_marked_slow():
     for name in conftest.LONGEST_MODULES:
         text = (TESTS / name).read_text()
