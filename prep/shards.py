@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from clipms.data import webds
-from clipms.data.preprocess import PixelLimitError, open_image
+from clipms.data.preprocess import PixelLimitError, open_image, to_rgb
 from clipms.utils.atomic import atomic_write
 from clipms.utils.redact import redact_text, redact_url
 from prep import remote
@@ -281,7 +281,7 @@ def _captions(meta: dict[str, Any], text: str) -> list[str]:
 
 def _to_jpeg(image: Image.Image) -> bytes:
     out = io.BytesIO()
-    image.convert("RGB").save(out, format="JPEG", quality=95)
+    to_rgb(image).save(out, format="JPEG", quality=95)  # 16-bit grey scaled, not clipped
     return out.getvalue()
 
 

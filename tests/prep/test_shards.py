@@ -368,3 +368,18 @@ def test_shards_from_a_url_are_the_shards_of_the_same_local_folder(tmp_path):
         fetch_tars(url, [str(src / "gone.tar")], folder)
     assert str(err.value).startswith(f"copying the tars from {url}: ") and "gone.tar" in \
         str(err.value)
+
+
+def test_a_16_bit_grey_png_is_sharded_as_its_grey_not_as_white(tmp_path):
+    # PIL's convert("RGB") clips 16-bit grey at 255: a mid-grey PNG became a white training image.
+    src = tmp_path / "download"
+    src.mkdir()
+    wide = io.BytesIO()
+    Image.fromarray(np.full((32, 32), 32896, dtype=np.uint16)).save(wide, format="PNG")
+    write_tar(src / "00000.tar", [{"__key__": "000000001", "png": wide.getvalue(),
+                                   "json": json.dumps(meta(1))}])
+    build_shards(src, tmp_path / "shards", ShardSettings(workers=1), quiet)
+    jpg = read_output(tmp_path / "shards")[f"{1:016x}"]["jpg"]
+    pixels = np.asarray(Image.open(io.BytesIO(jpg)).convert("RGB"), dtype=np.int64)
+    assert abs(pixels.mean() - 128) <= 2
+
