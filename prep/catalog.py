@@ -18,7 +18,6 @@ is the new one.
 
 from __future__ import annotations
 
-import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clipms.utils.atomic import atomic_write
+from clipms.utils.filehash import file_sha256
 
 if TYPE_CHECKING:  # pandas only where a frame is asked for: the shard stage never imports it
     import pandas as pd
@@ -47,14 +47,6 @@ IMAGE_COLUMNS = ("url", "key", "captions", "split", "labels")
 
 class CatalogError(ValueError):
     """No catalog, an unreadable one, or one made for another images.parquet."""
-
-
-def file_sha256(path: Path | str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_catalog(folder: Path | str, frame: pd.DataFrame, images_sha256: str,

@@ -42,6 +42,7 @@ from PIL import Image
 from clipms.data import webds
 from clipms.data.preprocess import PixelLimitError, open_image, to_rgb
 from clipms.utils.atomic import atomic_write
+from clipms.utils.filehash import file_sha256
 from clipms.utils.redact import redact_text, redact_url
 from prep import remote
 from prep.catalog import TarInput
@@ -230,11 +231,7 @@ class ChecksCache:
 
     @classmethod
     def digest(cls, path: str | Path) -> str:
-        sha = hashlib.sha256(f"checks-v{cls.VERSION}\0".encode())
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                sha.update(block)
-        return sha.hexdigest()
+        return file_sha256(path, prefix=f"checks-v{cls.VERSION}\0".encode())
 
     def known(self) -> set[str]:
         """The digests whose checks are kept."""

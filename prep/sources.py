@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from clipms.utils.atomic import atomic_write
+from clipms.utils.filehash import file_sha256
 from clipms.utils.redact import redact_text, redact_url
 from prep import karpathy, synthetic
 from prep.sourceschema import kept_metadata, with_source_columns
@@ -325,12 +326,9 @@ def _reason(err: Exception | None) -> str:
 
 
 def verify_sha256(path: Path, expected: str) -> None:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    if digest.hexdigest() != expected.lower():
-        raise MetadataError(f"checksum mismatch for {path}: sha256 is {digest.hexdigest()}, "
+    actual = file_sha256(path)
+    if actual != expected.lower():
+        raise MetadataError(f"checksum mismatch for {path}: sha256 is {actual}, "
                             f"metadata.sha256 expects {expected.lower()}")
 
 

@@ -16,7 +16,6 @@ another tokenizer or is another architecture, the registry does not answer - is 
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clipms.utils.filehash import file_sha256
 from registry.versions import (
     NoRegisteredModel,
     Version,
@@ -56,14 +56,6 @@ class CarriedOver:
                             version.run_id if version else None, self.sha256)
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _resolve(uri: str, key: str) -> tuple[Any, Version | None]:
     """(client, version), or (client, None) when the model was never registered."""
     from tracking.settings import client
@@ -94,7 +86,7 @@ def pin_tokenizer(uri: str, dst: Path) -> CarriedOver:
                                  f"{str(err).strip()[:300]})") from err
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(fetched, dst)
-    return CarriedOver(uri, version, dst, sha256_of(dst))
+    return CarriedOver(uri, version, dst, file_sha256(dst))
 
 
 def fetch_init_checkpoint(uri: str, folder: Path, tokenizer: Path,
@@ -116,7 +108,7 @@ def fetch_init_checkpoint(uri: str, folder: Path, tokenizer: Path,
                                  f"{str(err).strip()[:300]})") from err
         _check_same_tokenizer(uri, version, files.tokenizer, tokenizer)
         _check_same_model(uri, version, files.run_config, model)
-        digest = sha256_of(files.checkpoint)
+        digest = file_sha256(files.checkpoint)
         kept = folder / digest[:16] / "clip.ckpt"
         _keep_only(folder, kept.parent.name)
         kept.parent.mkdir(parents=True, exist_ok=True)
@@ -135,7 +127,7 @@ def _keep_only(folder: Path, name: str) -> None:
 
 
 def _check_same_tokenizer(uri: str, version: Version, theirs: Path, ours: Path) -> None:
-    if sha256_of(theirs) != sha256_of(ours):
+    if file_sha256(theirs) != file_sha256(ours):
         raise CarryOverError(
             f"train.init_from: {uri} ({version.fixed_uri}) was trained with another tokenizer "
             f"than {ours} (its token ids mean other words): set tokenizer.pin: {uri} so this "

@@ -50,6 +50,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from clipms.utils.filehash import size_and_sha256
 from clipms.utils.atomic import atomic_write
 from clipms.utils.jsonio import read_json, write_json
 
@@ -315,16 +316,6 @@ def _member_header(name: str, size: int) -> bytes:
     block[_CHECKSUM] = b" " * 8
     block[148:155] = b"%06o\0" % sum(block)  # the eighth byte stays a space, as tarfile's
     return bytes(block)
-
-
-def size_and_sha256(path: Path) -> tuple[int, str]:
-    """(bytes, sha256 hex) of a file, as the manifest records a shard."""
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-            size += len(block)
-    return size, digest.hexdigest()
 
 
 def write_split(root: Path | str, split: str, samples: Iterable[SampleFiles],

@@ -29,6 +29,7 @@ from PIL import Image
 from clipms.data.preprocess import PreprocessError, decode_image, preprocess_image
 from clipms.deploy.search import ExactSearch, FaissSearch, Searcher, SearchOptions
 from clipms.utils.atomic import atomic_write, write_bytes
+from clipms.utils.filehash import file_sha256
 from clipms.utils.jsonio import write_json
 
 INDEX_FORMAT = "clipms-image-index"
@@ -51,14 +52,6 @@ class Item:
     image: bytes
     caption: str
     split: str
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def bundle_digest(bundle_dir: Path | str) -> str:
