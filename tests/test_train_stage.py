@@ -118,9 +118,12 @@ def test_dvc_repro_train_writes_its_contract_outputs_and_resumes(tmp_path):
     metrics = json.loads((ws / "metrics/train.json").read_text())
     for key in ("final_loss", "steps", "samples_per_s", "wall_time_s", "peak_rss_mb"):
         assert key in metrics, key
+    assert metrics["skipped_steps"] == 0  # a healthy run never meets train.max_skipped_share
     rows = list(csv.DictReader((ws / "plots/train.csv").open()))
     assert [int(r["step"]) for r in rows] == list(range(1, int(metrics["steps"]) + 1))
-    assert set(rows[0]) >= {"step", "epoch", "loss", "lr", "logit_scale", "samples_per_s"}
+    assert set(rows[0]) >= {"step", "epoch", "loss", "lr", "logit_scale", "samples_per_s",
+                            "loss_scale", "skipped_steps"}
+    assert {r["skipped_steps"] for r in rows} == {"0"}
     assert float(rows[-1]["loss"]) == pytest.approx(metrics["final_loss"], rel=1e-5)
 
     run_config = json.loads((ws / "models/clip.json").read_text())

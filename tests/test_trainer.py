@@ -257,9 +257,11 @@ def test_the_fingerprint_covers_every_setting_but_the_cadence_ones():
               "loss_scale_window": 3, "seed": 1, "augment": True, "decode": "cpu",
               "group_by": ("colour",), "group_fraction": 0.25, "loss": "siglip",
               "lock_image": True, "lock_text": True, "init_from": "x.ckpt",
-              "workers": 7, "checkpoint_every": 1, "keep_checkpoints": 9, "log_every": 1}
+              "workers": 7, "checkpoint_every": 1, "keep_checkpoints": 9, "log_every": 1,
+              "max_skipped_share": 0.5, "max_nonfinite_steps": 1}
     assert set(values) == set(TrainSettings.model_fields)  # every setting of the schema is here
-    cadence = {"workers", "checkpoint_every", "keep_checkpoints", "log_every"}
+    cadence = {"workers", "checkpoint_every", "keep_checkpoints", "log_every",
+               "max_skipped_share", "max_nonfinite_steps"}  # alarms stop a run, change no weight
     for name, value in values.items():
         changed = cfg.model_copy(update={name: value}).fingerprint() != cfg.fingerprint()
         assert changed is (name not in cadence), name

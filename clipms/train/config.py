@@ -78,6 +78,11 @@ class TrainSettings(Section):
     checkpoint_every: int = cadence(100, ge=1)
     keep_checkpoints: int = cadence(2, ge=1)
     log_every: int = cadence(10, ge=1)
+    # Alarms (they stop a run, never change its weights): amp steps skipped (gradients or loss
+    # not finite) in more than this share of the run's steps; this many consecutive amp steps
+    # with a loss that is not finite (an fp32 one stops at the first: its update is not skipped).
+    max_skipped_share: float = cadence(0.25, ge=0, le=1)
+    max_nonfinite_steps: int = cadence(3, ge=1)
 
 
     @field_validator("group_by", mode="before")

@@ -21,7 +21,8 @@ from clipms.utils.jsonio import read_json, write_json
 if TYPE_CHECKING:
     from clipms.train.loop import Callback, TrainResult
 
-CSV_COLUMNS = ("step", "epoch", "loss", "lr", "logit_scale", "samples_per_s", "grad_norm")
+CSV_COLUMNS = ("step", "epoch", "loss", "lr", "logit_scale", "samples_per_s", "grad_norm",
+               "loss_scale", "skipped_steps")
 
 
 @dataclass(frozen=True)

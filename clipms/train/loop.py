@@ -49,16 +49,25 @@ from clipms.train.schedule import cosine_lr
 from clipms.utils.atomic import atomic_write
 
 __all__ = ["BatchSource", "Callback", "NonFiniteLossError", "RandomBatches", "ShardBatches",
-           "TrainConfig", "TrainResult", "Training", "save_model", "train"]
+           "SkippedStepsError", "TrainConfig", "TrainResult", "Training", "save_model", "train"]
 
 log = logging.getLogger(__name__)
 
 MAX_LOGIT_SCALE = math.log(100.0)  # open_clip clamps the learned temperature to 1/100
+# Skipped amp steps never stop a run before this many: the dynamic loss scale calibrates by
+# skipping, and from the default 2^16 it reaches its floor of 1 in 16 halvings (a healthy micro
+# run skips its first 2 steps at 2^16: tests/test_train_alarms.py).
+CALIBRATION_SKIPS = 16
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss (or gradient norm) became NaN or inf; the message names the step. Nothing of that
     step or later is saved."""
+
+
+class SkippedStepsError(NonFiniteLossError):
+    """Under amp, more of the run's steps were skipped (gradients or loss not finite) than
+    `train.max_skipped_share` allows: a run that would end having trained on few of its steps."""
 
 
 class Callback(Protocol):
@@ -87,6 +96,8 @@ class Launched:
     losses: list[Any]  # one per micro-batch
     norm: Any
     logit_scale: Any
+    finite: Any  # False: amp skipped the step
+    loss_scale: Any  # what the next step uses (1 in fp32)
 
 
 @dataclass
@@ -150,10 +161,10 @@ class Training:
         epoch = self.step * self.cfg.accum_steps // per_epoch
         losses = []
         for micro in range(self.cfg.accum_steps):
-            loss, norm, _, scale = feed(micro == self.cfg.accum_steps - 1)
+            loss, norm, finite, scale, loss_scale = feed(micro == self.cfg.accum_steps - 1)
             losses.append(loss)
         self.step += 1
-        return Launched(self.step, epoch, losses, norm, scale)
+        return Launched(self.step, epoch, losses, norm, scale, finite, loss_scale)
 
     def read(self, launched: Sequence[Launched], total: int,
              seconds: float) -> list[dict[str, float]]:
@@ -168,8 +179,41 @@ class Training:
             raise NonFiniteLossError(
                 f"{what} at step {bad} (epoch {row['epoch'] if row else '?'}); stopping. Nothing "
                 f"of step {bad} or later was saved; the last good checkpoint (if any) is intact.")
+        self._count_skipped(rows, total)
         self.history.extend(rows)
         return rows
+
+    def _count_skipped(self, rows: list[dict[str, Any]], total: int) -> None:
+        """Turn each row's `skipped` flag into the run's `skipped_steps` so far, and stop a run
+        whose amp steps are wasted (`_wasted`), or whose loss is not finite
+        `max_nonfinite_steps` steps in a row (the weights are intact: amp skipped those steps)."""
+        cfg = self.cfg
+        skipped = int(self.history[-1].get("skipped_steps", 0)) if self.history else 0
+        streak = 0
+        for row in reversed(self.history):
+            if math.isfinite(row["loss"]):
+                break
+            streak += 1
+        for row in rows:
+            skipped += int(row.pop("skipped"))
+            row["skipped_steps"] = skipped
+            streak = 0 if math.isfinite(row["loss"]) else streak + 1
+            step = int(row["step"])
+            if streak >= cfg.max_nonfinite_steps:
+                raise NonFiniteLossError(
+                    f"the loss is not finite at steps {step - streak + 1}-{step}, "
+                    f"{streak} in a row (train.max_nonfinite_steps: {cfg.max_nonfinite_steps}); "
+                    f"stopping. amp skipped those steps, so the weights are those of step "
+                    f"{step - streak}; the forward overflows fp16 (bad data, or a learning rate "
+                    f"too high): train in fp32 or lower train.lr.")
+            if _wasted(skipped, step, total, cfg.max_skipped_share):
+                raise SkippedStepsError(
+                    f"{skipped} of the first {step} steps were skipped (amp: gradients or loss "
+                    f"not finite; loss scale now {row['loss_scale']:g}), more than "
+                    f"train.max_skipped_share {cfg.max_skipped_share:g} of the run's {total} "
+                    f"steps; stopping: the run would end having trained on few of its steps. "
+                    f"Lower train.loss_scale (it only halves once per skipped step), or train "
+                    f"in fp32.")
 
     def _row(self, item: Launched, total: int, seconds: float) -> dict[str, float]:
         cfg = self.cfg
@@ -179,7 +223,9 @@ class Training:
                 "lr": cosine_lr(item.step - 1, cfg.lr, cfg.warmup_steps, total),
                 "grad_norm": float(item.norm.asnumpy()),
                 "logit_scale": float(item.logit_scale.asnumpy()),
-                "samples_per_s": samples / seconds if seconds > 0 else 0.0}
+                "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+                "loss_scale": float(item.loss_scale.asnumpy()),
+                "skipped": not bool(item.finite.asnumpy())}
 
     def state_tensors(self) -> dict[str, Any]:
         """Every tensor a checkpoint holds: the model (its own names), both AdamW moments, the
@@ -282,6 +328,9 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
         "samples_per_s": samples / seconds if seconds else 0.0,
         "wall_time_s": time.perf_counter() - started,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        # amp: steps skipped (never more than train.max_skipped_share), the final loss scale
+        "skipped_steps": float(run.history[-1]["skipped_steps"]) if run.history else 0.0,
+        "loss_scale": float(run.step_cell.scale.asnumpy()) if cfg.precision == "amp" else 1.0,
     }
     if run.model.logit_bias is not None:  # SigLIP's learned bias, as trained
         summary["logit_bias"] = float(run.model.logit_bias.asnumpy())
@@ -327,11 +376,20 @@ def _launch_all(run: Training, feed: HostFeed | SinkFeed, per_epoch: int, total:
     return samples, seconds
 
 
+def _wasted(skipped: int, step: int, total: int, share: float) -> bool:
+    """More than `share` of the run's `total` steps skipped, known as soon as it is certain (no
+    later step can bring the run back below it), past the loss scale's calibration
+    (`CALIBRATION_SKIPS`); and a run that applied no step at all, at its end."""
+    over = skipped > share * total
+    return over and (skipped > CALIBRATION_SKIPS or (step == total and skipped == total))
+
+
 def _report(rows: list[dict[str, float]], total: int, callbacks: Sequence[Callback]) -> None:
     last = rows[-1]
-    log.info("step %d/%d epoch %d loss %.4f lr %.3g logit_scale %.2f samples/s %.1f",
-             last["step"], total, last["epoch"], last["loss"], last["lr"], last["logit_scale"],
-             last["samples_per_s"])
+    log.info("step %d/%d epoch %d loss %.4f lr %.3g logit_scale %.2f samples/s %.1f "
+             "loss_scale %g skipped %d", last["step"], total, last["epoch"], last["loss"],
+             last["lr"], last["logit_scale"], last["samples_per_s"], last["loss_scale"],
+             last["skipped_steps"])
     for row in rows:
         for callback in callbacks:
             callback.on_step_end(int(row["step"]), dict(row))

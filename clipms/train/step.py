@@ -104,14 +104,20 @@ def _add_into_one(buffer: Parameter, grad: Tensor) -> Tensor:
 
 
 class TrainStep(nn.Cell):
-    """`construct(images, tokens, apply) -> (loss, grad_norm, finite, logit_scale)`, all tensors
-    on the device: the micro-batch loss (averaged over ranks when data-parallel), the global
-    gradient norm, whether the update was applied (False only when amp's loss scale overflowed
-    and the step was skipped, as torch's GradScaler does) and exp(logit_scale) after the clamp.
+    """`construct(images, tokens, apply) -> (loss, grad_norm, finite, logit_scale, loss_scale)`,
+    all tensors on the device: the micro-batch loss (averaged over ranks when data-parallel), the
+    global gradient norm, whether the update was applied, exp(logit_scale) after the clamp and
+    the loss scale the next step uses (1 in fp32).
+
+    Under amp a step whose gradients or loss are not finite is skipped (the weights and AdamW's
+    moments keep their values, as torch's GradScaler does) and the scale halves; the host counts
+    the skipped steps and stops a run that skips too many (`clipms.train.loop`). In fp32 such a
+    step would write NaN into the weights, so the first one is recorded (`first_bad_step`) and
+    stops the run.
 
     State (Parameters, so checkpoints hold it): `train_step` optimizer steps done, `adam_t` AdamW
-    updates applied (amp skips do not count), `first_bad_step` 0 or the 1-based step whose loss
-    (or, in fp32, gradient norm) was first NaN/inf, and the dynamic loss scale.
+    updates applied (amp skips do not count), `first_bad_step` 0 or the 1-based fp32 step whose
+    loss or gradient norm was first NaN/inf, and the dynamic loss scale.
     """
 
     def __init__(self, net_with_loss: nn.Cell, optimizer: nn.Cell, schedule: Schedule,
@@ -159,33 +165,37 @@ class TrainStep(nn.Cell):
             loss = self.all_reduce(loss) / self.group_size  # the loss of the global batch
         if not apply:
             self.hyper_map(_add_into, self.accum, grads)
-            self._record_if_bad(ops.logical_not(ops.isfinite(loss)))
-            return loss, ops.zeros((), ms.float32), ops.ones((), ms.bool_), self._scale_now()
+            if not self.amp:
+                self._record_if_bad(ops.logical_not(ops.isfinite(loss)))
+            return (loss, ops.zeros((), ms.float32), ops.ones((), ms.bool_), self._scale_now(),
+                    ops.cast(self.scale, ms.float32))
         if self.accum_steps > 1:
             grads = self._drain_accumulated(grads)
         if self.distributed:
             grads = self.reducer(grads)
-        finite = ms.amp.all_finite(grads) if self.amp else ops.ones((), ms.bool_)
+        finite = ops.ones((), ms.bool_)
+        if self.amp:  # an overflow, or a forward that overflowed (a NaN loss): skip the step
+            finite = ops.logical_and(ms.amp.all_finite(grads), ops.isfinite(loss))
         if self.max_grad_norm > 0:
             grads, norm = clip_by_global_norm(grads, self.max_grad_norm)
         else:
             norm = global_norm(grads)
-        bad = ops.logical_not(ops.isfinite(loss))
-        if not self.amp:  # under amp a non-finite gradient is an overflow: the step is skipped
-            bad = ops.logical_or(bad, ops.logical_not(ops.isfinite(norm)))
-        self._record_if_bad(bad)
+        if not self.amp:
+            self._record_if_bad(ops.logical_not(
+                ops.logical_and(ops.isfinite(loss), ops.isfinite(norm))))
         lr, eps, weight_decay = self.schedule(self.step, self.adam_t + 1)
         if self.amp:
             if finite:
                 self.optimizer(grads, lr, eps, weight_decay)
-            self._adjust_loss_scale(finite)
+            new_scale = self._adjust_loss_scale(finite)
         else:
             self.optimizer(grads, lr, eps, weight_decay)
+            new_scale = ops.ones((), ms.float32)
         ops.assign_add(self.adam_t, ops.cast(finite, ms.int32))
         ops.assign_add(self.step, ops.ones((), ms.int32))
         if self.clamp_logit_scale:
             ops.assign(self.logit_scale, ops.clamp(self.logit_scale, 0.0, self.max_logit_scale))
-        return loss, norm, finite, self._scale_now()
+        return loss, norm, finite, self._scale_now(), ops.cast(new_scale, ms.float32)
 
     def _scale_now(self) -> Tensor:
         if self.clamp_logit_scale:
@@ -204,14 +214,16 @@ class TrainStep(nn.Cell):
         self.hyper_map(ops.assign, self.accum, self.hyper_map(ops.zeros_like, self.accum))
         return mean
 
-    def _adjust_loss_scale(self, finite: Tensor) -> None:
-        """DynamicLossScaleManager's rule: halve on overflow, double after `window` good steps."""
+    def _adjust_loss_scale(self, finite: Tensor) -> Tensor:
+        """DynamicLossScaleManager's rule: halve on overflow, double after `window` good steps;
+        returns the new scale."""
         good = ops.select(finite, self.good_steps + 1, ops.zeros_like(self.good_steps))
         grow = good >= self.scale_window
         new_scale = ops.select(finite, ops.select(grow, self.scale * 2.0, self.scale),
                                ops.maximum(self.scale * 0.5, 1.0))
         ops.assign(self.scale, new_scale)
         ops.assign(self.good_steps, ops.select(grow, ops.zeros_like(good), good))
+        return new_scale
 
     def state(self) -> dict[str, Parameter]:
         """The step's own state, by checkpoint name."""
