@@ -56,7 +56,7 @@ def former_step_losses(cfg: TrainConfig, source: RandomBatches, total: int) -> l
                                       step + 1, cfg.betas, cfg.eps, cfg.weight_decay)
         for param, value in zip(host.values, hyper.tensors(), strict=True):
             param.set_data(Tensor(value))
-        loss, *_ = run.step_cell(Tensor(images), Tensor(tokens), True)
+        loss, *_ = run.step_cell(Tensor(images), Tensor(tokens))
         losses.append(float(loss.asnumpy()))
     return losses
 
@@ -161,7 +161,7 @@ def test_patch_dropout_draws_once_per_forward_and_the_loss_is_the_gradients_loss
     run = Training.build(cfg, 1)
     images, tokens = next(iter(RandomBatches(MICRO_SIGLIP_PD, 4, 1).stream(0, 1)))
     images = Tensor(images.astype(np.float32) / 255)
-    loss, *_ = run.step_cell(images, Tensor(tokens), True)
+    loss, *_ = run.step_cell(images, Tensor(tokens))
     assert int(run.model.visual.patch_dropout.draws.asnumpy()) == 1
     ms.set_seed(0)
     again = CLIP(MICRO_SIGLIP_PD)  # the same initial weights; lr 0 left the trained ones there

@@ -103,9 +103,14 @@ class HostFeed:
         self.step, self.to_tensor = step, ms.Tensor
         self.batches = iter(source.stream(start, stop))
 
-    def __call__(self, apply: bool) -> Any:
+    def batch(self) -> tuple[Any, Any]:
+        """The next micro-batch as tensors (the step is called by whoever takes it)."""
         images, tokens = next(self.batches)
-        return self.step(self.to_tensor(images), self.to_tensor(tokens), apply)
+        return self.to_tensor(images), self.to_tensor(tokens)
+
+    def __call__(self, *args: Any) -> Any:
+        """The step on the next micro-batch (`args` after the batch: the step's own)."""
+        return self.step(*self.batch(), *args)
 
     def close(self) -> None:
         """End the stream (and the loader processes behind it)."""
@@ -207,23 +212,28 @@ class DeviceQueue:
 class SinkFeed:
     """Micro-batches through MindSpore's device queue (`DeviceQueue`; runtime `data_sink`, Ascend
     and GPU): the dataset engine sends them ahead while steps run, so launching a step copies
-    nothing. The step stays the compiled Cell and `apply` is passed at every call, so
-    accumulation works as with `HostFeed`. The queue is released after the last micro-batch it
-    holds, or by `close()` when training stops early."""
+    nothing. The step stays the compiled Cell; with accumulation the loop takes the
+    micro-batches (`batch`) and hands them to the step, as with `HostFeed`. The queue is released
+    after the last micro-batch it holds, or by `close()` when training stops early."""
 
     def __init__(self, step: Any, source: BatchSource, start: int, stop: int,
                  signature: BatchSignature) -> None:
         self.step, self.left = step, stop - start
         self.queue = DeviceQueue(sink_dataset(source, start, stop), signature)
 
-    def __call__(self, apply: bool) -> Any:
+    def batch(self) -> tuple[Any, Any]:
+        """The next micro-batch, already on the device."""
         if self.left <= 0:
             raise RuntimeError("the sunk dataset holds no further batch")
         images, tokens = self.queue()
         self.left -= 1
         if self.left == 0:
             self.close()  # the last batch is on the device: nothing more to send
-        return self.step(images, tokens, apply)
+        return images, tokens
+
+    def __call__(self, *args: Any) -> Any:
+        """The step on the next micro-batch (`args` after the batch: the step's own)."""
+        return self.step(*self.batch(), *args)
 
     def close(self) -> None:
         self.queue.close()

@@ -159,12 +159,13 @@ class Training:
     def launch(self, feed: HostFeed | SinkFeed, per_epoch: int) -> Launched:
         """Queue one optimizer step (accum_steps micro-batches); reads nothing back."""
         epoch = self.step * self.cfg.accum_steps // per_epoch
-        losses = []
-        for micro in range(self.cfg.accum_steps):
-            loss, norm, finite, scale, loss_scale = feed(micro == self.cfg.accum_steps - 1)
-            losses.append(loss)
+        if self.cfg.accum_steps == 1:
+            loss, norm, finite, scale, loss_scale = feed()
+        else:  # the loss over all the micro-batches: clipms.train.step.TrainStep.accumulate
+            batches = [feed.batch() for _ in range(self.cfg.accum_steps)]
+            loss, norm, finite, scale, loss_scale = self.step_cell.accumulate(batches)
         self.step += 1
-        return Launched(self.step, epoch, losses, norm, scale, finite, loss_scale)
+        return Launched(self.step, epoch, [loss], norm, scale, finite, loss_scale)
 
     def read(self, launched: Sequence[Launched], total: int,
              seconds: float) -> list[dict[str, float]]:
@@ -469,7 +470,8 @@ def _build_step(cfg: TrainConfig, model: Any, trainable: list[tuple[str, Any]], 
         max_grad_norm=cfg.grad_clip_norm or 0.0,
         loss_scale=cfg.loss_scale if cfg.precision == "amp" else None,
         loss_scale_window=cfg.loss_scale_window, logit_scale=model.logit_scale,
-        max_logit_scale=MAX_LOGIT_SCALE, group_size=group_size).set_train(True)
+        max_logit_scale=MAX_LOGIT_SCALE, group_size=group_size,
+        micro_batch=cfg.batch_size).set_train(True)
 
 
 def _start_patch_dropout(model: Any, cfg: TrainConfig, distributed: bool) -> None:
