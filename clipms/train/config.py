@@ -100,7 +100,8 @@ class TrainConfig(TrainSettings):
     model: CLIPConfig
     runtime: RuntimeConfig = RuntimeConfig()
     data_fingerprint: str = ""  # the data, tokenizer and training code the batches come from
-    workers: int = cadence(2, ge=0)  # resolved ("auto" is the stage's: clipms.data.decode)
+    # "auto" is resolved in each rank's own process: clipms.train.feed.rank_loader_workers
+    workers: Literal["auto"] | Annotated[int, Field(ge=0)] = cadence(2)
 
     @field_validator("model", mode="before")
     @classmethod

@@ -58,6 +58,10 @@ MAX_LOGIT_SCALE = math.log(100.0)  # open_clip clamps the learned temperature to
 # skipping, and from the default 2^16 it reaches its floor of 1 in 16 halvings (a healthy micro
 # run skips its first 2 steps at 2^16: tests/test_train_alarms.py).
 CALIBRATION_SKIPS = 16
+# The first reads after the first step (compilation) set the loader's rate beside the steps',
+# and warn when the training process waited on data for more than this share of the time.
+LOADER_REPORTS = 3
+LOADER_BOUND_SHARE = 0.2
 
 
 class NonFiniteLossError(RuntimeError):
@@ -349,18 +353,19 @@ def _loop(run: Training, source: BatchSource, total: int,
     per_epoch = source.batches_per_epoch
     feed = run.feed(source, total)
     try:
-        return _launch_all(run, feed, per_epoch, total, writer, callbacks)
+        return _launch_all(run, feed, per_epoch, total, writer, callbacks,
+                           getattr(source, "workers", None))
     finally:
         feed.close()  # nothing decodes or sends after the last step (or an error)
 
 
 def _launch_all(run: Training, feed: HostFeed | SinkFeed, per_epoch: int, total: int,
                 writer: checkpoint.CheckpointWriter | None,
-                callbacks: Sequence[Callback]) -> tuple[int, float]:
+                callbacks: Sequence[Callback], workers: int | None = None) -> tuple[int, float]:
     cfg, accum = run.cfg, run.cfg.accum_steps
     pending: list[Launched] = []
-    first, samples, seconds = True, 0, 0.0
-    tick = time.perf_counter()
+    first, samples, seconds, loader_reports = True, 0, 0.0, LOADER_REPORTS
+    tick, fed = time.perf_counter(), (0, 0.0)
     while run.step < total:
         pending.append(run.launch(feed, per_epoch))
         save = writer is not None and (run.step % cfg.checkpoint_every == 0 or run.step == total)
@@ -370,11 +375,40 @@ def _launch_all(run: Training, feed: HostFeed | SinkFeed, per_epoch: int, total:
             if not first:
                 samples += len(rows) * cfg.batch_size * accum * run.group_size
                 seconds += elapsed
+                if loader_reports:
+                    loader_reports -= 1
+                    _report_loader(int(rows[-1]["step"]), feed.clock.samples - fed[0],
+                                   feed.clock.waited - fed[1], elapsed, workers)
             _report(rows, total, callbacks)
             pending, first, tick = [], False, time.perf_counter()
+            fed = (feed.clock.samples, feed.clock.waited)
         if save:
             run.save(writer)
     return samples, seconds
+
+
+def loader_report(samples: int, waited: float, elapsed: float,
+                  workers: int | None = None) -> tuple[str, bool]:
+    """(the log line, whether the device waits on data) for `samples` this rank's steps took in
+    `elapsed` seconds, `waited` of them spent waiting for the loader."""
+    steps = samples / elapsed if elapsed > 0 else 0.0
+    loader = (f"{samples / waited:.1f} samples/s while waited for" if waited > 0 else
+              "never waited for")
+    share = waited / elapsed if elapsed > 0 else 0.0
+    line = (f"loader {loader} (waited {waited:.2f} s of {elapsed:.2f} s), steps "
+            f"{steps:.1f} samples/s on this rank")
+    bound = share > LOADER_BOUND_SHARE
+    if bound:
+        now = f" (now {workers})" if workers is not None else ""
+        line += (f": the device waits on data {share:.0%} of the time; raise train.workers{now}"
+                 f" or decode on the device (train.decode, docs/ascend.md)")
+    return line, bound
+
+
+def _report_loader(step: int, samples: int, waited: float, elapsed: float,
+                   workers: int | None) -> None:
+    line, bound = loader_report(samples, waited, elapsed, workers)
+    (log.warning if bound else log.info)("step %d: %s", step, line)
 
 
 def _wasted(skipped: int, step: int, total: int, share: float) -> bool:
