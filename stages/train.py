@@ -199,6 +199,7 @@ def main() -> int:
         return 1
     if not cluster.writes_outputs:
         return _join_as_worker_node(job, cluster)
+    from clipms.parallel.launch import LaunchError
     from clipms.train import job as train_job
     from clipms.train.loop import NonFiniteLossError
     from registry.callback import TrainCallback
@@ -217,11 +218,11 @@ def main() -> int:
             if cluster.workers > 1:
                 from clipms.parallel.launch import launch
 
-                launch(job, cluster, paths.MSRUN_LOGS)
+                launch(job, cluster, paths.MSRUN_LOGS)  # a rank's alarm: LaunchError, its log
                 summary = train_job.replay(job.outputs, sinks)
             else:
                 summary = train_job.run(job, sinks).summary
-    except NonFiniteLossError as err:
+    except (NonFiniteLossError, LaunchError) as err:  # a diverging or wasted run, too
         print(f"train: error: {err}", file=sys.stderr)
         return 1
     run.log_artifact(job.outputs.plot, "plots")

@@ -168,3 +168,12 @@ def test_dvc_repro_train_writes_its_contract_outputs_and_resumes(tmp_path):
     assert [int(r["step"]) for r in rows] == list(range(1, int(metrics["steps"]) + 1))
     assert sorted(p.name for p in (ws / "models/checkpoints/msrun").glob("worker_*.log")) == [
         "worker_0.log", "worker_1.log"]
+
+    # A run under amp whose loss scale overflows every step (a night that would train nothing)
+    # fails the stage and says why, instead of ending "successfully".
+    set_params(ws / "params.yaml", {"train.distributed.workers": 1, "train.precision": "amp",
+                                    "train.loss_scale": 1.0e30})
+    wasted = run(["dvc", "repro", "train"], cwd=ws, timeout=900, check=False)
+    assert wasted.returncode != 0
+    assert re.search(r"train: error: (\d+) of the first \1 steps were skipped \(amp: gradients "
+                     r"or loss not finite", wasted.stderr), wasted.stderr[-3000:]

@@ -14,7 +14,7 @@ from mindspore import nn, ops
 
 from clipms.data.dataset import normalize_pixels
 from clipms.data.preprocess import PreprocessConfig
-from clipms.model.clip import CLIP
+from clipms.model.clip import CLIP, to_mixed_precision
 from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
 from clipms.train import optim, schedule
 from clipms.train.config import LOSS_INIT
@@ -59,16 +59,20 @@ def _batch(n: int, seed: int):
     return ms.Tensor(images.astype(np.float32) / 255), ms.Tensor(tokens)
 
 
-def _contrastive_cell(loss: str, accum_steps: int, micro_batch: int = 0):
-    """The real loss (ClipLoss or SigLipLoss, with SigLIP's logit bias) in a TrainStep."""
+def _contrastive_cell(loss: str, accum_steps: int, micro_batch: int = 0,
+                      loss_scale: float | None = None):
+    """The real loss (ClipLoss or SigLipLoss, with SigLIP's logit bias) in a TrainStep; amp
+    (O2, fp32 master weights) with a `loss_scale`."""
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(0)
     cfg = dataclasses.replace(MICRO, **LOSS_INIT[loss])
     model = CLIP(cfg)
     opt = optim.build_adamw(list(model.parameters_and_names()))
+    if loss_scale is not None:
+        to_mixed_precision(model)
     cell = TrainStep(ClipWithLoss(model, build_loss(loss)), opt, optim.Schedule(1e-3, 0, 10),
                      accum_steps=accum_steps, logit_scale=model.logit_scale,
-                     micro_batch=micro_batch)
+                     micro_batch=micro_batch, loss_scale=loss_scale)
     return model, cell
 
 
@@ -99,6 +103,23 @@ def test_accumulating_k_micro_batches_is_one_step_on_the_k_times_larger_batch(lo
     assert all(float(np.abs(buf.asnumpy()).max()) == 0.0 for buf in accum.accum)
     # one optimizer step, counted once on the device however many micro-batches it took
     assert int(accum.step.asnumpy()) == int(accum.adam_t.asnumpy()) == 1
+
+
+@pytest.mark.slow  # compiles a training step
+def test_accumulation_under_amp_unscales_the_cached_gradient_once():
+    """Under amp the loss's gradient is scaled before the micro-batches back-propagate from it,
+    and the sum unscaled once: the step of one batch under amp, to fp16's precision."""
+    images, tokens = _batch(12, seed=3)
+    _, whole = _contrastive_cell("clip", accum_steps=1, loss_scale=1024.0)
+    want_loss, want_norm, want_finite, *_ = whole(images, tokens)
+    _, accum = _contrastive_cell("clip", accum_steps=3, micro_batch=4, loss_scale=1024.0)
+    micro = [(images[i:i + 4], tokens[i:i + 4]) for i in range(0, 12, 4)]
+    got_loss, got_norm, finite, *_ = accum.accumulate(micro)
+    assert bool(finite.asnumpy()) and bool(want_finite.asnumpy())
+    np.testing.assert_allclose(got_loss.asnumpy(), want_loss.asnumpy(), rtol=1e-3)
+    np.testing.assert_allclose(got_norm.asnumpy(), want_norm.asnumpy(), rtol=1e-2)
+    for a, b in zip(_first_moments(whole), _first_moments(accum), strict=True):
+        np.testing.assert_allclose(b, a, rtol=2e-2, atol=1e-4)
 
 
 @pytest.mark.slow  # compiles a training step
