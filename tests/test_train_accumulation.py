@@ -134,17 +134,3 @@ def test_accumulated_steps_train_what_one_step_on_the_whole_batch_trains(runs, m
         for name in weights:
             np.testing.assert_array_equal(other[name], weights[name], err_msg=name)
 
-
-def test_accumulation_with_patch_dropout_is_refused_with_the_reason():
-    from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
-    from clipms.train.config import TrainConfig
-
-    model = CLIPConfig(
-        embed_dim=16,
-        vision=VisionConfig(image_size=16, patch_size=8, width=32, layers=1, head_width=16,
-                            patch_dropout=0.5),
-        text=TextConfig(context_length=8, vocab_size=40, width=32, heads=2, layers=1))
-    TrainConfig(model=model, accum_steps=1)
-    with pytest.raises(ValueError, match=r"train.accum_steps=2 with model.vision.patch_dropout"
-                       r"=0.5: accumulation runs each micro-batch's forward twice"):
-        TrainConfig(model=model, accum_steps=2)

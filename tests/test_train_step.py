@@ -105,6 +105,58 @@ def test_accumulating_k_micro_batches_is_one_step_on_the_k_times_larger_batch(lo
     assert int(accum.step.asnumpy()) == int(accum.adam_t.asnumpy()) == 1
 
 
+class KForwards(nn.Cell):
+    """The loss of k micro-batch forwards run one after the other in one graph (each draws its
+    own patches), over all their features: what accumulation must differentiate (SigLIP's: the
+    model has a logit bias)."""
+
+    def __init__(self, net: ClipWithLoss, k: int):
+        super().__init__()
+        self.net, self.k = net, k
+
+    def construct(self, images, tokens):
+        n = images.shape[0] // self.k
+        first = self.net.features(images[:n], tokens[:n])
+        image_parts, text_parts = [first[0]], [first[1]]
+        for j in range(1, self.k):
+            features = self.net.features(images[j * n:(j + 1) * n], tokens[j * n:(j + 1) * n])
+            image_parts.append(features[0])
+            text_parts.append(features[1])
+        return self.net.loss(ops.cat(image_parts), ops.cat(text_parts), first[2], first[3])
+
+
+@pytest.mark.slow  # compiles a training step
+def test_accumulation_with_patch_dropout_back_propagates_through_the_patches_it_cached():
+    """Each micro-batch's second forward drops the patches its cached features were made with
+    (patch dropout draws anew at every forward): the step of the k forwards' joint loss, and
+    the draw counter where k forwards leave it."""
+    from clipms.model.patch_dropout import start_patch_dropout
+
+    cfg = dataclasses.replace(MICRO, vision=dataclasses.replace(MICRO.vision, patch_dropout=0.5),
+                              **LOSS_INIT["siglip"])
+    images, tokens = _batch(12, seed=3)
+    cells = []
+    for accum_steps in (1, 3):
+        ms.set_context(mode=ms.GRAPH_MODE)
+        ms.set_seed(0)
+        model = CLIP(cfg)
+        opt = optim.build_adamw(list(model.parameters_and_names()))
+        start_patch_dropout(model, seed=4)  # after: its counter is state, not a weight
+        net = ClipWithLoss(model, build_loss("siglip"))
+        cells.append((model, TrainStep(
+            KForwards(net, 3) if accum_steps == 1 else net, opt, optim.Schedule(1e-3, 0, 10),
+            accum_steps=accum_steps, logit_scale=model.logit_scale,
+            micro_batch=4).set_train(True)))  # patch dropout drops in training only
+    (joint_model, joint), (accum_model, accum) = cells
+    want_loss, *_ = joint(images, tokens)
+    got_loss, *_ = accum.accumulate([(images[i:i + 4], tokens[i:i + 4]) for i in range(0, 12, 4)])
+    np.testing.assert_allclose(got_loss.asnumpy(), want_loss.asnumpy(), rtol=1e-5)
+    for a, b in zip(_first_moments(joint), _first_moments(accum), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    draws = [int(m.visual.patch_dropout.draws.asnumpy()) for m in (joint_model, accum_model)]
+    assert draws == [3, 3]
+
+
 @pytest.mark.slow  # compiles a training step
 def test_accumulation_under_amp_unscales_the_cached_gradient_once():
     """Under amp the loss's gradient is scaled before the micro-batches back-propagate from it,
@@ -148,19 +200,22 @@ def test_logit_scale_is_clamped_to_ln_100_after_the_step_and_returned():
     assert float(scale.asnumpy()) == pytest.approx(100.0, rel=1e-5)
 
 
+class ScheduleProbe(nn.Cell):
+    """The graph's schedule alone. A module-level class: one defined in the test was compiled
+    as another, freed Cell's graph once (MindSpore's parse cache, after the step tests)."""
+
+    def __init__(self, lr: float, warmup: int, total: int):
+        super().__init__()
+        self.schedule = optim.Schedule(lr, warmup, total)
+
+    def construct(self, step, t):
+        return self.schedule(step, t)
+
+
 def test_the_graph_schedule_is_the_host_schedule_in_fp32():
     lr, warmup, total = 5e-4, 3, 12
-
-    class Probe(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.schedule = optim.Schedule(lr, warmup, total)
-
-        def construct(self, step, t):
-            return self.schedule(step, t)
-
     ms.set_context(mode=ms.GRAPH_MODE)
-    probe = Probe()
+    probe = ScheduleProbe(lr, warmup, total)
     for step in range(total + 2):  # past the end too: the cosine stays at 0
         t = step + 1
         got = [float(x.asnumpy()) for x in probe(ms.Tensor(np.int32(step)), ms.Tensor(np.int32(t)))]

@@ -113,17 +113,6 @@ class TrainConfig(TrainSettings):
         check_loss_fits(self.loss, self.model)
         return self
 
-    @model_validator(mode="after")
-    def _accumulation_sees_one_patch_draw(self) -> TrainConfig:
-        """Accumulation runs each micro-batch's forward twice (clipms.train.step.TrainStep):
-        patch dropout would draw other patches the second time than the features it cached."""
-        if self.accum_steps > 1 and self.model.vision.patch_dropout > 0:
-            raise ValueError(f"train.accum_steps={self.accum_steps} with "
-                             f"model.vision.patch_dropout={self.model.vision.patch_dropout}: "
-                             "accumulation runs each micro-batch's forward twice and the "
-                             "second would drop other patches; use one of them")
-        return self
-
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 

@@ -55,8 +55,8 @@ log = logging.getLogger(__name__)
 
 MAX_LOGIT_SCALE = math.log(100.0)  # open_clip clamps the learned temperature to 1/100
 # Skipped amp steps never stop a run before this many: the dynamic loss scale calibrates by
-# skipping, and from the default 2^16 it reaches its floor of 1 in 16 halvings (a healthy micro
-# run skips its first 2 steps at 2^16: tests/test_train_alarms.py).
+# skipping, and from the default 2^16 it reaches its floor of 1 in 16 halvings (a micro CLIP
+# skips its first 2 or 3 steps at 2^16: tests/test_train_alarms.py, tests/test_trainer.py).
 CALIBRATION_SKIPS = 16
 # The first reads after the first step (compilation) set the loader's rate beside the steps',
 # and warn when the training process waited on data for more than this share of the time.
@@ -211,7 +211,7 @@ class Training:
                     f"stopping. amp skipped those steps, so the weights are those of step "
                     f"{step - streak}; the forward overflows fp16 (bad data, or a learning rate "
                     f"too high): train in fp32 or lower train.lr.")
-            if _wasted(skipped, step, total, cfg.max_skipped_share):
+            if _wasted(skipped, total, cfg.max_skipped_share):
                 raise SkippedStepsError(
                     f"{skipped} of the first {step} steps were skipped (amp: gradients or loss "
                     f"not finite; loss scale now {row['loss_scale']:g}), more than "
@@ -411,12 +411,11 @@ def _report_loader(step: int, samples: int, waited: float, elapsed: float,
     (log.warning if bound else log.info)("step %d: %s", step, line)
 
 
-def _wasted(skipped: int, step: int, total: int, share: float) -> bool:
+def _wasted(skipped: int, total: int, share: float) -> bool:
     """More than `share` of the run's `total` steps skipped, known as soon as it is certain (no
     later step can bring the run back below it), past the loss scale's calibration
-    (`CALIBRATION_SKIPS`); and a run that applied no step at all, at its end."""
-    over = skipped > share * total
-    return over and (skipped > CALIBRATION_SKIPS or (step == total and skipped == total))
+    (`CALIBRATION_SKIPS`)."""
+    return skipped > share * total and skipped > CALIBRATION_SKIPS
 
 
 def _report(rows: list[dict[str, float]], total: int, callbacks: Sequence[Callback]) -> None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from clipms.model.clip import cast
+from clipms.model.patch_dropout import PatchDropout
 from clipms.train.optim import Schedule, clip_by_global_norm, global_norm
 
 
@@ -133,6 +134,14 @@ def _add_into_one(buffer: Parameter, grad: Tensor) -> Tensor:
     return ops.assign_add(buffer, grad)
 
 
+_move_draws = ops.MultitypeFuncGraph("clipms_move_draws")
+
+
+@_move_draws.register("Tensor", "Tensor")
+def _move_draws_one(by: Tensor, counter: Parameter) -> Tensor:
+    return ops.assign_add(counter, ops.cast(by, counter.dtype))
+
+
 # What one TrainStep call does (Python constants: each compiles a graph of its own). STEP is a
 # whole optimizer step on one batch; with accum_steps k > 1 an optimizer step is CACHE x k,
 # LOSS, BACKPROP x k, APPLY (`TrainStep.accumulate`).
@@ -218,6 +227,13 @@ class TrainStep(nn.Cell):
         self.scale_cache, self.bias_cache, self.scale_sens, self.bias_sens, self.cached_loss = (
             _buffer(name, np.float32(0.0))
             for name in ("scale_cache", "bias_cache", "scale_sens", "bias_sens", "cached_loss"))
+        # Patch dropout draws anew at every forward (clipms.model.patch_dropout): the second
+        # forward of a micro-batch must drop the patches its cached features were made with.
+        draws = [cell.draws for _, cell in self.net.model.cells_and_names()
+                 if isinstance(cell, PatchDropout) and cell.drawing and cell.prob > 0]
+        self.rewind_draws = bool(draws)
+        if draws:
+            self.draws = ParameterTuple(draws)
 
     def accumulate(self, batches: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, ...]:
         """One optimizer step on k micro-batches (host side: launches 2k + 2 graphs' runs and
@@ -287,7 +303,11 @@ class TrainStep(nn.Cell):
     def _backprop(self, images: Tensor, tokens: Tensor, slot: Tensor) -> Tensor:
         """This micro-batch's forward again, back-propagated from its slice of the loss's
         gradient; the parameters' gradients are added to the buffers. The logit scale and bias
-        get theirs once, with slot 0."""
+        get theirs once, with slot 0. Patch dropout's counters go back to the draw this slot's
+        cached forward made (k - slot draws ago), and on to where the k forwards left them."""
+        back = self.accum_steps - slot
+        if self.rewind_draws and self.training:  # patch dropout draws in training only
+            self.hyper_map(ops.partial(_move_draws, -back), self.draws)
         first = ops.cast(slot == 0, ms.float32)
         sens = (ops.gather(self.image_sens, slot, 0), ops.gather(self.text_sens, slot, 0),
                 self.scale_sens * first)
@@ -295,6 +315,8 @@ class TrainStep(nn.Cell):
             sens = (*sens, self.bias_sens * first)
         grads = self.grad(self.features_of, self.weights)(images, tokens, sens)
         self.hyper_map(_add_into, self.accum, grads)
+        if self.rewind_draws and self.training:
+            self.hyper_map(ops.partial(_move_draws, back - 1), self.draws)
         return first
 
     def _update(self, grads: tuple, loss: Tensor) -> tuple[Tensor, ...]:
