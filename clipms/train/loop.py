@@ -11,9 +11,11 @@ runtime's `compile_cache`, the graphs are cached in a folder keyed by everything
 It reads results back every `log_every` steps, before every checkpoint and at the end: then the
 per-step rows (loss, grad norm, logit scale) of the steps since the last read are built, callbacks
 run, and a NaN/inf is reported at the exact step it happened, before anything of that step (or
-later) is saved. The data order is a function of (seed, epoch, batch index) and the checkpoint
-holds every bit of state, so a resumed run computes exactly the steps the interrupted one would
-have.
+later) is saved. Under amp the skipped steps are counted, and a run that wastes them is stopped
+(`Training._count_skipped`); the first reads also set the loader's rate beside the steps', so a
+rank that waits on data says so in the first minute (`loader_report`). The data order is a
+function of (seed, epoch, batch index) and the checkpoint holds every bit of state, so a resumed
+run computes exactly the steps the interrupted one would have.
 
 A run's state is one object, `Training`: the config, the model, its step, the trainable
 parameters, the rank and the host's record of the steps.

@@ -1,9 +1,10 @@
-"""The compiled training step: pixel normalisation, forward + backward, gradient accumulation,
-dynamic loss scaling, data-parallel gradient averaging, global-norm clipping, the learning-rate
-schedule and AdamW, the logit-scale clamp, and a record of the first non-finite step.
+"""The compiled training step: pixel normalisation, forward + backward, gradient accumulation
+over the whole accumulated batch (feature caching), dynamic loss scaling, data-parallel gradient
+averaging, global-norm clipping, the learning-rate schedule and AdamW, the logit-scale clamp, and
+a record of the first non-finite step.
 
-One Cell, compiled by GRAPH_MODE into (at most) two graphs: `apply=False` (a micro-batch that only
-accumulates its gradients) and `apply=True` (the last micro-batch, then the update). Every value
+One Cell, compiled by GRAPH_MODE into one graph per phase it runs: a whole step (`STEP`), or,
+with accumulation, `CACHE`, `LOSS`, `BACKPROP` and `APPLY` (`TrainStep.accumulate`). Every value
 that changes from step to step lives on the device (the step counters below), so the host only
 launches steps and reads results when it wants them: step N+1 is queued without waiting for N.
 """
