@@ -101,7 +101,7 @@ def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
     """The TrainJob the params describe; a ParamsError when the train split cannot fill one
     global batch (before anything compiles)."""
     from clipms.data.dataset import split_sample_count
-    from clipms.data.decode import loader_workers
+    from clipms.data.decode import usable_cores
     from clipms.text.clip_tokenizer import Tokenizer
     from clipms.train.job import Outputs, TrainJob, data_fingerprint
     from clipms.train.recipe import TrainConfig
@@ -118,14 +118,14 @@ def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
     model = resolved_model(params, tokenizer)
     _check_grouping(params, tokenizer, model.vision.image_size, cluster.workers)
     settings = params.model_dump(include=set(TrainSettings.model_fields))
-    settings["workers"] = loader_workers(params.workers, cluster.local_workers)
     config = TrainConfig(**settings, model=model, runtime=runtime,
                          data_fingerprint=data_fingerprint(paths.SHARDS, paths.TOKENIZER))
     outputs = Outputs(checkpoint=str(paths.CHECKPOINT), run_config=str(paths.RUN_CONFIG),
                       metrics=str(paths.TRAIN_METRICS), plot=str(paths.TRAIN_CURVE))
     return TrainJob(config=config, shards_dir=str(paths.SHARDS), tokenizer=str(paths.TOKENIZER),
                     checkpoint_dir=str(paths.CHECKPOINTS), outputs=outputs,
-                    resume=params.resume == "auto")
+                    resume=params.resume == "auto", local_ranks=cluster.local_workers,
+                    launcher_cores=usable_cores())  # workers: each rank resolves its own
 
 
 def resolved_model(params: TrainParams, tokenizer: Any) -> Any:
@@ -199,6 +199,7 @@ def main() -> int:
         return 1
     if not cluster.writes_outputs:
         return _join_as_worker_node(job, cluster)
+    from clipms.parallel.launch import LaunchError
     from clipms.train import job as train_job
     from clipms.train.loop import NonFiniteLossError
     from tracking.callback import TrainCallback
@@ -217,11 +218,11 @@ def main() -> int:
             if cluster.workers > 1:
                 from clipms.parallel.launch import launch
 
-                launch(job, cluster, paths.MSRUN_LOGS)
+                launch(job, cluster, paths.MSRUN_LOGS)  # a rank's alarm: LaunchError, its log
                 summary = train_job.replay(job.outputs, sinks)
             else:
                 summary = train_job.run(job, sinks).summary
-    except NonFiniteLossError as err:
+    except (NonFiniteLossError, LaunchError) as err:  # a diverging or wasted run, too
         print(f"train: error: {err}", file=sys.stderr)
         return 1
     run.log_artifact(job.outputs.plot, "plots")

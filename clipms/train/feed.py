@@ -4,6 +4,7 @@ normalises them on the device (`clipms.train.step.PixelNormalize`)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,38 @@ class ShardBatches:
             batches.stop()
 
 
+def rank_loader_workers(setting: int | str, local_ranks: int = 1, launcher_cores: int = 0,
+                        own_cores: int | None = None) -> int:
+    """`train.workers` for this rank, decided in the rank's own process: an int as given; "auto"
+    from the cores this process may run on (`own_cores`, default its affinity). A rank bound to
+    cores of its own (msrun's --bind_core, a cpuset per rank: fewer cores than the launcher had,
+    `launcher_cores`) decodes on all of them; an unbound rank shares them with the host's other
+    `local_ranks` - 1 ranks. `launcher_cores` 0: unknown, taken as unbound."""
+    from clipms.data.decode import loader_workers, usable_cores
+
+    if setting != "auto":
+        return loader_workers(setting)
+    own = usable_cores() if own_cores is None else own_cores
+    bound = 0 < own < launcher_cores
+    return loader_workers("auto", 1 if bound else local_ranks, own)
+
+
+@dataclass
+class LoaderClock:
+    """The samples a feed handed to the step and the seconds the training process waited for
+    them (what tells a loader-bound device: `clipms.train.loop`)."""
+
+    samples: int = 0
+    waited: float = 0.0
+
+    def timed(self, fetch: Any) -> tuple[Any, Any]:
+        started = time.perf_counter()
+        images, tokens = fetch()
+        self.waited += time.perf_counter() - started
+        self.samples += int(images.shape[0])
+        return images, tokens
+
+
 # ---- how batches reach the compiled step ----------------------------------------------------
 
 
@@ -102,10 +135,16 @@ class HostFeed:
 
         self.step, self.to_tensor = step, ms.Tensor
         self.batches = iter(source.stream(start, stop))
+        self.clock = LoaderClock()
 
-    def __call__(self, apply: bool) -> Any:
-        images, tokens = next(self.batches)
-        return self.step(self.to_tensor(images), self.to_tensor(tokens), apply)
+    def batch(self) -> tuple[Any, Any]:
+        """The next micro-batch as tensors (the step is called by whoever takes it)."""
+        images, tokens = self.clock.timed(lambda: next(self.batches))
+        return self.to_tensor(images), self.to_tensor(tokens)
+
+    def __call__(self, *args: Any) -> Any:
+        """The step on the next micro-batch (`args` after the batch: the step's own)."""
+        return self.step(*self.batch(), *args)
 
     def close(self) -> None:
         """End the stream (and the loader processes behind it)."""
@@ -207,23 +246,29 @@ class DeviceQueue:
 class SinkFeed:
     """Micro-batches through MindSpore's device queue (`DeviceQueue`; runtime `data_sink`, Ascend
     and GPU): the dataset engine sends them ahead while steps run, so launching a step copies
-    nothing. The step stays the compiled Cell and `apply` is passed at every call, so
-    accumulation works as with `HostFeed`. The queue is released after the last micro-batch it
-    holds, or by `close()` when training stops early."""
+    nothing. The step stays the compiled Cell; with accumulation the loop takes the
+    micro-batches (`batch`) and hands them to the step, as with `HostFeed`. The queue is released
+    after the last micro-batch it holds, or by `close()` when training stops early."""
 
     def __init__(self, step: Any, source: BatchSource, start: int, stop: int,
                  signature: BatchSignature) -> None:
         self.step, self.left = step, stop - start
         self.queue = DeviceQueue(sink_dataset(source, start, stop), signature)
+        self.clock = LoaderClock()
 
-    def __call__(self, apply: bool) -> Any:
+    def batch(self) -> tuple[Any, Any]:
+        """The next micro-batch, already on the device."""
         if self.left <= 0:
             raise RuntimeError("the sunk dataset holds no further batch")
-        images, tokens = self.queue()
+        images, tokens = self.clock.timed(self.queue)
         self.left -= 1
         if self.left == 0:
             self.close()  # the last batch is on the device: nothing more to send
-        return self.step(images, tokens, apply)
+        return images, tokens
+
+    def __call__(self, *args: Any) -> Any:
+        """The step on the next micro-batch (`args` after the batch: the step's own)."""
+        return self.step(*self.batch(), *args)
 
     def close(self) -> None:
         self.queue.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +24,10 @@ from clipms.utils.jsonio import read_json, write_json
 if TYPE_CHECKING:
     from clipms.train.loop import Callback, TrainResult
 
-CSV_COLUMNS = ("step", "epoch", "loss", "lr", "logit_scale", "samples_per_s", "grad_norm")
+log = logging.getLogger(__name__)
+
+CSV_COLUMNS = ("step", "epoch", "loss", "lr", "logit_scale", "samples_per_s", "grad_norm",
+               "loss_scale", "skipped_steps")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,10 @@ class TrainJob:
     checkpoint_dir: str
     outputs: Outputs
     resume: bool = True
+    # what `train.workers: auto` is resolved from in each rank's process: the host's ranks, and
+    # the cores the launching process could use (a rank with fewer is bound to cores of its own)
+    local_ranks: int = 1
+    launcher_cores: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -76,10 +84,12 @@ def data_fingerprint(shards_dir: Path | str, tokenizer: Path | str) -> str:
 def run(job: TrainJob, callbacks: Sequence[Callback] = (),
         distributed: bool = False) -> TrainResult:
     """Train as `job` says and (on rank 0) write its outputs."""
+    from clipms.data.decode import usable_cores
     from clipms.data.preprocess import PreprocessConfig
     from clipms.runtime import configure, for_precision
     from clipms.text.clip_tokenizer import Tokenizer
     from clipms.train.collectives import init_distributed
+    from clipms.train.feed import rank_loader_workers
     from clipms.train.loop import ShardBatches, train
 
     tokenizer = Tokenizer.load(job.tokenizer)
@@ -90,8 +100,12 @@ def run(job: TrainJob, callbacks: Sequence[Callback] = (),
     else:
         rank, group_size = 0, 1
     cfg = job.config
+    workers = rank_loader_workers(cfg.workers, job.local_ranks, job.launcher_cores)
+    log.info("rank %d: %d loader workers (train.workers: %s; %d usable cores, %d ranks on this "
+             "host, %d cores where the run was launched)", rank, workers, cfg.workers,
+             usable_cores(), job.local_ranks, job.launcher_cores)
     source = ShardBatches(job.shards_dir, tokenizer, preprocess, cfg.batch_size, seed=cfg.seed,
-                          rank=rank, group_size=group_size, workers=cfg.workers,
+                          rank=rank, group_size=group_size, workers=workers,
                           augment=cfg.augment, decode=cfg.decode, group_by=cfg.group_by,
                           group_fraction=cfg.group_fraction)
     result = train(cfg, source, job.checkpoint_dir, callbacks=callbacks, resume=job.resume,

@@ -11,9 +11,11 @@ runtime's `compile_cache`, the graphs are cached in a folder keyed by everything
 It reads results back every `log_every` steps, before every checkpoint and at the end: then the
 per-step rows (loss, grad norm, logit scale) of the steps since the last read are built, callbacks
 run, and a NaN/inf is reported at the exact step it happened, before anything of that step (or
-later) is saved. The data order is a function of (seed, epoch, batch index) and the checkpoint
-holds every bit of state, so a resumed run computes exactly the steps the interrupted one would
-have.
+later) is saved. Under amp the skipped steps are counted, and a run that wastes them is stopped
+(`Training._count_skipped`); the first reads also set the loader's rate beside the steps', so a
+rank that waits on data says so in the first minute (`loader_report`). The data order is a
+function of (seed, epoch, batch index) and the checkpoint holds every bit of state, so a resumed
+run computes exactly the steps the interrupted one would have.
 
 A run's state is one object, `Training`: the config, the model, its step, the trainable
 parameters, the rank and the host's record of the steps.
@@ -49,16 +51,30 @@ from clipms.train.schedule import cosine_lr
 from clipms.utils.atomic import atomic_write
 
 __all__ = ["BatchSource", "Callback", "NonFiniteLossError", "RandomBatches", "ShardBatches",
-           "TrainConfig", "TrainResult", "Training", "save_model", "train"]
+           "SkippedStepsError", "TrainConfig", "TrainResult", "Training", "save_model", "train"]
 
 log = logging.getLogger(__name__)
 
 MAX_LOGIT_SCALE = math.log(100.0)  # open_clip clamps the learned temperature to 1/100
+# Skipped amp steps never stop a run before this many: the dynamic loss scale calibrates by
+# skipping, and from the default 2^16 it reaches its floor of 1 in 16 halvings (a micro CLIP
+# skips its first 2 or 3 steps at 2^16: tests/clipms/train/test_loop_alarms.py,
+# tests/clipms/train/test_loop.py).
+CALIBRATION_SKIPS = 16
+# The first reads after the first step (compilation) set the loader's rate beside the steps',
+# and warn when the training process waited on data for more than this share of the time.
+LOADER_REPORTS = 3
+LOADER_BOUND_SHARE = 0.2
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss (or gradient norm) became NaN or inf; the message names the step. Nothing of that
     step or later is saved."""
+
+
+class SkippedStepsError(NonFiniteLossError):
+    """Under amp, more of the run's steps were skipped (gradients or loss not finite) than
+    `train.max_skipped_share` allows: a run that would end having trained on few of its steps."""
 
 
 class Callback(Protocol):
@@ -87,6 +103,8 @@ class Launched:
     losses: list[Any]  # one per micro-batch
     norm: Any
     logit_scale: Any
+    finite: Any  # False: amp skipped the step
+    loss_scale: Any  # what the next step uses (1 in fp32)
 
 
 @dataclass
@@ -148,12 +166,13 @@ class Training:
     def launch(self, feed: HostFeed | SinkFeed, per_epoch: int) -> Launched:
         """Queue one optimizer step (accum_steps micro-batches); reads nothing back."""
         epoch = self.step * self.cfg.accum_steps // per_epoch
-        losses = []
-        for micro in range(self.cfg.accum_steps):
-            loss, norm, _, scale = feed(micro == self.cfg.accum_steps - 1)
-            losses.append(loss)
+        if self.cfg.accum_steps == 1:
+            loss, norm, finite, scale, loss_scale = feed()
+        else:  # the loss over all the micro-batches: clipms.train.step.TrainStep.accumulate
+            batches = [feed.batch() for _ in range(self.cfg.accum_steps)]
+            loss, norm, finite, scale, loss_scale = self.step_cell.accumulate(batches)
         self.step += 1
-        return Launched(self.step, epoch, losses, norm, scale)
+        return Launched(self.step, epoch, [loss], norm, scale, finite, loss_scale)
 
     def read(self, launched: Sequence[Launched], total: int,
              seconds: float) -> list[dict[str, float]]:
@@ -168,8 +187,41 @@ class Training:
             raise NonFiniteLossError(
                 f"{what} at step {bad} (epoch {row['epoch'] if row else '?'}); stopping. Nothing "
                 f"of step {bad} or later was saved; the last good checkpoint (if any) is intact.")
+        self._count_skipped(rows, total)
         self.history.extend(rows)
         return rows
+
+    def _count_skipped(self, rows: list[dict[str, Any]], total: int) -> None:
+        """Turn each row's `skipped` flag into the run's `skipped_steps` so far, and stop a run
+        whose amp steps are wasted (`_wasted`), or whose loss is not finite
+        `max_nonfinite_steps` steps in a row (the weights are intact: amp skipped those steps)."""
+        cfg = self.cfg
+        skipped = int(self.history[-1].get("skipped_steps", 0)) if self.history else 0
+        streak = 0
+        for row in reversed(self.history):
+            if math.isfinite(row["loss"]):
+                break
+            streak += 1
+        for row in rows:
+            skipped += int(row.pop("skipped"))
+            row["skipped_steps"] = skipped
+            streak = 0 if math.isfinite(row["loss"]) else streak + 1
+            step = int(row["step"])
+            if streak >= cfg.max_nonfinite_steps:
+                raise NonFiniteLossError(
+                    f"the loss is not finite at steps {step - streak + 1}-{step}, "
+                    f"{streak} in a row (train.max_nonfinite_steps: {cfg.max_nonfinite_steps}); "
+                    f"stopping. amp skipped those steps, so the weights are those of step "
+                    f"{step - streak}; the forward overflows fp16 (bad data, or a learning rate "
+                    f"too high): train in fp32 or lower train.lr.")
+            if _wasted(skipped, total, cfg.max_skipped_share):
+                raise SkippedStepsError(
+                    f"{skipped} of the first {step} steps were skipped (amp: gradients or loss "
+                    f"not finite; loss scale now {row['loss_scale']:g}), more than "
+                    f"train.max_skipped_share {cfg.max_skipped_share:g} of the run's {total} "
+                    f"steps; stopping: the run would end having trained on few of its steps. "
+                    f"Lower train.loss_scale (it only halves once per skipped step), or train "
+                    f"in fp32.")
 
     def _row(self, item: Launched, total: int, seconds: float) -> dict[str, float]:
         cfg = self.cfg
@@ -179,7 +231,9 @@ class Training:
                 "lr": cosine_lr(item.step - 1, cfg.lr, cfg.warmup_steps, total),
                 "grad_norm": float(item.norm.asnumpy()),
                 "logit_scale": float(item.logit_scale.asnumpy()),
-                "samples_per_s": samples / seconds if seconds > 0 else 0.0}
+                "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+                "loss_scale": float(item.loss_scale.asnumpy()),
+                "skipped": not bool(item.finite.asnumpy())}
 
     def state_tensors(self) -> dict[str, Any]:
         """Every tensor a checkpoint holds: the model (its own names), both AdamW moments, the
@@ -282,6 +336,9 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
         "samples_per_s": samples / seconds if seconds else 0.0,
         "wall_time_s": time.perf_counter() - started,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        # amp: steps skipped (never more than train.max_skipped_share), the final loss scale
+        "skipped_steps": float(run.history[-1]["skipped_steps"]) if run.history else 0.0,
+        "loss_scale": float(run.step_cell.scale.asnumpy()) if cfg.precision == "amp" else 1.0,
     }
     if run.model.logit_bias is not None:  # SigLIP's learned bias, as trained
         summary["logit_bias"] = float(run.model.logit_bias.asnumpy())
@@ -299,18 +356,19 @@ def _loop(run: Training, source: BatchSource, total: int,
     per_epoch = source.batches_per_epoch
     feed = run.feed(source, total)
     try:
-        return _launch_all(run, feed, per_epoch, total, writer, callbacks)
+        return _launch_all(run, feed, per_epoch, total, writer, callbacks,
+                           getattr(source, "workers", None))
     finally:
         feed.close()  # nothing decodes or sends after the last step (or an error)
 
 
 def _launch_all(run: Training, feed: HostFeed | SinkFeed, per_epoch: int, total: int,
                 writer: checkpoint.CheckpointWriter | None,
-                callbacks: Sequence[Callback]) -> tuple[int, float]:
+                callbacks: Sequence[Callback], workers: int | None = None) -> tuple[int, float]:
     cfg, accum = run.cfg, run.cfg.accum_steps
     pending: list[Launched] = []
-    first, samples, seconds = True, 0, 0.0
-    tick = time.perf_counter()
+    first, samples, seconds, loader_reports = True, 0, 0.0, LOADER_REPORTS
+    tick, fed = time.perf_counter(), (0, 0.0)
     while run.step < total:
         pending.append(run.launch(feed, per_epoch))
         save = writer is not None and (run.step % cfg.checkpoint_every == 0 or run.step == total)
@@ -320,18 +378,55 @@ def _launch_all(run: Training, feed: HostFeed | SinkFeed, per_epoch: int, total:
             if not first:
                 samples += len(rows) * cfg.batch_size * accum * run.group_size
                 seconds += elapsed
+                if loader_reports:
+                    loader_reports -= 1
+                    _report_loader(int(rows[-1]["step"]), feed.clock.samples - fed[0],
+                                   feed.clock.waited - fed[1], elapsed, workers)
             _report(rows, total, callbacks)
             pending, first, tick = [], False, time.perf_counter()
+            fed = (feed.clock.samples, feed.clock.waited)
         if save:
             run.save(writer)
     return samples, seconds
 
 
+def loader_report(samples: int, waited: float, elapsed: float,
+                  workers: int | None = None) -> tuple[str, bool]:
+    """(the log line, whether the device waits on data) for `samples` this rank's steps took in
+    `elapsed` seconds, `waited` of them spent waiting for the loader."""
+    steps = samples / elapsed if elapsed > 0 else 0.0
+    loader = (f"{samples / waited:.1f} samples/s while waited for" if waited > 0 else
+              "never waited for")
+    share = waited / elapsed if elapsed > 0 else 0.0
+    line = (f"loader {loader} (waited {waited:.2f} s of {elapsed:.2f} s), steps "
+            f"{steps:.1f} samples/s on this rank")
+    bound = share > LOADER_BOUND_SHARE
+    if bound:
+        now = f" (now {workers})" if workers is not None else ""
+        line += (f": the device waits on data {share:.0%} of the time; raise train.workers{now}"
+                 f" or decode on the device (train.decode, docs/ascend.md)")
+    return line, bound
+
+
+def _report_loader(step: int, samples: int, waited: float, elapsed: float,
+                   workers: int | None) -> None:
+    line, bound = loader_report(samples, waited, elapsed, workers)
+    (log.warning if bound else log.info)("step %d: %s", step, line)
+
+
+def _wasted(skipped: int, total: int, share: float) -> bool:
+    """More than `share` of the run's `total` steps skipped, known as soon as it is certain (no
+    later step can bring the run back below it), past the loss scale's calibration
+    (`CALIBRATION_SKIPS`)."""
+    return skipped > share * total and skipped > CALIBRATION_SKIPS
+
+
 def _report(rows: list[dict[str, float]], total: int, callbacks: Sequence[Callback]) -> None:
     last = rows[-1]
-    log.info("step %d/%d epoch %d loss %.4f lr %.3g logit_scale %.2f samples/s %.1f",
-             last["step"], total, last["epoch"], last["loss"], last["lr"], last["logit_scale"],
-             last["samples_per_s"])
+    log.info("step %d/%d epoch %d loss %.4f lr %.3g logit_scale %.2f samples/s %.1f "
+             "loss_scale %g skipped %d", last["step"], total, last["epoch"], last["loss"],
+             last["lr"], last["logit_scale"], last["samples_per_s"], last["loss_scale"],
+             last["skipped_steps"])
     for row in rows:
         for callback in callbacks:
             callback.on_step_end(int(row["step"]), dict(row))
@@ -411,7 +506,8 @@ def _build_step(cfg: TrainConfig, model: Any, trainable: list[tuple[str, Any]], 
         max_grad_norm=cfg.grad_clip_norm or 0.0,
         loss_scale=cfg.loss_scale if cfg.precision == "amp" else None,
         loss_scale_window=cfg.loss_scale_window, logit_scale=model.logit_scale,
-        max_logit_scale=MAX_LOGIT_SCALE, group_size=group_size).set_train(True)
+        max_logit_scale=MAX_LOGIT_SCALE, group_size=group_size,
+        micro_batch=cfg.batch_size).set_train(True)
 
 
 def _start_patch_dropout(model: Any, cfg: TrainConfig, distributed: bool) -> None:

@@ -80,6 +80,11 @@ class TrainSettings(Section):
     checkpoint_every: int = cadence(100, ge=1)
     keep_checkpoints: int = cadence(2, ge=1)
     log_every: int = cadence(10, ge=1)
+    # Alarms (they stop a run, never change its weights): amp steps skipped (gradients or loss
+    # not finite) in more than this share of the run's steps; this many consecutive amp steps
+    # with a loss that is not finite (an fp32 one stops at the first: its update is not skipped).
+    max_skipped_share: float = cadence(0.25, ge=0, le=1)
+    max_nonfinite_steps: int = cadence(3, ge=1)
 
 
     @field_validator("group_by", mode="before")
@@ -97,7 +102,8 @@ class TrainConfig(TrainSettings):
     model: CLIPConfig
     runtime: RuntimeConfig = RuntimeConfig()
     data_fingerprint: str = ""  # the data, tokenizer and training code the batches come from
-    workers: int = cadence(2, ge=0)  # resolved ("auto" is the stage's: clipms.data.decode)
+    # "auto" is resolved in each rank's own process: clipms.train.feed.rank_loader_workers
+    workers: Literal["auto"] | Annotated[int, Field(ge=0)] = cadence(2)
 
     @field_validator("model", mode="before")
     @classmethod

@@ -118,9 +118,12 @@ def test_dvc_repro_train_writes_its_contract_outputs_and_resumes(tmp_path):
     metrics = json.loads((ws / "metrics/train.json").read_text())
     for key in ("final_loss", "steps", "samples_per_s", "wall_time_s", "peak_rss_mb"):
         assert key in metrics, key
+    assert metrics["skipped_steps"] == 0  # a healthy run never meets train.max_skipped_share
     rows = list(csv.DictReader((ws / "plots/train.csv").open()))
     assert [int(r["step"]) for r in rows] == list(range(1, int(metrics["steps"]) + 1))
-    assert set(rows[0]) >= {"step", "epoch", "loss", "lr", "logit_scale", "samples_per_s"}
+    assert set(rows[0]) >= {"step", "epoch", "loss", "lr", "logit_scale", "samples_per_s",
+                            "loss_scale", "skipped_steps"}
+    assert {r["skipped_steps"] for r in rows} == {"0"}
     assert float(rows[-1]["loss"]) == pytest.approx(metrics["final_loss"], rel=1e-5)
 
     run_config = json.loads((ws / "models/clip.json").read_text())
@@ -165,3 +168,13 @@ def test_dvc_repro_train_writes_its_contract_outputs_and_resumes(tmp_path):
     assert [int(r["step"]) for r in rows] == list(range(1, int(metrics["steps"]) + 1))
     assert sorted(p.name for p in (ws / "models/checkpoints/msrun").glob("worker_*.log")) == [
         "worker_0.log", "worker_1.log"]
+
+    # A run under amp whose loss scale overflows every step (a night that would train nothing)
+    # fails the stage and says why, instead of ending "successfully" (past the 16 skips the
+    # scale may take to calibrate: 20 steps).
+    set_params(ws / "params.yaml", {"train.distributed.workers": 1, "train.precision": "amp",
+                                    "train.loss_scale": 1.0e30, "train.max_steps": 20})
+    wasted = run(["dvc", "repro", "train"], cwd=ws, timeout=900, check=False)
+    assert wasted.returncode != 0
+    assert re.search(r"train: error: 17 of the first 17 steps were skipped \(amp: gradients "
+                     r"or loss not finite", wasted.stderr), wasted.stderr[-3000:]

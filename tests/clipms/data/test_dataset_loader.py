@@ -28,6 +28,73 @@ def test_auto_shares_the_hosts_cores_between_its_ranks():
             loader_workers(bad)
 
 
+def test_each_rank_resolves_auto_from_the_cores_it_can_use():
+    from clipms.train.feed import rank_loader_workers
+
+    # unbound ranks share what the launcher had: 8 ranks on a 64-core host, 2 on this kind
+    assert rank_loader_workers("auto", 8, launcher_cores=64, own_cores=64) == 8
+    assert rank_loader_workers("auto", 2, launcher_cores=2, own_cores=2) == 1
+    # a rank bound to cores of its own (msrun --bind_core, a cpuset per rank) uses all of them:
+    # 3 cores of its own get 3 workers, not the 64 // 8 = 8 its launcher would have given it
+    assert rank_loader_workers("auto", 8, launcher_cores=64, own_cores=3) == 3
+    assert rank_loader_workers("auto", 8, launcher_cores=192, own_cores=24) == MAX_AUTO_WORKERS
+    assert rank_loader_workers("auto", 4, launcher_cores=0, own_cores=8) == 2  # unknown: shared
+    assert rank_loader_workers(5, 8, launcher_cores=64, own_cores=3) == 5  # a count is kept
+    assert rank_loader_workers("auto") == loader_workers("auto")  # this process's own affinity
+    with pytest.raises(DataError, match="expected 'auto' or an integer"):
+        rank_loader_workers("many", 8, 64, 8)
+
+
+def test_the_loader_line_sets_the_loaders_rate_beside_the_steps_and_warns_when_it_lags():
+    from clipms.train.loop import loader_report
+
+    line, bound = loader_report(samples=320, waited=4.0, elapsed=5.0, workers=2)
+    assert bound and line == (
+        "loader 80.0 samples/s while waited for (waited 4.00 s of 5.00 s), steps 64.0 "
+        "samples/s on this rank: the device waits on data 80% of the time; raise train.workers "
+        "(now 2) or decode on the device (train.decode, docs/ascend.md)")
+    line, bound = loader_report(samples=320, waited=0.5, elapsed=5.0, workers=2)
+    assert not bound and line.startswith("loader 640.0 samples/s while waited for (waited 0.50")
+    line, bound = loader_report(samples=320, waited=0.0, elapsed=5.0)
+    assert not bound and line.startswith("loader never waited for (waited 0.00 s of 5.00 s)")
+
+
+@pytest.mark.slow  # trains: compiles a training step
+def test_a_run_fed_slower_than_it_steps_says_so_in_its_first_steps(caplog):
+    import logging
+    import time
+
+    from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig
+    from clipms.runtime import RuntimeConfig
+    from clipms.train.loop import RandomBatches, TrainConfig, train
+
+    micro = CLIPConfig(
+        embed_dim=16,
+        vision=VisionConfig(image_size=16, patch_size=8, width=32, layers=1, head_width=16),
+        text=TextConfig(context_length=8, vocab_size=40, width=32, heads=2, layers=1))
+
+    class Slow(RandomBatches):
+        """A loader that needs half a second a batch: far slower than a micro CLIP's step."""
+
+        workers = 1
+
+        def stream(self, start, stop):
+            for batch in super().stream(start, stop):
+                time.sleep(0.5)
+                yield batch
+
+    cfg = TrainConfig(model=micro, batch_size=4, max_steps=5, log_every=2, warmup_steps=1,
+                      runtime=RuntimeConfig(kernel_fusion=False))
+    with caplog.at_level(logging.INFO, logger="clipms.train.loop"):
+        train(cfg, Slow(micro, 4, 5), None)
+    lines = [r for r in caplog.records if "loader " in r.getMessage()]
+    # after the first step (compilation), the reads at steps 2 and 4, and the last (5)
+    assert [r.getMessage().split(":")[0] for r in lines] == ["step 2", "step 4", "step 5"]
+    assert all(r.levelname == "WARNING" for r in lines)
+    assert "the device waits on data" in lines[0].getMessage()
+    assert "raise train.workers (now 1)" in lines[0].getMessage()
+
+
 def test_train_params_accept_auto_or_a_count_and_name_anything_else():
     from pipeline.params import ParamsError, validate_section
     from stages.train import TrainParams

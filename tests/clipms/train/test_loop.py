@@ -56,7 +56,7 @@ def former_step_losses(cfg: TrainConfig, source: RandomBatches, total: int) -> l
                                       step + 1, cfg.betas, cfg.eps, cfg.weight_decay)
         for param, value in zip(host.values, hyper.tensors(), strict=True):
             param.set_data(Tensor(value))
-        loss, *_ = run.step_cell(Tensor(images), Tensor(tokens), True)
+        loss, *_ = run.step_cell(Tensor(images), Tensor(tokens))
         losses.append(float(loss.asnumpy()))
     return losses
 
@@ -161,7 +161,7 @@ def test_patch_dropout_draws_once_per_forward_and_the_loss_is_the_gradients_loss
     run = Training.build(cfg, 1)
     images, tokens = next(iter(RandomBatches(MICRO_SIGLIP_PD, 4, 1).stream(0, 1)))
     images = Tensor(images.astype(np.float32) / 255)
-    loss, *_ = run.step_cell(images, Tensor(tokens), True)
+    loss, *_ = run.step_cell(images, Tensor(tokens))
     assert int(run.model.visual.patch_dropout.draws.asnumpy()) == 1
     ms.set_seed(0)
     again = CLIP(MICRO_SIGLIP_PD)  # the same initial weights; lr 0 left the trained ones there
@@ -257,9 +257,11 @@ def test_the_fingerprint_covers_every_setting_but_the_cadence_ones():
               "loss_scale_window": 3, "seed": 1, "augment": True, "decode": "cpu",
               "group_by": ("colour",), "group_fraction": 0.25, "loss": "siglip",
               "lock_image": True, "lock_text": True, "init_from": "x.ckpt",
-              "workers": 7, "checkpoint_every": 1, "keep_checkpoints": 9, "log_every": 1}
+              "workers": 7, "checkpoint_every": 1, "keep_checkpoints": 9, "log_every": 1,
+              "max_skipped_share": 0.5, "max_nonfinite_steps": 1}
     assert set(values) == set(TrainSettings.model_fields)  # every setting of the schema is here
-    cadence = {"workers", "checkpoint_every", "keep_checkpoints", "log_every"}
+    cadence = {"workers", "checkpoint_every", "keep_checkpoints", "log_every",
+               "max_skipped_share", "max_nonfinite_steps"}  # alarms stop a run, change no weight
     for name, value in values.items():
         changed = cfg.model_copy(update={name: value}).fingerprint() != cfg.fingerprint()
         assert changed is (name not in cadence), name

@@ -1,9 +1,10 @@
-"""The compiled train step on a real (micro) CLIP in GRAPH_MODE: accumulation equivalence,
+"""The compiled train step on a real (micro) CLIP in GRAPH_MODE: accumulation by feature caching,
 clipping, the logit-scale clamp, the learning rate and bias correction computed in the graph, the
 device-side record of a non-finite step, and uint8 pixels normalised on the device."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import mindspore as ms
@@ -14,9 +15,11 @@ from mindspore import nn, ops
 from clipms.data.dataset import normalize_pixels
 from clipms.data.preprocess import PreprocessConfig
 from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig
-from clipms.model.clip import CLIP
+from clipms.model.clip import CLIP, to_mixed_precision
 from clipms.train import optim, schedule
 from clipms.train.feed import RandomBatches
+from clipms.train.loss import build_loss
+from clipms.train.recipe import LOSS_INIT
 from clipms.train.step import ClipWithLoss, PixelNormalize, TrainStep
 
 MICRO = CLIPConfig(
@@ -56,34 +59,131 @@ def _batch(n: int, seed: int):
     return ms.Tensor(images.astype(np.float32) / 255), ms.Tensor(tokens)
 
 
+def _contrastive_cell(loss: str, accum_steps: int, micro_batch: int = 0,
+                      loss_scale: float | None = None):
+    """The real loss (ClipLoss or SigLipLoss, with SigLIP's logit bias) in a TrainStep; amp
+    (O2, fp32 master weights) with a `loss_scale`."""
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_seed(0)
+    cfg = dataclasses.replace(MICRO, **LOSS_INIT[loss])
+    model = CLIP(cfg)
+    opt = optim.build_adamw(list(model.parameters_and_names()))
+    if loss_scale is not None:
+        to_mixed_precision(model)
+    cell = TrainStep(ClipWithLoss(model, build_loss(loss)), opt, optim.Schedule(1e-3, 0, 10),
+                     accum_steps=accum_steps, logit_scale=model.logit_scale,
+                     micro_batch=micro_batch, loss_scale=loss_scale)
+    return model, cell
+
+
 @pytest.mark.slow  # compiles a training step
-def test_accumulating_k_micro_batches_equals_one_batch_of_k_times_the_size():
-    images, tokens = _batch(8, seed=3)
-    _, whole = _step_cell(accum_steps=1)
-    whole(images, tokens, True)
-    _, accum = _step_cell(accum_steps=2)
-    accum(images[:4], tokens[:4], False)
-    accum(images[4:], tokens[4:], True)
+@pytest.mark.parametrize("loss", ["clip", "siglip"])
+def test_accumulating_k_micro_batches_is_one_step_on_the_k_times_larger_batch(loss):
+    """The contrastive loss over all k x b samples (every other sample a negative), not k
+    losses over b: loss, every gradient (the logit scale's and bias's too) and the gradient
+    norm are those of one step on the whole batch."""
+    images, tokens = _batch(12, seed=3)
+    _, whole = _contrastive_cell(loss, accum_steps=1)
+    want_loss, want_norm, *_ = whole(images, tokens)
+    _, accum = _contrastive_cell(loss, accum_steps=3, micro_batch=4)
+    micro = [(images[i:i + 4], tokens[i:i + 4]) for i in range(0, 12, 4)]
+    got_loss, got_norm, finite, *_ = accum.accumulate(micro)
+    assert bool(finite.asnumpy())
+    np.testing.assert_allclose(got_loss.asnumpy(), want_loss.asnumpy(), rtol=1e-5)
+    np.testing.assert_allclose(got_norm.asnumpy(), want_norm.asnumpy(), rtol=1e-4)
     grads_whole, grads_accum = _first_moments(whole), _first_moments(accum)
     assert max(np.abs(g).max() for g in grads_whole) > 1e-4  # a real gradient, not zeros
     for a, b in zip(grads_whole, grads_accum, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    # what the micro-batches' own losses would have given: another loss, so the test can fail
+    _, alone = _contrastive_cell(loss, accum_steps=1)
+    per_micro = [float(alone.net(*batch).asnumpy()) for batch in micro]
+    assert abs(np.mean(per_micro) - float(want_loss.asnumpy())) > 1e-3
     # the buffers are drained: a second accumulated step does not see the first one's gradients
     assert all(float(np.abs(buf.asnumpy()).max()) == 0.0 for buf in accum.accum)
     # one optimizer step, counted once on the device however many micro-batches it took
     assert int(accum.step.asnumpy()) == int(accum.adam_t.asnumpy()) == 1
 
 
+class KForwards(nn.Cell):
+    """The loss of k micro-batch forwards run one after the other in one graph (each draws its
+    own patches), over all their features: what accumulation must differentiate (SigLIP's: the
+    model has a logit bias)."""
+
+    def __init__(self, net: ClipWithLoss, k: int):
+        super().__init__()
+        self.net, self.k = net, k
+
+    def construct(self, images, tokens):
+        n = images.shape[0] // self.k
+        first = self.net.features(images[:n], tokens[:n])
+        image_parts, text_parts = [first[0]], [first[1]]
+        for j in range(1, self.k):
+            features = self.net.features(images[j * n:(j + 1) * n], tokens[j * n:(j + 1) * n])
+            image_parts.append(features[0])
+            text_parts.append(features[1])
+        return self.net.loss(ops.cat(image_parts), ops.cat(text_parts), first[2], first[3])
+
+
+@pytest.mark.slow  # compiles a training step
+def test_accumulation_with_patch_dropout_back_propagates_through_the_patches_it_cached():
+    """Each micro-batch's second forward drops the patches its cached features were made with
+    (patch dropout draws anew at every forward): the step of the k forwards' joint loss, and
+    the draw counter where k forwards leave it."""
+    from clipms.model.patch_dropout import start_patch_dropout
+
+    cfg = dataclasses.replace(MICRO, vision=dataclasses.replace(MICRO.vision, patch_dropout=0.5),
+                              **LOSS_INIT["siglip"])
+    images, tokens = _batch(12, seed=3)
+    cells = []
+    for accum_steps in (1, 3):
+        ms.set_context(mode=ms.GRAPH_MODE)
+        ms.set_seed(0)
+        model = CLIP(cfg)
+        opt = optim.build_adamw(list(model.parameters_and_names()))
+        start_patch_dropout(model, seed=4)  # after: its counter is state, not a weight
+        net = ClipWithLoss(model, build_loss("siglip"))
+        cells.append((model, TrainStep(
+            KForwards(net, 3) if accum_steps == 1 else net, opt, optim.Schedule(1e-3, 0, 10),
+            accum_steps=accum_steps, logit_scale=model.logit_scale,
+            micro_batch=4).set_train(True)))  # patch dropout drops in training only
+    (joint_model, joint), (accum_model, accum) = cells
+    want_loss, *_ = joint(images, tokens)
+    got_loss, *_ = accum.accumulate([(images[i:i + 4], tokens[i:i + 4]) for i in range(0, 12, 4)])
+    np.testing.assert_allclose(got_loss.asnumpy(), want_loss.asnumpy(), rtol=1e-5)
+    for a, b in zip(_first_moments(joint), _first_moments(accum), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    draws = [int(m.visual.patch_dropout.draws.asnumpy()) for m in (joint_model, accum_model)]
+    assert draws == [3, 3]
+
+
+@pytest.mark.slow  # compiles a training step
+def test_accumulation_under_amp_unscales_the_cached_gradient_once():
+    """Under amp the loss's gradient is scaled before the micro-batches back-propagate from it,
+    and the sum unscaled once: the step of one batch under amp, to fp16's precision."""
+    images, tokens = _batch(12, seed=3)
+    _, whole = _contrastive_cell("clip", accum_steps=1, loss_scale=1024.0)
+    want_loss, want_norm, want_finite, *_ = whole(images, tokens)
+    _, accum = _contrastive_cell("clip", accum_steps=3, micro_batch=4, loss_scale=1024.0)
+    micro = [(images[i:i + 4], tokens[i:i + 4]) for i in range(0, 12, 4)]
+    got_loss, got_norm, finite, *_ = accum.accumulate(micro)
+    assert bool(finite.asnumpy()) and bool(want_finite.asnumpy())
+    np.testing.assert_allclose(got_loss.asnumpy(), want_loss.asnumpy(), rtol=1e-3)
+    np.testing.assert_allclose(got_norm.asnumpy(), want_norm.asnumpy(), rtol=1e-2)
+    for a, b in zip(_first_moments(whole), _first_moments(accum), strict=True):
+        np.testing.assert_allclose(b, a, rtol=2e-2, atol=1e-4)
+
+
 @pytest.mark.slow  # compiles a training step
 def test_clipping_scales_the_update_to_the_max_norm_and_reports_the_raw_norm():
     images, tokens = _batch(4, seed=4)
     _, free = _step_cell()
-    _, raw_norm, _, _ = free(images, tokens, True)
+    _, raw_norm, *_ = free(images, tokens)
     raw = _first_moments(free)
     norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in raw))
     assert float(raw_norm.asnumpy()) == pytest.approx(norm, rel=1e-4)
     _, clipped_cell = _step_cell(max_grad_norm=norm / 10)
-    _, reported, _, _ = clipped_cell(images, tokens, True)
+    _, reported, *_ = clipped_cell(images, tokens)
     assert float(reported.asnumpy()) == pytest.approx(norm, rel=1e-4)
     clipped = _first_moments(clipped_cell)
     clipped_norm = math.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in clipped))
@@ -95,24 +195,27 @@ def test_clipping_scales_the_update_to_the_max_norm_and_reports_the_raw_norm():
 def test_logit_scale_is_clamped_to_ln_100_after_the_step_and_returned():
     model, cell = _step_cell(lr=0.0)
     model.logit_scale.set_data(ms.Tensor(np.float32(6.0)))  # exp(6) = 403 > 100
-    *_, scale = cell(*_batch(4, seed=0), True)
+    _, _, _, scale, _ = cell(*_batch(4, seed=0))
     assert float(model.logit_scale.asnumpy()) == pytest.approx(math.log(100), abs=1e-6)
     assert float(scale.asnumpy()) == pytest.approx(100.0, rel=1e-5)
 
 
+class ScheduleProbe(nn.Cell):
+    """The graph's schedule alone. A module-level class: one defined in the test was compiled
+    as another, freed Cell's graph once (MindSpore's parse cache, after the step tests)."""
+
+    def __init__(self, lr: float, warmup: int, total: int):
+        super().__init__()
+        self.schedule = optim.Schedule(lr, warmup, total)
+
+    def construct(self, step, t):
+        return self.schedule(step, t)
+
+
 def test_the_graph_schedule_is_the_host_schedule_in_fp32():
     lr, warmup, total = 5e-4, 3, 12
-
-    class Probe(nn.Cell):
-        def __init__(self):
-            super().__init__()
-            self.schedule = optim.Schedule(lr, warmup, total)
-
-        def construct(self, step, t):
-            return self.schedule(step, t)
-
     ms.set_context(mode=ms.GRAPH_MODE)
-    probe = Probe()
+    probe = ScheduleProbe(lr, warmup, total)
     for step in range(total + 2):  # past the end too: the cosine stays at 0
         t = step + 1
         got = [float(x.asnumpy()) for x in probe(ms.Tensor(np.int32(step)), ms.Tensor(np.int32(t)))]
@@ -126,13 +229,13 @@ def test_the_first_non_finite_step_is_recorded_on_the_device_and_kept():
     _, cell = _step_cell()
     images, tokens = _batch(4, seed=1)
     for _ in range(2):
-        cell(images, tokens, True)
+        cell(images, tokens)
     assert int(cell.first_bad_step.asnumpy()) == 0
     poisoned = images.asnumpy().copy()
     poisoned[0, 0, 0, 0] = np.nan
-    loss, *_ = cell(ms.Tensor(poisoned), tokens, True)  # step 3
+    loss, *_ = cell(ms.Tensor(poisoned), tokens)  # step 3
     assert not math.isfinite(float(loss.asnumpy()))
-    cell(images, tokens, True)  # step 4: the weights are NaN now; the record stays at 3
+    cell(images, tokens)  # step 4: the weights are NaN now; the record stays at 3
     assert int(cell.first_bad_step.asnumpy()) == 3 and int(cell.step.asnumpy()) == 4
 
 
