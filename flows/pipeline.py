@@ -14,6 +14,13 @@ Parameters (all optional):
              of the checkout (flows/workspace.py: the checkout's files are never written), saved
              as DVC experiment `clip-<flow run id>`
   dry_run    show what DVC would run (`dvc status`, `dvc repro --dry`), change nothing
+  train_without_new_data
+             false (the nightly deployment): when no input of `train` under data/ changed since
+             the last trained night, train and the stages after it do not run, and one notice
+             says so; true (the default for a run a person starts): DVC alone decides
+
+A night that fails puts the workspace back as the last good night left it and sends one notice
+naming the stage, the reason and what to do (flows/night.py, flows/notify.py).
 """
 
 from __future__ import annotations
@@ -32,8 +39,8 @@ from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
 from clipms.utils.redact import redact_text
-from flows import dvc_cli, summary, workspace
-from flows.notify import notify_failure
+from flows import dvc_cli, night, summary, workspace
+from flows.notify import notify_failure, notify_night
 from registry.prefect_limits import ensure_one_slot_limit
 
 ARTIFACT_KEY = "clip-pipeline-summary"
@@ -178,25 +185,42 @@ def workspace_lock(workdir: Path) -> Iterator[None]:
         yield
 
 
+@task(name="new-data", cache_policy=NO_CACHE)
+def has_new_data(workdir: Path) -> bool:
+    """Whether `train` has data it did not train on (`dvc status train`: a changed input under
+    data/, or no training yet)."""
+    status = dvc_cli.changed_stages(workdir, [night.TRAIN_STAGE])
+    found = night.new_data_for_training(status, workdir)
+    _logger().info("new data for train: %s", "yes" if found else "no")
+    return found
+
+
 def _run_stages(workdir: Path, order: list[str], force: bool, refresh: set[str],
-                outcomes: list[dict[str, Any]], tracking_uri: str | None = None) -> None:
+                outcomes: list[dict[str, Any]], tracking_uri: str | None = None,
+                train_without_new_data: bool = True) -> bool:
     """Run the stages one after another into `outcomes`; the first failure raises, later stages
-    do not run."""
+    do not run. False when the night stopped before train for want of new data."""
     stale = set(stale_stages(workdir))
     upstream_changed = False
-    for stage in order:
+    for position, stage in enumerate(order):
+        if (stage == night.TRAIN_STAGE and not train_without_new_data and not force
+                and not has_new_data(workdir)):
+            outcomes += [{"stage": s, "outcome": summary.SKIPPED_NO_DATA, "seconds": 0.0,
+                          "changed": False} for s in order[position:]]
+            return False
         clean = stage not in stale and not upstream_changed
         outcomes.append({"stage": stage, "outcome": "FAILED", "seconds": 0.0, "changed": False})
         outcome = stage_task(stage)(workdir, stage, force=force or stage in refresh,
                                     known_up_to_date=clean, tracking_uri=tracking_uri)
         upstream_changed = upstream_changed or outcome["changed"]
         outcomes[-1] = outcome
+    return True
 
 
 @flow(name="clip-pipeline", on_failure=[notify_failure], on_crashed=[notify_failure])
 def clip_pipeline(stages: list[str] | None = None, force: bool = False,
                   refresh: list[str] | None = None, overrides: dict[str, Any] | None = None,
-                  dry_run: bool = False) -> dict[str, Any]:
+                  dry_run: bool = False, train_without_new_data: bool = True) -> dict[str, Any]:
     """Run the DVC pipeline in the current directory (the deployment's working directory)."""
     from prefect.runtime import flow_run
 
@@ -210,21 +234,27 @@ def clip_pipeline(stages: list[str] | None = None, force: bool = False,
             publish_summary(workdir, report, run_name)
         elif overrides:
             report = _run_experiment(workdir, order, force, set(refresh or []), overrides,
-                                     run_name, f"clip-{run_id}")
+                                     run_name, f"clip-{run_id}", train_without_new_data)
         else:
             report = _run(workdir, order, force, set(refresh or []), run_name,
-                          [f"workspace `{workdir}`"])
+                          [f"workspace `{workdir}`"], restore=True,
+                          train_without_new_data=train_without_new_data)
     return {"headline": report.headline, "stages": report.stages}
 
 
 def _run(workdir: Path, order: list[str], force: bool, refresh: set[str], run_name: str,
-         notes: list[str], tracking_uri: str | None = None,
-         experiment: str | None = None) -> summary.RunReport:
-    """Run the stages in `workdir` and publish the summary (a failure too, then re-raised); with
-    `experiment`, save the result as that DVC experiment."""
+         notes: list[str], tracking_uri: str | None = None, experiment: str | None = None,
+         restore: bool = False, train_without_new_data: bool = True) -> summary.RunReport:
+    """Run the stages in `workdir` and publish the summary (a failure too, then raised as
+    NightFailed); with `experiment`, save the result as that DVC experiment; with `restore`, a
+    failure puts the workspace back as it was before the first stage."""
     outcomes: list[dict[str, Any]] = []
+    snapshot = night.Snapshot.take(workdir) if restore else None
     try:
-        _run_stages(workdir, order, force, refresh, outcomes, tracking_uri)
+        trained = _run_stages(workdir, order, force, refresh, outcomes, tracking_uri,
+                              train_without_new_data)
+        if not trained:
+            return _no_new_data(workdir, outcomes, notes, run_name)
         if experiment:
             name = save_experiment(workdir, experiment)
             notes.append(f"DVC experiment `{name}` (reproduce: `dvc exp apply {name}`)" if name
@@ -232,17 +262,46 @@ def _run(workdir: Path, order: list[str], force: bool, refresh: set[str], run_na
     except Exception as err:
         failed = [o["stage"] for o in outcomes if o["outcome"] == "FAILED"]
         where = f"at stage '{failed[0]}'" if failed else "before the first stage"
-        publish_summary(workdir, summary.RunReport(headline=f"failed {where}", stages=outcomes,
-                                                   notes=notes, details=str(err)), run_name)
-        raise
+        diagnosis = night.diagnose(failed[0] if failed else "plan",
+                                   getattr(err, "output", "") or str(err))
+        if snapshot is not None:
+            notes.append(_put_back(workdir, snapshot))
+        publish_summary(workdir, summary.RunReport(
+            headline=f"failed {where}: {diagnosis.kind}", stages=outcomes, notes=notes,
+            details=f"{diagnosis.text()}\n\n{err}"), run_name)
+        raise night.NightFailed(diagnosis) from err
     report = summary.RunReport(headline=summary.headline_for(outcomes), stages=outcomes,
                                notes=notes)
     publish_summary(workdir, report, run_name)
     return report
 
 
+def _put_back(workdir: Path, snapshot: night.Snapshot) -> str:
+    """Restore the last good night's outputs; the note says what happened (a failure to restore
+    is reported, never hides the night's own failure)."""
+    try:
+        changed = snapshot.restore(workdir, dvc_cli.dvc)
+    except Exception as err:  # noqa: BLE001 - the notice must still go out
+        _logger().error("could not put the workspace back: %s", err)
+        return f"the workspace could NOT be put back: {redact_text(str(err))}"
+    _logger().info("workspace put back as the last good night left it (%d files)", len(changed))
+    return "the workspace was put back as the last good night left it"
+
+
+def _no_new_data(workdir: Path, outcomes: list[dict[str, Any]], notes: list[str],
+                 run_name: str) -> summary.RunReport:
+    """The night that found nothing to train on: its summary, and its one notice."""
+    diagnosis = night.no_new_data_diagnosis()
+    report = summary.RunReport(headline=f"{night.NO_NEW_DATA}: nothing trained",
+                               stages=outcomes, notes=notes, details=diagnosis.text())
+    publish_summary(workdir, report, run_name)
+    notify_night(diagnosis)
+    return report
+
+
 def _run_experiment(checkout: Path, order: list[str], force: bool, refresh: set[str],
-                    overrides: dict[str, Any], run_name: str, name: str) -> summary.RunReport:
+                    overrides: dict[str, Any], run_name: str, name: str,
+                    train_without_new_data: bool = True) -> summary.RunReport:
     """A run with param overrides: in a private worktree of the checkout (the checkout's files
     are never written), saved as DVC experiment `name` (the flow run's id)."""
     notes = [f"workspace `{checkout}` (a private copy: overrides never touch its files)",
@@ -250,7 +309,8 @@ def _run_experiment(checkout: Path, order: list[str], force: bool, refresh: set[
     with workspace.experiment_workspace(checkout, name, dvc=dvc_cli.dvc) as private:
         apply_overrides(private, overrides)
         return _run(private, order, force, refresh, run_name, notes,
-                    tracking_uri=checkout_tracking_uri(checkout), experiment=name)
+                    tracking_uri=checkout_tracking_uri(checkout), experiment=name,
+                    train_without_new_data=train_without_new_data)
 
 
 def checkout_tracking_uri(checkout: Path) -> str | None:
