@@ -25,8 +25,10 @@ naming the stage, the reason and what to do (flows/night.py, flows/notify.py).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +46,7 @@ from flows.notify import notify_failure, notify_night
 from registry.prefect_limits import ensure_one_slot_limit
 
 ARTIFACT_KEY = "clip-pipeline-summary"
+NIGHT_ARTIFACT_KEY = "clip-night"  # the night's page (registry/nightlog.py)
 # Network-bound stages get retries with exponential backoff (10 s, 20 s, 40 s, +-50% jitter).
 # Every other stage fails fast: training resumes from its own checkpoint on the next run instead.
 NETWORK_RETRIES = {"metadata": 3, "download": 3}
@@ -165,6 +168,35 @@ def publish_summary(workdir: Path, report: summary.RunReport, run_name: str) -> 
     return markdown
 
 
+@task(name="night-report", cache_policy=NO_CACHE)
+def publish_night(workdir: Path, run_name: str, started: float, headline: str, outcome: str,
+                  outcomes: list[dict[str, Any]], diagnosis: night.Diagnosis | None = None,
+                  tracking_uri: str | None = None) -> str:
+    """The night's page: a markdown artifact, and a run of MLflow's nights experiment (plus the
+    training run's copy). Never fails the night: a page that cannot be made is a warning."""
+    logger = _logger()
+    try:
+        from registry import nightlog
+
+        record = nightlog.read_night(workdir, run_name, started, headline, outcome, outcomes,
+                                     dataclasses.asdict(diagnosis) if diagnosis else None)
+        page = redact_text(nightlog.render(record))
+        create_markdown_artifact(key=NIGHT_ARTIFACT_KEY, markdown=page,
+                                 description=f"night: {headline}")
+    except Exception as err:  # noqa: BLE001 - the night's outcome stands without its page
+        logger.warning("the night's page could not be made: %s", redact_text(str(err)))
+        return ""
+    try:
+        from registry.settings import client
+
+        run_id = nightlog.log_to_mlflow(workdir, record, page, client(tracking_uri))
+        logger.info("the night's page is in MLflow run %s (%s)", run_id, nightlog.NIGHTS_EXPERIMENT)
+    except Exception as err:  # noqa: BLE001 - e.g. the registry is the outage
+        logger.warning("the night's page could not be logged to MLflow: %s",
+                       redact_text(str(err))[:500])
+    return page
+
+
 def lock_name(workdir: Path) -> str:
     """The concurrency limit for this workspace: one slot, so runs on it never overlap."""
     digest = hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:10]
@@ -210,8 +242,12 @@ def _run_stages(workdir: Path, order: list[str], force: bool, refresh: set[str],
             return False
         clean = stage not in stale and not upstream_changed
         outcomes.append({"stage": stage, "outcome": "FAILED", "seconds": 0.0, "changed": False})
-        outcome = stage_task(stage)(workdir, stage, force=force or stage in refresh,
-                                    known_up_to_date=clean, tracking_uri=tracking_uri)
+        began = time.monotonic()
+        try:
+            outcome = stage_task(stage)(workdir, stage, force=force or stage in refresh,
+                                        known_up_to_date=clean, tracking_uri=tracking_uri)
+        finally:  # a failed stage's time counts in the night's page too
+            outcomes[-1]["seconds"] = time.monotonic() - began
         upstream_changed = upstream_changed or outcome["changed"]
         outcomes[-1] = outcome
     return True
@@ -250,11 +286,15 @@ def _run(workdir: Path, order: list[str], force: bool, refresh: set[str], run_na
     failure puts the workspace back as it was before the first stage."""
     outcomes: list[dict[str, Any]] = []
     snapshot = night.Snapshot.take(workdir) if restore else None
+    started = time.time() - 1.0  # file times are coarser than the clock on some file systems
     try:
         trained = _run_stages(workdir, order, force, refresh, outcomes, tracking_uri,
                               train_without_new_data)
         if not trained:
-            return _no_new_data(workdir, outcomes, notes, run_name)
+            report = _no_new_data(workdir, outcomes, notes, run_name)
+            publish_night(workdir, run_name, started, report.headline, night.NO_NEW_DATA,
+                          outcomes, night.no_new_data_diagnosis(), tracking_uri)
+            return report
         if experiment:
             name = save_experiment(workdir, experiment)
             notes.append(f"DVC experiment `{name}` (reproduce: `dvc exp apply {name}`)" if name
@@ -264,15 +304,21 @@ def _run(workdir: Path, order: list[str], force: bool, refresh: set[str], run_na
         where = f"at stage '{failed[0]}'" if failed else "before the first stage"
         diagnosis = night.diagnose(failed[0] if failed else "plan",
                                    getattr(err, "output", "") or str(err))
+        headline = f"failed {where}: {diagnosis.kind}"
+        # The page first: it reads tonight's files, which putting the workspace back replaces.
+        publish_night(workdir, run_name, started, headline, "failed", outcomes, diagnosis,
+                      tracking_uri)
         if snapshot is not None:
             notes.append(_put_back(workdir, snapshot))
         publish_summary(workdir, summary.RunReport(
-            headline=f"failed {where}: {diagnosis.kind}", stages=outcomes, notes=notes,
+            headline=headline, stages=outcomes, notes=notes,
             details=f"{diagnosis.text()}\n\n{err}"), run_name)
         raise night.NightFailed(diagnosis) from err
     report = summary.RunReport(headline=summary.headline_for(outcomes), stages=outcomes,
                                notes=notes)
     publish_summary(workdir, report, run_name)
+    publish_night(workdir, run_name, started, report.headline, "completed", outcomes,
+                  tracking_uri=tracking_uri)
     return report
 
 

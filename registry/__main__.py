@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from registry import nightlog
 from registry.compare import DEFAULT_METRICS
 
 
@@ -23,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--limit", type=int, default=20, help="newest N versions")
     compare.add_argument("--params", type=Path, default=Path("params.yaml"),
                          help="the params file --name defaults from (register.model_name)")
+    nightlog.add_command(sub)
     args = parser.parse_args(argv)
+    if args.command == "nights":
+        return nightlog.main(args)
 
     from registry.compare import collect, render
     from registry.settings import client

@@ -161,7 +161,7 @@ class Toy:
     def night(self, **parameters: Any) -> tuple[Any, list[dict[str, Any]]]:
         """(final state, the notices it sent)."""
         before = len(self.hook.received)
-        state, _ = run_flow(self.stack, **{"refresh": ["metadata"],
+        state, self.last_run = run_flow(self.stack, **{"refresh": ["metadata"],
                                            "train_without_new_data": False, **parameters})
         return state, self.hook.received[before:]
 
@@ -227,6 +227,14 @@ def test_failed_nights_leave_the_last_good_night_and_send_one_notice_each(toy: T
     state, notices = toy.night()
     assert state.is_completed() and notices == []
     assert toy.registry.champion == {"rows": toy.rows, "lr": 0.1}
+
+    # Each night left its page: in Prefect, and one line each in `python -m registry nights`.
+    page = toy.stack.artifact(toy.last_run, "clip-night")["data"]
+    assert page.startswith("# Night ") and "| train | ran |" in page
+    listed = run([PY, "-m", "registry", "nights"], toy.repo).stdout.splitlines()
+    assert [ln.split("  ")[2] for ln in listed] == [
+        "champion", "FAILED at metadata: broken source", "FAILED at register: registry outage",
+        "FAILED at train: disk full", "FAILED at train: killed", "champion"], listed
 
 
 def test_a_night_without_new_data_trains_nothing_unless_asked(toy: Toy) -> None:
