@@ -22,7 +22,8 @@ import pytest
 import yaml
 
 from harness.processes import free_port
-from tests.prefect_server import PrefectStack, WebhookReceiver
+from tests.night_stack import PrefectServer
+from tests.prefect_server import WebhookReceiver
 from tests.test_flows_secrets import run_flow
 from tests.workspace import run
 
@@ -94,27 +95,6 @@ class Registry:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-class PrefectServer(PrefectStack):
-    """Only the server of a stack: the flow runs in the test's process against it."""
-
-    @classmethod
-    def start(cls, workspace: Path, home: Path) -> PrefectServer:
-        stack = cls(workspace=workspace, home=home, api_url=f"http://127.0.0.1:{free_port()}/api",
-                    env={}, webhook=WebhookReceiver())
-        from tests.workspace import tool_env
-
-        stack.env = {**tool_env(), "PREFECT_HOME": str(home), "PREFECT_API_URL": stack.api_url,
-                     "PREFECT_API_DATABASE_CONNECTION_URL":
-                         f"sqlite+aiosqlite:///{home}/prefect.db",
-                     "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_UI_ENABLED": "false"}
-        try:
-            stack.start_server(timeout=120)
-        except BaseException:
-            stack.stop()
-            raise
-        return stack
 
 
 @pytest.fixture(scope="module")
