@@ -15,7 +15,9 @@ line, and what a person should do. One notice per night is sent with it (flows/n
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,46 +126,83 @@ def _short(line: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-@dataclass
 class Snapshot:
-    """The workspace state a failed night puts back: dvc.lock and the small uncached outputs."""
+    """The workspace state a failed night puts back: dvc.lock and the small uncached outputs,
+    kept on disk (`.dvc/tmp/clipms-night/`) while the night runs. A night whose process was
+    killed leaves it behind: the next night finds it, puts the workspace back and says so."""
 
-    files: dict[str, bytes | None]  # relative path -> content (None: did not exist)
+    FOLDER = Path(".dvc/tmp/clipms-night")
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.folder = workdir / self.FOLDER
+        self.manifest = self.folder / "night.json"
 
     @classmethod
-    def take(cls, workdir: Path) -> Snapshot:
-        files: dict[str, bytes | None] = {str(LOCK): _read(workdir / LOCK)}
-        for folder in RESTORED_FOLDERS:
-            for path in sorted((workdir / folder).rglob("*")):
-                if path.is_file():
-                    files[str(path.relative_to(workdir))] = path.read_bytes()
-        return cls(files)
+    def take(cls, workdir: Path, run: str) -> Snapshot:
+        snap = cls(workdir)
+        shutil.rmtree(snap.folder, ignore_errors=True)
+        files = [str(LOCK)] + [str(p.relative_to(workdir)) for folder in RESTORED_FOLDERS
+                               for p in sorted((workdir / folder).rglob("*")) if p.is_file()]
+        present = []
+        for rel in files:
+            if (workdir / rel).is_file():
+                target = snap.folder / "files" / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(workdir / rel, target)
+                present.append(rel)
+        snap._write({"run": run, "files": present, "stage": None})
+        return snap
 
-    def restore(self, workdir: Path, dvc: Callable[[list[str], Path], str]) -> list[str]:
+    @classmethod
+    def left_behind(cls, workdir: Path) -> tuple[Snapshot, dict[str, object]] | None:
+        """The snapshot of a night that never finished (its process was killed), if any."""
+        snap = cls(workdir)
+        try:
+            return snap, json.loads(snap.manifest.read_text())
+        except (OSError, ValueError):
+            shutil.rmtree(snap.folder, ignore_errors=True)  # half written: nothing to restore
+            return None
+
+    def at_stage(self, stage: str) -> None:
+        """Record the stage the night is in (what the next night names, if this one dies)."""
+        self._write({**json.loads(self.manifest.read_text()), "stage": stage})
+
+    def _write(self, manifest: dict[str, object]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.manifest.with_suffix(".tmp")
+        tmp.write_text(json.dumps(manifest))
+        tmp.replace(self.manifest)
+
+    def restore(self, dvc: Callable[[list[str], Path], str]) -> list[str]:
         """Put the files back (removing the ones tonight created), then `dvc checkout` the
         cached outputs `dvc.lock` names. Returns the paths that differed."""
+        workdir = self.workdir
+        saved = set(json.loads(self.manifest.read_text())["files"])
         changed: list[str] = []
         for folder in RESTORED_FOLDERS:
             for path in sorted((workdir / folder).rglob("*")):
                 rel = str(path.relative_to(workdir))
-                if path.is_file() and rel not in self.files:
+                if path.is_file() and rel not in saved:
                     path.unlink()
                     changed.append(rel)
-        for rel, content in self.files.items():
-            path = workdir / rel
-            if _read(path) == content:
+        if str(LOCK) not in saved:
+            (workdir / LOCK).unlink(missing_ok=True)
+        for rel in sorted(saved):
+            source, path = self.folder / "files" / rel, workdir / rel
+            if _read(path) == source.read_bytes():
                 continue
             changed.append(rel)
-            if content is None:
-                path.unlink(missing_ok=True)
-            else:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f".{path.name}.restore")
-                tmp.write_bytes(content)
-                tmp.replace(path)
-        if self.files[str(LOCK)] is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.restore")
+            shutil.copy2(source, tmp)
+            tmp.replace(path)
+        if str(LOCK) in saved:
             dvc(["checkout", "--force", "--allow-missing", "--quiet"], workdir)
         return changed
+
+    def discard(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _read(path: Path) -> bytes | None:
@@ -188,6 +227,18 @@ def _trained_before(workdir: Path) -> bool:
     if not path.is_file():
         return False
     return TRAIN_STAGE in ((yaml.safe_load(path.read_text()) or {}).get("stages") or {})
+
+
+def killed_night_diagnosis(manifest: dict[str, object]) -> Diagnosis:
+    """The notice of a night whose own process died (no one was left to send it)."""
+    stage = str(manifest.get("stage") or "plan")
+    return Diagnosis(
+        stage, "killed",
+        f"the night {manifest.get('run')} stopped during stage '{stage}' without finishing: its "
+        "process was killed (the worker, the machine, or out of memory); this night put the "
+        "workspace back as the last good night left it",
+        "check the worker's machine (memory, `dmesg`, restarts); nothing else: this night runs "
+        "the stages again and training resumes from its last checkpoint")
 
 
 def no_new_data_diagnosis() -> Diagnosis:

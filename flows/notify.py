@@ -80,7 +80,7 @@ def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
     send(notice, logger)
 
 
-def notify_night(diagnosis: Any) -> None:
+def notify_night(diagnosis: Any, verb: str = "did nothing") -> None:
     """The one notice of a night that did not fail but did nothing (e.g. no new data); sent from
     inside the flow run. Never raises."""
     from prefect.logging import get_run_logger
@@ -89,7 +89,7 @@ def notify_night(diagnosis: Any) -> None:
     logger = get_run_logger()
     notice = failure_notice(flow_run.get_flow_name() or "clip-pipeline",
                             flow_run.get_name() or "local", str(flow_run.get_id()),
-                            diagnosis.text(), diagnosis, verb="did nothing")
+                            diagnosis.text(), diagnosis, verb=verb)
     logger.warning("NIGHT NOTICE: %s", notice["text"])
     send(notice, logger)
 

@@ -229,7 +229,8 @@ def has_new_data(workdir: Path) -> bool:
 
 def _run_stages(workdir: Path, order: list[str], force: bool, refresh: set[str],
                 outcomes: list[dict[str, Any]], tracking_uri: str | None = None,
-                train_without_new_data: bool = True) -> bool:
+                train_without_new_data: bool = True,
+                snapshot: night.Snapshot | None = None) -> bool:
     """Run the stages one after another into `outcomes`; the first failure raises, later stages
     do not run. False when the night stopped before train for want of new data."""
     stale = set(stale_stages(workdir))
@@ -242,6 +243,8 @@ def _run_stages(workdir: Path, order: list[str], force: bool, refresh: set[str],
             return False
         clean = stage not in stale and not upstream_changed
         outcomes.append({"stage": stage, "outcome": "FAILED", "seconds": 0.0, "changed": False})
+        if snapshot is not None:
+            snapshot.at_stage(stage)
         began = time.monotonic()
         try:
             outcome = stage_task(stage)(workdir, stage, force=force or stage in refresh,
@@ -285,15 +288,18 @@ def _run(workdir: Path, order: list[str], force: bool, refresh: set[str], run_na
     NightFailed); with `experiment`, save the result as that DVC experiment; with `restore`, a
     failure puts the workspace back as it was before the first stage."""
     outcomes: list[dict[str, Any]] = []
-    snapshot = night.Snapshot.take(workdir) if restore else None
+    if restore:
+        _after_a_killed_night(workdir)
+    snapshot = night.Snapshot.take(workdir, run_name) if restore else None
     started = time.time() - 1.0  # file times are coarser than the clock on some file systems
     try:
         trained = _run_stages(workdir, order, force, refresh, outcomes, tracking_uri,
-                              train_without_new_data)
+                              train_without_new_data, snapshot)
         if not trained:
             report = _no_new_data(workdir, outcomes, notes, run_name)
             publish_night(workdir, run_name, started, report.headline, night.NO_NEW_DATA,
                           outcomes, night.no_new_data_diagnosis(), tracking_uri)
+            _discard(snapshot)
             return report
         if experiment:
             name = save_experiment(workdir, experiment)
@@ -309,7 +315,8 @@ def _run(workdir: Path, order: list[str], force: bool, refresh: set[str], run_na
         publish_night(workdir, run_name, started, headline, "failed", outcomes, diagnosis,
                       tracking_uri)
         if snapshot is not None:
-            notes.append(_put_back(workdir, snapshot))
+            notes.append(_put_back(snapshot))
+            snapshot.discard()
         publish_summary(workdir, summary.RunReport(
             headline=headline, stages=outcomes, notes=notes,
             details=f"{diagnosis.text()}\n\n{err}"), run_name)
@@ -317,16 +324,36 @@ def _run(workdir: Path, order: list[str], force: bool, refresh: set[str], run_na
     report = summary.RunReport(headline=summary.headline_for(outcomes), stages=outcomes,
                                notes=notes)
     publish_summary(workdir, report, run_name)
+    _discard(snapshot)
     publish_night(workdir, run_name, started, report.headline, "completed", outcomes,
                   tracking_uri=tracking_uri)
     return report
 
 
-def _put_back(workdir: Path, snapshot: night.Snapshot) -> str:
+def _discard(snapshot: night.Snapshot | None) -> None:
+    if snapshot is not None:
+        snapshot.discard()
+
+
+def _after_a_killed_night(workdir: Path) -> None:
+    """A night whose process died left its snapshot: put the workspace back as the last good
+    night left it, and send the notice that night could not send."""
+    found = night.Snapshot.left_behind(workdir)
+    if found is None:
+        return
+    snapshot, manifest = found
+    diagnosis = night.killed_night_diagnosis(manifest)
+    _logger().warning("%s", diagnosis.text())
+    _put_back(snapshot)
+    snapshot.discard()
+    notify_night(diagnosis, verb="found an earlier night killed")
+
+
+def _put_back(snapshot: night.Snapshot) -> str:
     """Restore the last good night's outputs; the note says what happened (a failure to restore
     is reported, never hides the night's own failure)."""
     try:
-        changed = snapshot.restore(workdir, dvc_cli.dvc)
+        changed = snapshot.restore(dvc_cli.dvc)
     except Exception as err:  # noqa: BLE001 - the notice must still go out
         _logger().error("could not put the workspace back: %s", err)
         return f"the workspace could NOT be put back: {redact_text(str(err))}"

@@ -11,7 +11,11 @@ nothing worth registering in MLflow; the real registry is in tests/test_nights_e
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,13 +29,13 @@ from harness.processes import free_port
 from tests.night_stack import PrefectServer
 from tests.prefect_server import WebhookReceiver
 from tests.test_flows_secrets import run_flow
-from tests.workspace import run
+from tests.workspace import PROJECT_ROOT, run, tool_env
 
 pytestmark = pytest.mark.slow  # a Prefect server and a dozen dvc commands a night
 
 PY = sys.executable
 TOY = '''
-import json, os, signal, sys, urllib.request
+import json, os, signal, sys, time, urllib.request
 import yaml
 params = yaml.safe_load(open("params.yaml"))
 stage = sys.argv[1]
@@ -46,6 +50,9 @@ elif stage == "train":
     os.makedirs("models", exist_ok=True)
     if params["train"]["kill"]:
         os.kill(os.getpid(), signal.SIGKILL)
+    if params["train"]["sleep"]:  # a long training: the test kills the whole night in it
+        open("models/started", "w").close()
+        time.sleep(params["train"]["sleep"])
     with open(params["train"]["scratch"], "w") as scratch:  # /dev/full: ENOSPC
         scratch.write("x" * 65536)
     json.dump({"rows": rows, "lr": params["train"]["lr"]}, open("models/model.json", "w"))
@@ -127,9 +134,9 @@ class Toy:
             self.repo)
 
     def set_params(self, lr: float = 0.1, kill: bool = False, scratch: str = "scratch.txt",
-                   uri: str | None = None) -> None:
+                   uri: str | None = None, sleep: float = 0) -> None:
         params = {"metadata": {"path": str(self.source)},
-                  "train": {"lr": lr, "kill": kill, "scratch": scratch},
+                  "train": {"lr": lr, "kill": kill, "scratch": scratch, "sleep": sleep},
                   "register": {"uri": uri or self.registry.url}}
         (self.repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
@@ -235,3 +242,46 @@ def test_a_night_without_new_data_trains_nothing_unless_asked(toy: Toy) -> None:
     assert state.is_completed() and notices == []
     assert toy.registry.champion == {**champion, "lr": 0.2}
 
+
+
+def test_a_night_whose_process_was_killed_is_named_by_the_next_which_puts_it_back(
+        toy: Toy) -> None:
+    """The whole night is killed (the flow's process and its children, as a lost worker): no one
+    is left to send its notice or put the workspace back, so the next night does both, first."""
+    toy.grow()
+    assert toy.night()[0].is_completed()
+    good = toy.outputs()
+    toy.grow()
+    toy.set_params(sleep=600)
+    env = {**tool_env(), "PREFECT_API_URL": toy.stack.api_url,
+           "PREFECT_HOME": str(toy.stack.home), "CLIPMS_FAILURE_WEBHOOK": toy.hook.url,
+           "PYTHONPATH": str(PROJECT_ROOT)}
+    code = ("from flows.pipeline import clip_pipeline; "
+            "clip_pipeline(refresh=['metadata'], train_without_new_data=False)")
+    log = toy.repo.parent / "killed-night.log"
+    with log.open("wb") as out:
+        night = subprocess.Popen([PY, "-c", code], cwd=toy.repo, env=env, stdout=out,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        started = toy.repo / "models" / "started"
+        deadline = time.monotonic() + 600
+        while not started.exists() and night.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert started.exists(), f"the night never reached train:\n{log.read_text()[-3000:]}"
+    finally:
+        if night.poll() is None:
+            os.killpg(night.pid, signal.SIGKILL)
+        night.wait()
+    assert toy.outputs() != good  # tonight's metadata had run: the workspace is not as it was
+    assert toy.hook.received == []  # no one was left to say so
+
+    toy.set_params()
+    state, notices = toy.night(stages=["metadata"])  # only the put-back and the first stage
+    assert state.is_completed()
+    assert [(n["stage"], n["kind"]) for n in notices] == [("train", "killed")], notices
+    assert "put the workspace back" in notices[0]["reason"]
+    # the model, its metrics and the decision are the last good night's again; metadata and the
+    # lock hold tonight's first stage
+    kept = ("models/model.json", "metrics/train.json", "metrics/register.json")
+    assert {k: toy.outputs().get(k) for k in kept} == {k: good[k] for k in kept}
+    assert not (toy.repo / ".dvc/tmp/clipms-night").exists()
