@@ -13,8 +13,8 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: env run test lint bench clean-env
 
-# The offline page of `dvc plots show` (pipeline/plots_page.py): vega, vega-lite and vega-embed from
-# the npm registry, pinned by pipeline/vega/package-lock.json, into build/vega/ (git-ignored), inlined
+# The offline page of `dvc plots show` (ops/plots_page.py): vega, vega-lite and vega-embed from
+# the npm registry, pinned by ops/vega/package-lock.json, into build/vega/ (git-ignored), inlined
 # into the page template that .dvc/config names. Without npm the page loads vega from DVC's CDN.
 PLOTS_PAGE := build/vega/dvc-plots.html
 
@@ -32,13 +32,13 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip uninstall -y -q dataclasses
 	touch $(STAMP)
 
-$(PLOTS_PAGE): pipeline/vega/package.json pipeline/vega/package-lock.json pipeline/plots_page.py $(STAMP)
+$(PLOTS_PAGE): ops/vega/package.json ops/vega/package-lock.json ops/plots_page.py $(STAMP)
 	mkdir -p build/vega
-	cp pipeline/vega/package.json pipeline/vega/package-lock.json build/vega/
+	cp ops/vega/package.json ops/vega/package-lock.json build/vega/
 	if command -v npm >/dev/null; then npm ci --prefix build/vega --no-audit --no-fund --silent \
 		|| echo "npm ci failed: dvc plots show will load vega from its CDN (online only)"; \
 	else echo "npm not found: dvc plots show will load vega from its CDN (online only)"; fi
-	$(VENV)/bin/python -m pipeline.plots_page
+	$(VENV)/bin/python -m ops.plots_page
 
 run: env
 	dvc repro
@@ -48,7 +48,7 @@ test: env
 	pytest -q -n 2 --dist loadfile
 
 # The fast tier: every test not marked slow (tests/conftest.py says which must be), the same two
-# workers; about 140 CPU-seconds. `make test` stays the whole suite, as CI runs it.
+# workers (its budget: docs/testing.md). `make test` stays the whole suite, as CI runs it.
 .PHONY: test-fast
 test-fast: env
 	pytest -q -n 2 --dist loadfile -m "not slow"
@@ -66,7 +66,7 @@ prefect-server: env
 	prefect server start --host 127.0.0.1 --port $(PREFECT_PORT)
 
 deploy: env
-	scripts/deploy.sh
+	flows/deploy.sh
 
 worker: env
 	prefect worker start --pool clipms --type process

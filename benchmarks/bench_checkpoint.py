@@ -44,9 +44,9 @@ def measure(args: argparse.Namespace, out: Path) -> dict:
     import mindspore as ms
     import numpy as np
 
-    from clipms.model.config import get_preset
+    from clipms.model.architecture import get_preset
     from clipms.train import checkpoint
-    from pipeline.preflight import parameter_count
+    from ops.preflight import parameter_count
 
     count = parameter_count(get_preset(args.preset))
     rng = np.random.default_rng(0)

@@ -75,7 +75,7 @@ def cpu_seconds() -> float:
 
 
 def bench_dedupe(args: argparse.Namespace) -> dict:
-    from clipms.prep.captions import dedupe, read_metadata, write_images
+    from prep.captions import dedupe, read_metadata, write_images
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "metadata.parquet"
@@ -120,7 +120,7 @@ def write_download_like(folder: Path, samples: int, per_tar: int, size: int) -> 
 
 
 def bench_shard(args: argparse.Namespace) -> dict:
-    from clipms.prep.shards import ShardSettings, build_shards
+    from prep.shards import ShardSettings, build_shards
 
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "download", Path(tmp) / "shards"
@@ -143,9 +143,9 @@ class _Quiet(SimpleHTTPRequestHandler):
 
 
 def bench_download(args: argparse.Namespace) -> dict:
-    from clipms.prep.download import DownloadSettings, download_images
-    from clipms.prep.engines import EngineSettings
-    from clipms.prep.urlguard import FetchPolicy
+    from prep.engines import EngineSettings
+    from prep.fetch import DownloadSettings, download_images
+    from prep.urlguard import FetchPolicy
 
     with tempfile.TemporaryDirectory() as tmp:
         www = Path(tmp) / "www"
@@ -188,10 +188,10 @@ def bench_download(args: argparse.Namespace) -> dict:
 
 def bench_urlguard(args: argparse.Namespace) -> dict:
     """Requests/s through urllib's default opener and through the URL policy's opener
-    (clipms.prep.urlguard, address checks on), alternated in rounds against one loopback server."""
+    (prep.urlguard, address checks on), alternated in rounds against one loopback server."""
     import urllib.request
 
-    from clipms.prep.urlguard import FetchPolicy, build_opener
+    from prep.urlguard import FetchPolicy, build_opener
 
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "0.jpg").write_bytes(_jpeg(np.random.default_rng(0), args.source_size))

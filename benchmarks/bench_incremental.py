@@ -3,7 +3,7 @@
     python benchmarks/bench_incremental.py [--images 10000 --growth 0.1 --rounds 2
                                             --out benchmarks/results/incremental_download.json]
 
-The world: `--images` of the synthetic source's pictures (clipms.prep.synthetic, 128 px PNGs,
+The world: `--images` of the synthetic source's pictures (prep.synthetic, 128 px PNGs,
 five captions each), grown by `--growth` (the generator draws each image from its own seed, so the
 grown world holds the same first images), served over loopback HTTP by `python -m http.server`
 in its own process, deduped by the dedupe stage into images.parquet. Each round runs, in this
@@ -70,7 +70,7 @@ def free_port() -> int:
 
 def make_world(folder: Path, images: int, growth: float) -> tuple[Path, list]:
     """The grown world's PNGs in `folder/site`; (that folder, their records)."""
-    from clipms.prep import synthetic
+    from prep import synthetic
 
     site = folder / "site"
     site.mkdir(parents=True)
@@ -81,7 +81,7 @@ def metadata(records: list, base_url: str, out: Path) -> None:
     """A metadata.parquet of these images, as the metadata stage writes it."""
     import pyarrow as pa
 
-    from clipms.prep.metadata import SCHEMA, write_table
+    from prep.sources import SCHEMA, write_table
 
     urls, texts = [], []
     for image in records:

@@ -4,10 +4,10 @@ exactly, with nothing for a person to clean up?
     python benchmarks/bench_kill.py --seed 0 --extra-kills 4 \
         --out benchmarks/results/kill_recovery.json
 
-Two fresh checkouts of the project with the tests' tiny world (`tests/workspace.py`: 48 synthetic
-images, a one-layer model, a few training steps, the whole pipeline from metadata to register):
-1. the reference: `dvc repro` without interruption, timing each stage from its "Running stage"
-   line to the next;
+Two fresh checkouts of the project with the tests' tiny world (`harness/dvc_workspace.py`: 48
+synthetic images, a one-layer model, a few training steps, the whole pipeline from metadata to
+register): 1. the reference: `dvc repro` without interruption, timing each stage from its "Running
+   stage" line to the next;
 2. the killed one: `dvc repro` started again and again, each run killed with SIGKILL - the whole
    process group at once (dvc, the stage's python and any worker it forked), as an OOM kill of the
    job or a lost machine ends it - at a random moment of the next stage on the plan (a uniform
@@ -48,7 +48,7 @@ sys.path.insert(0, str(PROJECT_ROOT))
 
 import record  # noqa: E402 - benchmarks/record.py, beside this script
 
-from tests.workspace import make_workspace, tool_env  # noqa: E402  (the tests' tiny world)
+from harness.dvc_workspace import make_workspace, tool_env  # noqa: E402  (the tests' tiny world)
 
 STAGE_LINE = re.compile(r"^Running stage '([^']+)':")
 TEMP_FILE = re.compile(r"^\..+\.tmp-\d+-[0-9a-f]+")  # clipms.utils.atomic's temp names
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     final = run_repro(killed)
     result = {
         "seed": args.seed, "extra_kills": args.extra_kills,
-        "world": "tests/workspace.py TINY_PARAMS",
+        "world": "harness/dvc_workspace.py TINY_PARAMS",
         "reference": {"seconds": ref_run.seconds, "stage_seconds": durations},
         "plan": [{"stage": s, "after_s": d} for s, d in plan],
         "kills": kills,

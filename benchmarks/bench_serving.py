@@ -24,14 +24,14 @@ Two modes, alternated in one run (`--modes`): `shared`, every process on every c
 takes its share of them), and `pinned` (text embeddings, `--pinned-targets`): servers of their own
 started on `--server-cpu` (benchmarks/serving_servers.py says why), the client on `--client-cpu`.
 Right after each cell of the batched service's text embeddings at concurrency 32,
-`clipms-bench encode --bundle` measures what the model itself does at that cell's mean batch size,
-on the CPUs the service had (both cores; the server CPU) with as many MindSpore threads: the
-limit, so the service's own overhead shows. Each cell and its limit are a pair measured in the
-same minute, so the machine's drift (its speed moves by 10-20 % over minutes here) falls on both
-sides of the ratio; the summary gives the median of the pairs' ratios. The limit's rate is the
-mean over its `--limit-steps` timed steps (texts / time), not its median step: the service's QPS
-is a mean over seconds with every interruption in it, so the limit is measured the same way (the
-median step's rate is reported beside it). Every server is stopped at the end.
+`python -m benchmarks.throughput encode --bundle` measures what the model itself does at that
+cell's mean batch size, on the CPUs the service had (both cores; the server CPU) with as many
+MindSpore threads: the limit, so the service's own overhead shows. Each cell and its limit are a
+pair measured in the same minute, so the machine's drift (its speed moves by 10-20 % over minutes
+here) falls on both sides of the ratio; the summary gives the median of the pairs' ratios. The
+limit's rate is the mean over its `--limit-steps` timed steps (texts / time), not its median step:
+the service's QPS is a mean over seconds with every interruption in it, so the limit is measured
+the same way (the median step's rate is reported beside it). Every server is stopped at the end.
 """
 
 from __future__ import annotations
@@ -187,9 +187,10 @@ def pair_with_limit(bench: Bench, cell: dict[str, Any]) -> None:
 
 
 def model_limit(args: argparse.Namespace, batch: int, cpus: set[int]) -> dict[str, Any]:
-    """`clipms-bench encode --bundle` at `batch`, started on `cpus` only and with as many
-    MindSpore threads, as the service was."""
-    out = subprocess.run([str(BIN / "clipms-bench"), "encode", "--bundle", str(args.bundle),
+    """`python -m benchmarks.throughput encode --bundle` at `batch`, started on `cpus` only and
+    with as many MindSpore threads, as the service was."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "encode",
+                          "--bundle", str(args.bundle),
                           "--towers", "text", "--batch-size", str(batch),
                           "--steps", str(args.limit_steps), "--threads", str(len(cpus))],
                          capture_output=True, text=True, check=True, timeout=1800,
@@ -300,7 +301,8 @@ def parse_args() -> argparse.Namespace:
                    "bundle's pyfunc in a temporary registry)")
     p.add_argument("--mlflow-tracking-uri")
     p.add_argument("--startup-timeout", type=float, default=900.0)
-    p.add_argument("--no-limit", action="store_true", help="skip the clipms-bench model limit")
+    p.add_argument("--no-limit", action="store_true",
+                   help="skip the model-alone limit (benchmarks.throughput)")
     p.add_argument("--limit-steps", type=int, default=300,
                    help="timed steps per model-alone run (its rate: the mean over them)")
     p.add_argument("--results", "--out", type=Path, dest="results",
@@ -316,7 +318,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    from clipms.deploy.index import bundle_digest
+    from clipms.deploy.searchindex import bundle_digest
 
     dim = json.loads((args.bundle / "bundle.json").read_text())["embed_dim"]
     recording, load_before = record.start("serving"), os.getloadavg()

@@ -2,7 +2,7 @@
 
     python benchmarks/export_fp16_parity.py --preset ViT-B-32
 
-Prints one JSON line per precision (the errors clipms.deploy.export.parity_report gates on, the
+Prints one JSON line per precision (the errors clipms.deploy.mindir.parity_report gates on, the
 MindIR sizes, the export time) and records them in benchmarks/results/export_fp16_parity.json
 (`--results`). The bundles go to a temporary folder (`--out` to keep them). Random weights,
 random normalised images and random token rows: the errors measure fp16's rounding through the
@@ -41,12 +41,12 @@ def measure(args: argparse.Namespace, out: Path, precision: str) -> dict:
     """Export the preset at `precision` and check it against the same weights in fp32."""
     import mindspore as ms
 
-    from clipms.bench import random_images, random_tokens
+    from benchmarks.throughput import random_images, random_tokens
     from clipms.data.preprocess import PreprocessConfig
-    from clipms.deploy.export import export_bundle, parity_report
+    from clipms.deploy.mindir import export_bundle, parity_report
+    from clipms.model.architecture import get_preset
     from clipms.model.clip import CLIP
-    from clipms.model.config import get_preset
-    from clipms.text.tokenizer import Tokenizer
+    from clipms.text.clip_tokenizer import Tokenizer
 
     cfg = get_preset(args.preset)
     out.mkdir(parents=True, exist_ok=True)

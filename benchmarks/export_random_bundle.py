@@ -1,6 +1,7 @@
 """Export a random-init model of a preset as a bundle, to benchmark MindIR inference before (or
 without) a trained model: `python benchmarks/export_random_bundle.py --preset tiny --out DIR`,
-then `clipms-bench encode --bundle DIR --batch-size 64`. Speed does not depend on the weights."""
+then `python -m benchmarks.throughput encode --bundle DIR --batch-size 64`. Speed does not depend
+on the weights."""
 
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ def main() -> None:
     import mindspore as ms
 
     from clipms.data.preprocess import PreprocessConfig
-    from clipms.deploy.export import export_bundle
+    from clipms.deploy.mindir import export_bundle
+    from clipms.model.architecture import get_preset
     from clipms.model.clip import CLIP
-    from clipms.model.config import get_preset
-    from clipms.text.tokenizer import Tokenizer
+    from clipms.text.clip_tokenizer import Tokenizer
 
     ms.set_seed(0)
     cfg = get_preset(args.preset)

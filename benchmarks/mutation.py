@@ -45,10 +45,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # "<module>.*" is the whole file. mutmut names a mutant <module>.x_<function>__mutmut_<n> and a
 # method's <module>.xǁ<Class>ǁ<method>__mutmut_<n>.
 MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "urlguard": ("clipms/prep/urlguard.py", ("clipms.prep.urlguard.*",)),
-    "captions": ("clipms/prep/captions.py", ("clipms.prep.captions.*",)),
+    "urlguard": ("prep/urlguard.py", ("prep.urlguard.*",)),
+    "captions": ("prep/captions.py", ("prep.captions.*",)),
     "metrics": ("clipms/eval/metrics.py", ("clipms.eval.metrics.*",)),
-    # the pure decision; current_champion/apply talk to MLflow (tests/test_registry_gate.py, slow)
+    # the pure decision; current_champion/apply talk to MLflow (tests/registry/test_gate_mlflow.py,
+    # slow)
     "gate": ("registry/gate.py", ("registry.gate.x_decide__*",
                                   "registry.gate.x_primary_direction__*",
                                   "registry.gate.x_describe__*",
@@ -56,15 +57,15 @@ MODULES: dict[str, tuple[str, tuple[str, ...]]] = {
                                   "registry.gate.x_candidate_from_version__*")),
     "params": ("pipeline/params.py", ("pipeline.params.*",)),
     "loss": ("clipms/train/loss.py", ("clipms.train.loss.*",)),
-    "tokenizer": ("clipms/text/tokenizer.py", ("clipms.text.tokenizer.*",)),
+    "tokenizer": ("clipms/text/clip_tokenizer.py", ("clipms.text.clip_tokenizer.*",)),
     "bpe": ("clipms/text/bpe.py", ("clipms.text.bpe.*",)),
-    "shards": ("clipms/prep/shards.py", ("clipms.prep.shards.*",)),
+    "shards": ("prep/shards.py", ("prep.shards.*",)),
     "checkpoint": ("clipms/train/checkpoint.py", ("clipms.train.checkpoint.*",)),
     # the parity part of export: the report, its error measure and the pass/fail decision
-    "export": ("clipms/deploy/export.py", ("clipms.deploy.export.x_parity_report__*",
-                                    "clipms.deploy.export.x__errors__*",
-                                    "clipms.deploy.export.x_assert_parity__*",
-                                    "clipms.deploy.export.x__cycle_rows__*")),
+    "export": ("clipms/deploy/mindir.py", ("clipms.deploy.mindir.x_parity_report__*",
+                                    "clipms.deploy.mindir.x__errors__*",
+                                    "clipms.deploy.mindir.x_assert_parity__*",
+                                    "clipms.deploy.mindir.x__cycle_rows__*")),
 }
 KILLED = {1, 3}  # mutmut's exit codes: 1 a test failed, 3 pytest's internal error
 SURVIVED = {0}

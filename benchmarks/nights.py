@@ -3,10 +3,10 @@ failures, and what each night decided, took and cost in storage.
 
     python benchmarks/nights.py --nights 30 --out benchmarks/results/nights.json
 
-The world is the tests' (tests/nightly_world.py): learnable pictures served over loopback HTTP
-(tests/image_site.py) and a local parquet export listing more of them every night (`--growth`,
-default 5 %, at least one picture). A fresh checkout of the project (tests/workspace.py: the tiny
-model) runs the `clip-pipeline` flow as the nightly deployment does (`refresh: [metadata]`,
+The world is the tests' (harness/nightly_world.py): learnable pictures served over loopback HTTP
+(harness/image_site.py) and a local parquet export listing more of them every night (`--growth`,
+default 5 %, at least one picture). A fresh checkout of the project (harness/dvc_workspace.py: the
+tiny model) runs the `clip-pipeline` flow as the nightly deployment does (`refresh: [metadata]`,
 `train_without_new_data: false`), in this process, against a Prefect server of its own; MLflow is
 the checkout's `mlflow.db`; a failure webhook on loopback counts the notices.
 
@@ -124,10 +124,10 @@ class World:
     exits: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def open(self) -> World:
-        from tests.night_stack import PrefectServer
-        from tests.nightly_world import GrowingSource, shape_picture
-        from tests.prefect_server import WebhookReceiver
-        from tests.workspace import make_workspace, run
+        from harness.dvc_workspace import make_workspace, run
+        from harness.night_stack import PrefectServer
+        from harness.nightly_world import GrowingSource, shape_picture
+        from harness.prefect_server import WebhookReceiver
 
         self.source = GrowingSource(self.root / "source", self.capacity, draw=shape_picture)
         self.site = self.exits.enter_context(self.source.site())
@@ -150,7 +150,7 @@ class World:
 
     def grow(self) -> int:
         """List a few percent more pictures (the first night: `start`); the number new."""
-        from tests.nightly_world import shape_captions
+        from harness.nightly_world import shape_captions
 
         new = self.start if not self.listed else max(1, math.ceil(self.listed * self.growth))
         new = min(new, self.capacity - self.listed)
@@ -159,7 +159,7 @@ class World:
         return new
 
     def write(self, captions: Callable[[int], list[str]] | None = None) -> None:
-        from tests.nightly_world import shape_captions
+        from harness.nightly_world import shape_captions
 
         self.source.write(self.site, range(self.listed), captions=captions or shape_captions)
 
@@ -225,7 +225,7 @@ def planted(kind: str | None, world: World, record: dict[str, Any]) -> Iterator[
 
 @contextlib.contextmanager
 def _params(ws: Path, values: dict[str, Any]) -> Iterator[None]:
-    from harness.workspace import set_params
+    from harness.project_copy import set_params
 
     params = ws / "params.yaml"
     original = params.read_bytes()
@@ -323,7 +323,7 @@ def lock_digest(ws: Path) -> str | None:
 
 def run_night(world: World, number: int, kind: str | None) -> dict[str, Any]:
     """One night: grow (unless planted otherwise), plant, run the flow, record."""
-    from tests.test_flows_secrets import run_flow
+    from tests.flows.test_pipeline_secrets import run_flow
 
     record: dict[str, Any] = {"night": number, "planted": kind}
     record["images_listed_new"] = 0 if kind == "no_new_rows" else world.grow()

@@ -52,7 +52,7 @@ from clipms.data.dataset import (  # noqa: E402
 )
 from clipms.data.preprocess import PreprocessConfig  # noqa: E402
 from clipms.eval.metrics import retrieval_metrics  # noqa: E402
-from clipms.text.tokenizer import Tokenizer  # noqa: E402
+from clipms.text.clip_tokenizer import Tokenizer  # noqa: E402
 
 CURVE_KEYS = ("i2t_R@1", "i2t_R@5", "i2t_R@10", "t2i_R@1", "t2i_R@5", "t2i_R@10")
 

@@ -9,7 +9,7 @@ Not a project dependency. Run it with a separate virtualenv that has torch + ope
     ~/venvs/openclip/bin/python benchmarks/openclip_peer.py train --preset tiny --batch-size 64
 
 The architecture comes from clipms's own preset (`CLIPConfig.to_openclip()`), and inputs and timing
-from `clipms.bench` (both pure Python + numpy), so the two sides do exactly the same work.
+from `benchmarks.throughput` (both pure Python + numpy), so the two sides do exactly the same work.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import open_clip  # noqa: E402
 import torch  # noqa: E402
 
-from clipms.bench import random_images, random_tokens, time_steps  # noqa: E402
-from clipms.model.config import get_preset  # noqa: E402
+from benchmarks.throughput import random_images, random_tokens, time_steps  # noqa: E402
+from clipms.model.architecture import get_preset  # noqa: E402
 
 
 def _parse() -> argparse.Namespace:

@@ -153,9 +153,9 @@ def prepare(args: argparse.Namespace) -> None:
 def model_config(args: argparse.Namespace) -> Any:
     """The preset with the tokenizer's vocabulary, the loss's initial scale and bias and the
     patch dropout: one config, so both sides build the same model (`to_openclip` carries them)."""
-    from clipms.model.config import get_preset
-    from clipms.text.tokenizer import Tokenizer
-    from clipms.train.config import LOSS_INIT
+    from clipms.model.architecture import get_preset
+    from clipms.text.clip_tokenizer import Tokenizer
+    from clipms.train.recipe import LOSS_INIT
 
     tokenizer = Tokenizer.load(args.work / "models/tokenizer.json")
     cfg = get_preset(args.preset)
@@ -167,7 +167,7 @@ def model_config(args: argparse.Namespace) -> Any:
 
 def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """clipms's trainer on the shards; (features for scoring, run facts)."""
-    from clipms.bench.checks import EvalCopy, QualityChecks
+    from benchmarks.throughput.checks import EvalCopy, QualityChecks
     from clipms.data.preprocess import PreprocessConfig
     from clipms.eval import metrics
     from clipms.eval.embed import CellTowers, embed_split

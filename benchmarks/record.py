@@ -7,7 +7,7 @@ the tables from these files):
     {"benchmark": "<name>",
      "meta": {"command": "...", "commit": "1a2b3c4", "dirty": false,
               "started_utc": "...", "finished_utc": "...",
-              "machine": {"cpu": "...", "cores": 2, "memory_gb": 23.5},
+              "machine": {"cpu": "...", "simd": "avx2", "cores": 2, "memory_gb": 23.5},
               "load_avg": {"start": [1m, 5m, 15m], "end": [1m, 5m, 15m]},
               "note": "..."},
      "results": ...}
@@ -15,9 +15,11 @@ the tables from these files):
 `note` comes from the environment variable CLIPMS_BENCH_NOTE (for example "shared with other
 work"): a benchmark cannot tell whether the machine was shared; the load average only hints.
 
-As a command, it records any command that prints JSON lines (`clipms-bench` prints one per run):
+As a command, it records any command that prints JSON lines (`python -m benchmarks.throughput`
+prints one per run):
 
-    python benchmarks/record.py loader --repeat 2 -- clipms-bench loader --batches 30
+    python benchmarks/record.py loader --repeat 2 -- python -m benchmarks.throughput loader
+    --batches 30
 
 runs the command `--repeat` times and writes the last JSON line of each run to
 benchmarks/results/loader.json (`--results` for another path).
@@ -71,16 +73,32 @@ def git_state(root: Path = ROOT) -> dict[str, Any]:
     return {"commit": commit, "dirty": bool(changed)}
 
 
-def machine() -> dict[str, Any]:
-    """What the figures depend on: the CPU model, how many cores this process may use, memory."""
-    cpu = platform.processor() or platform.machine()
+# The widest vector extension first: MindSpore's CPU kernels pick their code path by it, so two
+# machines with different ones train to different weights (docs/evaluation-and-export.md).
+SIMD_LEVELS = ("avx512f", "avx2", "avx", "sse4_2", "asimd")
+
+
+def cpu_fields() -> dict[str, str]:
+    """/proc/cpuinfo's first processor block as name -> value (empty where it cannot be read)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        block = Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0]
     except OSError:
-        pass
+        return {}
+    pairs = (line.partition(":") for line in block.splitlines())
+    return {name.strip(): value.strip() for name, _, value in pairs}
+
+
+def simd(flags: str) -> str | None:
+    """The widest of SIMD_LEVELS among the CPU's flags (x86 `flags`, arm `Features`)."""
+    have = set(flags.split())
+    return next((level for level in SIMD_LEVELS if level in have), None)
+
+
+def machine() -> dict[str, Any]:
+    """What the figures depend on: the CPU model and its vector extension, how many cores this
+    process may use, memory."""
+    fields = cpu_fields()
+    cpu = fields.get("model name") or platform.processor() or platform.machine()
     memory_gb = None
     try:
         kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
@@ -88,7 +106,8 @@ def machine() -> dict[str, Any]:
         memory_gb = round(kb / 2**20, 1)
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gb": memory_gb}
+    return {"cpu": cpu, "simd": simd(fields.get("flags") or fields.get("Features") or ""),
+            "cores": len(os.sched_getaffinity(0)), "memory_gb": memory_gb}
 
 
 def shown_path(arg: str) -> str:
@@ -108,7 +127,7 @@ def shown_command(argv: Sequence[str]) -> str:
     if argv and Path(argv[0]).name.startswith("python"):
         shown[0] = "python"
     elif argv and Path(argv[0]).parent == Path(sys.executable).parent:
-        shown[0] = Path(argv[0]).name  # clipms-bench, clipms-serve
+        shown[0] = Path(argv[0]).name  # clipms-serve
     return shlex.join(shown)
 
 

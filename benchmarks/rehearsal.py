@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import record  # noqa: E402  (after the path is set)
 from benchmarks.stage_clock import measure  # noqa: E402
-from harness import processes, workspace  # noqa: E402
+from harness import processes, project_copy  # noqa: E402
 
 PROFILE = ROOT / "profiles" / "mscoco-rehearsal.yaml"
 MSCOCO_IMAGES, MSCOCO_VAL = 123_287, 5_000  # 2017 train + the Karpathy test split's size
@@ -241,12 +241,12 @@ def run_stage(clone: Path, stage: str, clock_dir: Path, logs: Path,
 def prepare(args: argparse.Namespace, clone: Path, result: dict[str, Any]) -> tuple[list[str], int]:
     """A new clone with the profile, the size and a free port for its image server applied, every
     stage's command wrapped in the clock; its stages in order and the port."""
-    workspace.copy_project(ROOT, clone)
+    project_copy.copy_project(ROOT, clone)
     port = processes.free_port()
     applied = overrides(args, port)
-    workspace.set_params(clone / "params.yaml", applied)
+    project_copy.set_params(clone / "params.yaml", applied)
     stages = wrap_stage_commands(clone / "dvc.yaml", args.workdir / "clock")
-    workspace.commit_all(clone, "MSCOCO rehearsal")
+    project_copy.commit_all(clone, "MSCOCO rehearsal")
     result["params"] = applied
     return stages, port
 

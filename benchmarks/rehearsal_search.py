@@ -6,12 +6,12 @@
 
 For each search kind at the `index` section's default settings (`index.search`, `hnsw_m`,
 `hnsw_ef_search`, `ivf_nlist`, `ivf_nprobe`): the FAISS index built from the stored embeddings
-(`clipms.deploy.index.with_search`: no image embedded again), measured as a child process (wall,
-CPU, peak RSS, file size); recall@10 against exact search for text queries (val captions embedded
-by the bundle: what /v1/search answers) and image queries (indexed images: "more like this"),
-also with a sweep of `hnsw_ef_search` and `ivf_nprobe`; the search alone, one query at a time, in
-this process (p50/p99); and each kind served by the search service (`python -m serving`, one
-server per kind, all started before the first cell) under the serving benchmark's closed-loop
+(`clipms.deploy.searchindex.with_search`: no image embedded again), measured as a child process
+(wall, CPU, peak RSS, file size); recall@10 against exact search for text queries (val captions
+embedded by the bundle: what /v1/search answers) and image queries (indexed images: "more like
+this"), also with a sweep of `hnsw_ef_search` and `ivf_nprobe`; the search alone, one query at a
+time, in this process (p50/p99); and each kind served by the search service (`python -m serving`,
+one server per kind, all started before the first cell) under the serving benchmark's closed-loop
 load (benchmarks/serving_load.py; concurrency 1, 8, 32, 64), two workloads: `text` (a caption:
 the text tower, then the search) and `key` (an indexed image's key: the search alone). Per round
 the order of the kinds rotates. Reported per cell: QPS, p50/p95/p99 latency, errors, the
@@ -70,7 +70,7 @@ def build_variants(index_dir: Path, workdir: Path) -> tuple[dict[str, Path], dic
     it searches exactly; an index `index.search: auto` made HNSW (a large collection) gets an
     exact copy, the baseline every recall is measured against. Called before this process loads
     the index: a child's peak RSS (ru_maxrss) starts at its parent's."""
-    from clipms.deploy.index import INDEX_JSON
+    from clipms.deploy.searchindex import INDEX_JSON
 
     own_kind = json.loads((index_dir / INDEX_JSON).read_text())["search"]["kind"]
     folders, builds = {"exact": index_dir}, {}
@@ -129,8 +129,8 @@ def search_alone(folders: dict[str, Path], asked: dict[str, tuple[np.ndarray, li
     """Recall and one-query latency of every kind at its default and at each swept setting."""
     from dataclasses import replace
 
-    from clipms.deploy.index import ImageIndex
     from clipms.deploy.search import FaissSearch
+    from clipms.deploy.searchindex import ImageIndex
 
     exact_index = ImageIndex.load(folders["exact"])
     embeddings = exact_index.embeddings
@@ -240,7 +240,7 @@ def build_main(argv: list[str]) -> int:
     p.add_argument("--dst", type=Path, required=True)
     p.add_argument("--kind", choices=KINDS, required=True)
     args = p.parse_args(argv)
-    from clipms.deploy.index import with_search
+    from clipms.deploy.searchindex import with_search
 
     with_search(args.src, args.dst, default_options(args.kind))
     return 0
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["build"]:
         return build_main(argv[1:])
     args = parse_args(argv)
-    from clipms.deploy.index import ImageIndex
+    from clipms.deploy.searchindex import ImageIndex
 
     recording = record.start(args.out.stem, [str(Path(__file__).relative_to(ROOT)),
                                              *record.with_placeholders(argv, PLACEHOLDERS)])

@@ -16,7 +16,6 @@ predate the result files, and its section names the command that replaces them.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import difflib
 import json
 import re
@@ -60,21 +59,17 @@ def cell(value: Any) -> str:
     return str(value)
 
 
-def when(meta: dict[str, Any]) -> str:
-    start, end = (dt.datetime.strptime(meta[k], "%Y-%m-%dT%H:%M:%SZ")
-                  for k in ("started_utc", "finished_utc"))
-    return f"{start:%Y-%m-%d %H:%M}-{end:%H:%M} UTC"
-
-
 def measured(record: Record) -> str:
-    """The line above every table: command, commit, machine, load, note."""
+    """The line above every table: command, commit, machine, load, note. No date: the commit
+    says when, and the result file keeps the times (`meta.started_utc`)."""
     meta = record["meta"]
     m = meta["machine"]
     commit = meta["commit"] or "unknown commit"
     if meta.get("dirty"):
         commit += " (with uncommitted changes)"
     load = meta["load_avg"]
-    line = (f"_`{meta['command']}` at {commit}, {when(meta)}; {m['cpu']}, {m['cores']} cores, "
+    cpu = f"{m['cpu']} ({m['simd']})" if m.get("simd") else m["cpu"]
+    line = (f"_`{meta['command']}` at {commit}; {cpu}, {m['cores']} cores, "
             f"{m['memory_gb']} GB; 1-minute load {load['start'][0]} at the start, "
             f"{load['end'][0]} at the end")
     if meta.get("note"):

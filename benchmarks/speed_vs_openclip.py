@@ -4,7 +4,7 @@
 
 For each work (`train`: forward + loss + backward + AdamW; `encode`: the image and the text tower)
 three commands run once per round, in an order that rotates each round (benchmarks/record.py,
-`alternate`): `clipms-bench` with CPU kernel fusion (the default), the same with
+`alternate`): `python -m benchmarks.throughput` with CPU kernel fusion (the default), the same with
 `--kernel-fusion off`, and benchmarks/openclip_peer.py in the peer's virtualenv (open_clip on
 PyTorch, the same architecture from the same preset, the same random inputs and timer). `encode`
 times the MindIR graphs of a bundle of the preset (random weights, made in a temporary folder by
@@ -33,12 +33,14 @@ BIN = Path(sys.executable).parent
 def commands(args: argparse.Namespace, work: str, bundle: Path) -> dict[str, list[str]]:
     common = ["--batch-size", str(args.batch_size), "--threads", str(args.threads)]
     if work == "train":
-        ours = [str(BIN / "clipms-bench"), "train", "--preset", args.preset, *common,
+        ours = [sys.executable, "-m", "benchmarks.throughput", "train", "--preset", args.preset,
+                *common,
                 "--steps", str(args.train_steps), "--warmup", "3"]
         peer = ["train", "--preset", args.preset, *common, "--steps", str(args.train_steps),
                 "--warmup", "3"]
     else:
-        ours = [str(BIN / "clipms-bench"), "encode", "--bundle", str(bundle), *common,
+        ours = [sys.executable, "-m", "benchmarks.throughput", "encode", "--bundle", str(bundle),
+                *common,
                 "--steps", str(args.encode_steps)]
         peer = ["encode", "--preset", args.preset, *common, "--steps", str(args.encode_steps)]
     return {"clipms": ours, "clipms_unfused": [*ours, "--kernel-fusion", "off"],

@@ -24,8 +24,9 @@ starts every run together, each in a process of its own. The JSON (`--out`) is
 rewritten after every run (benchmarks/record.py's envelope), so a long run can be read
 as it goes.
 
-Why a script under benchmarks/ and not a `clipms-bench` subcommand: it drives the pipeline's own
-train stage and params.yaml (stages/, pipeline/), which the clipms library must not import.
+Why a script under benchmarks/ and not a `python -m benchmarks.throughput` subcommand: it drives
+the pipeline's own train stage and params.yaml (stages/, pipeline/), which the clipms library must
+not import.
 """
 
 from __future__ import annotations
@@ -142,19 +143,19 @@ def train_params(work: Path, overrides: dict[str, Any]) -> Any:
 
 def scorer(model_config: Any) -> Any:
     """score(model) -> the `evaluate` stage's metrics of the model's current weights (the checkout's
-    `evaluate` params), through an evaluation-mode copy (clipms.bench.checks.EvalCopy)."""
-    from clipms.bench.checks import EvalCopy
-    from clipms.eval.settings import EvaluateParams
+    `evaluate` params), through an evaluation-mode copy (benchmarks.throughput.checks.EvalCopy)."""
+    from benchmarks.throughput.checks import EvalCopy
+    from clipms.eval.options import EvaluateParams
+    from pipeline import paths
     from pipeline.params import load_section
-    from stages import paths
 
     params = load_section("evaluate", EvaluateParams)
     spec, copy = params.zeroshot_spec(), EvalCopy(model_config)
 
     def score(model: Any) -> dict[str, float]:
         from clipms.data.preprocess import PreprocessConfig
-        from clipms.eval.evaluate import evaluate
-        from clipms.text.tokenizer import Tokenizer
+        from clipms.eval.scoring import evaluate
+        from clipms.text.clip_tokenizer import Tokenizer
 
         preprocess = PreprocessConfig(image_size=model_config.vision.image_size)
         return evaluate(copy(model), Tokenizer.load(paths.TOKENIZER), preprocess, paths.SHARDS,
@@ -167,7 +168,7 @@ def one(args: argparse.Namespace) -> None:
     """One run in this process (the `run` command starts one per candidate and seed)."""
     import dataclasses
 
-    from clipms.bench.checks import OutOfTime, QualityChecks, TargetReached
+    from benchmarks.throughput.checks import OutOfTime, QualityChecks, TargetReached
     from clipms.runtime import RuntimeConfig, for_precision, prepare_import
     from pipeline.params import load_section
 

@@ -2,7 +2,8 @@
 
 `RuntimeConfig` is the `runtime` section of params.yaml (every stage that runs a model reads it);
 `settings_for(config)` computes, as plain data, what that means on its device; `configure(config)`
-applies it to this process. Both the data and the application are tested (tests/test_runtime.py).
+applies it to this process. Both the data and the application are tested
+(tests/clipms/test_runtime.py).
 
 When MindSpore reads each setting decides where it is applied:
 - at `import mindspore`: `OMP_WAIT_POLICY` (libgomp, which MindSpore's libraries link, reads it when
@@ -37,9 +38,10 @@ script and the files it imports, leaving out every file under `sys.path`
 (`_get_compile_cache_dep_files` in mindspore/graph/api.py of 2.10), and matches cached graphs by
 compile order. This project runs from `sys.path`, and the learning rate, schedule, clipping, loss
 scale, world size and rank are constants in its train graph, so an unkeyed cache hands a changed
-run yesterday's graph: shown on CPU (tests/test_graph_cache.py). So `settings_for` always turns
-MindSpore's cache off, and only a training run turns it on, after it knows its rank, in a folder
-keyed by everything its graphs bake in (`enable_graph_cache`, `clipms.train.graphcache`).
+run yesterday's graph: shown on CPU (tests/clipms/train/test_graphcache.py). So `settings_for`
+always turns MindSpore's cache off, and only a training run turns it on, after it knows its rank,
+in a folder keyed by everything its graphs bake in (`enable_graph_cache`,
+`clipms.train.graphcache`).
 
 Data sinking (`data_sink`, off by default; Ascend and GPU only, the platforms of
 `mindspore.data_sink`): training batches reach the device through MindSpore's device-side data

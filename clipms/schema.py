@@ -4,8 +4,10 @@ the schema itself.
 A field made with `cadence(...)` cannot change what a training run computes (how often to log or
 checkpoint, how many loader processes, which device of a host); `weights_view` is a config as JSON
 data without those fields, nested sections included: the resume fingerprint hashes it
-(`clipms.train.config.TrainConfig.fingerprint`), so no list of keys is kept by hand.
+(`clipms.train.recipe.TrainConfig.fingerprint`), so no list of keys is kept by hand.
 """
+
+# tested by: tests/pipeline/test_params.py
 
 from __future__ import annotations
 

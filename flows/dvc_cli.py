@@ -4,6 +4,8 @@ Every command runs `dvc` as a subprocess in the workspace: DVC holds a repo lock
 is not safe to run twice at once, so callers run these one after another, never in parallel.
 """
 
+# tested by: tests/flows/test_deploy.py
+
 from __future__ import annotations
 
 import graphlib
@@ -210,8 +212,33 @@ def dry_run(workdir: Path, stages: list[str], force: bool = False) -> tuple[dict
 
 
 def override_args(overrides: dict[str, Any]) -> list[str]:
-    """{"train.epochs": 3} -> ["train.epochs=3"]: the `dvc exp run -S` (Hydra override) syntax."""
+    """{"train.epochs": 3} -> ["train.epochs=3"]: the `dvc exp run -S` (Hydra override) syntax.
+    An interpolation is refused (`check_no_interpolation`)."""
+    check_no_interpolation(overrides)
     return [f"{key}={_hydra_value(value)}" for key, value in overrides.items()]
+
+
+def check_no_interpolation(overrides: dict[str, Any]) -> None:
+    """ValueError for an override key or value holding `${`: Hydra (in DVC's `-S` code) resolves
+    interpolations such as `${oc.env:NAME}` where the flow runs, which would copy a worker's
+    environment variable (a token, a password) into params.yaml, the run's logs and the
+    experiment. An override gives the value itself."""
+    def texts(value: Any) -> list[str]:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list | tuple):
+            return [text for item in value for text in texts(item)]
+        if isinstance(value, dict):
+            return [text for k, v in value.items() for text in (*texts(k), *texts(v))]
+        return []
+
+    for key, value in overrides.items():
+        if any("${" in text for text in texts(key) + texts(value)):
+            shown = redact_text(repr(value))[:200]
+            raise ValueError(
+                f"override '{redact_text(str(key))[:200]}' = {shown}: '${{' starts an "
+                "interpolation (such as ${oc.env:NAME}), which would be resolved on the worker "
+                "that runs the flow and copy what it names into params; give the value itself")
 
 
 def _hydra_value(value: Any) -> str:
@@ -231,11 +258,12 @@ def apply_overrides(workdir: Path, overrides: dict[str, Any]) -> None:
     """Apply overrides to `workdir`'s params.yaml exactly as `dvc exp run -S` does.
 
     This is DVC's own `-S` code path (`dvc.utils.hydra.apply_overrides`), so the syntax and the
-    errors are DVC's. The flow calls it on its private workspace only (flows/workspace.py), never
+    errors are DVC's. The flow calls it on its private workspace only (flows/worktree.py), never
     on the user's checkout.
     """
     from dvc.utils.hydra import apply_overrides as dvc_apply
 
+    check_no_interpolation(overrides)  # before anything is written
     params = workdir / "params.yaml"
     original = params.read_text()
     sections = yaml.safe_load(original) or {}

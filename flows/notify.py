@@ -11,6 +11,8 @@ what to do (`stage`, `kind`, `reason`, `advice` fields, from flows/night.py's di
 with no new data says so the same way, from inside the run.
 """
 
+# tested by: tests/flows/test_pipeline.py
+
 from __future__ import annotations
 
 import json

@@ -11,7 +11,7 @@ Parameters (all optional):
   refresh    stages forced every run (the nightly deployment refreshes `metadata`; when its output
              hash is unchanged DVC skips everything downstream)
   overrides  {"train.epochs": 3}: params applied with DVC's `-S` code path in a private worktree
-             of the checkout (flows/workspace.py: the checkout's files are never written), saved
+             of the checkout (flows/worktree.py: the checkout's files are never written), saved
              as DVC experiment `clip-<flow run id>`
   dry_run    show what DVC would run (`dvc status`, `dvc repro --dry`), change nothing
   train_without_new_data
@@ -41,7 +41,7 @@ from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
 from clipms.utils.redact import redact_text
-from flows import dvc_cli, night, summary, workspace
+from flows import dvc_cli, night, summary, worktree
 from flows.notify import notify_failure, notify_night
 from registry.prefect_limits import ensure_one_slot_limit
 
@@ -129,7 +129,7 @@ def stage_task(stage: str) -> Any:
 
 @task(name="apply-overrides", cache_policy=NO_CACHE)
 def apply_overrides(workdir: Path, overrides: dict[str, Any]) -> None:
-    """Apply param overrides as `dvc exp run -S` would, to the run's private workspace."""
+    """Apply param overrides as `dvc exp run -S` would, to the run's private worktree."""
     dvc_cli.apply_overrides(workdir, overrides)
     _logger().info("params overridden for this run: %s",
                    redact_text(" ".join(dvc_cli.override_args(overrides))))
@@ -187,7 +187,7 @@ def publish_night(workdir: Path, run_name: str, started: float, headline: str, o
         logger.warning("the night's page could not be made: %s", redact_text(str(err)))
         return ""
     try:
-        from registry.settings import client
+        from tracking.settings import client
 
         run_id = nightlog.log_to_mlflow(workdir, record, page, client(tracking_uri))
         logger.info("the night's page is in MLflow run %s (%s)", run_id, nightlog.NIGHTS_EXPERIMENT)
@@ -264,6 +264,7 @@ def clip_pipeline(stages: list[str] | None = None, force: bool = False,
     from prefect.runtime import flow_run
 
     workdir = Path.cwd()
+    dvc_cli.check_no_interpolation(overrides or {})  # refused before any work starts
     run_name = flow_run.get_name() or "local"
     run_id = flow_run.get_id() or run_name
     order = plan_stages(workdir, stages)
@@ -379,7 +380,7 @@ def _run_experiment(checkout: Path, order: list[str], force: bool, refresh: set[
     are never written), saved as DVC experiment `name` (the flow run's id)."""
     notes = [f"workspace `{checkout}` (a private copy: overrides never touch its files)",
              f"overrides `{redact_text(' '.join(dvc_cli.override_args(overrides)))}`"]
-    with workspace.experiment_workspace(checkout, name, dvc=dvc_cli.dvc) as private:
+    with worktree.experiment_workspace(checkout, name, dvc=dvc_cli.dvc) as private:
         apply_overrides(private, overrides)
         return _run(private, order, force, refresh, run_name, notes,
                     tracking_uri=checkout_tracking_uri(checkout), experiment=name,

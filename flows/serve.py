@@ -6,6 +6,8 @@ and runs their flow runs in this process's working directory. Stop it with Ctrl-
 that a SIGTERM to a serve process pauses its deployments' schedules.
 """
 
+# tested by: tests/flows/test_deploy.py
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,7 +35,7 @@ def to_deployment_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def pool_deployments(names: list[str]) -> list[str]:
-    """Those of `clip-pipeline/<name>` that already exist on a work pool (from scripts/deploy.sh).
+    """Those of `clip-pipeline/<name>` that already exist on a work pool (from flows/deploy.sh).
 
     Serving over them would keep their work pool and drop their pull step, and their runs would
     crash looking for the flow code; they must be deleted first.
@@ -61,7 +63,7 @@ def main() -> None:
     specs = deployment_specs()
     if taken := pool_deployments([spec["name"] for spec in specs]):
         raise SystemExit(
-            f"{', '.join(taken)} already deployed to a work pool (scripts/deploy.sh); serve "
+            f"{', '.join(taken)} already deployed to a work pool (flows/deploy.sh); serve "
             "replaces them only after `prefect deployment delete " + " ".join(
                 f"'{name}'" for name in taken) + "`")
     serve(*[clip_pipeline.to_deployment(**to_deployment_kwargs(spec)) for spec in specs])

@@ -5,6 +5,8 @@ metrics/register.json, models/mlflow_run.json); each may be missing (stage not i
 yet, or not run) or malformed, and the summary says so instead of failing the run.
 """
 
+# tested by: tests/flows/test_deploy.py
+
 from __future__ import annotations
 
 import json

@@ -6,7 +6,7 @@ everything it forks, with its output in a log file; `wait_until()` polls a check
 failing at once (with the log's tail) when the process exits first and with a `TimeoutError` (with
 the log's tail) at the deadline; `stop()` signals the whole group, waits, then SIGKILLs the group.
 
-`ServerProcess` is the one shape of a server the tests hold (tests/mlflow_server.py,
+`ServerProcess` is the one shape of a server the tests hold (harness/mlflow_server.py,
 postgres_server.py, prefect_server.py, serving_server.py): a subclass says what to run and when it
 is ready; `start()`, `stop()`, `restart()`, `tail()` and `with` are the same for all of them.
 """

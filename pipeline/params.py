@@ -1,6 +1,6 @@
 """One small typed loader for params.yaml: every stage reads its own section through `load_section`.
 
-Each stage module (and `registry.settings`, for the `register` section the registry reads too)
+Each stage module (and `tracking.settings`, for the `register` section the registry reads too)
 declares its section as a `clipms.schema.Section` subclass; the library's own configs (runtime,
 train) are Sections too, so the pipeline validates them as they are. It lives outside `stages/` so
 that `registry/` and `serving/` share it without importing the stages. Unknown keys and wrong types

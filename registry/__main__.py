@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         return nightlog.main(args)
 
     from registry.compare import collect, render
-    from registry.settings import client
+    from tracking.settings import client
 
     name = args.name or _default_model_name(args.params)
     rows = collect(client(), name, args.limit)
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _default_model_name(params_file: Path) -> str:
     from pipeline.params import ParamsError
-    from registry.settings import RegisterParams, register_params
+    from tracking.settings import RegisterParams, register_params
 
     try:
         return register_params(params_file).model_name

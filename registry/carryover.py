@@ -49,7 +49,7 @@ class CarriedOver:
 
     def lineage(self, what: str) -> dict[str, str]:
         """Tags for the MLflow run (`what`: "tokenizer" or "init"), copied onto the version."""
-        from registry.lineage import carried_over
+        from tracking.lineage import carried_over
 
         version = self.version
         return carried_over(what, self.uri, version.fixed_uri if version else None,
@@ -66,7 +66,7 @@ def sha256_of(path: Path) -> str:
 
 def _resolve(uri: str, key: str) -> tuple[Any, Version | None]:
     """(client, version), or (client, None) when the model was never registered."""
-    from registry.settings import client
+    from tracking.settings import client
 
     mlflow_client = client()
     try:

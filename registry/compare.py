@@ -4,6 +4,8 @@ One table per concern: versions with their aliases, key metrics and lineage; the
 that differ between versions (identical params are noise when comparing).
 """
 
+# tested by: tests/registry/test_gate.py
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -11,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from registry.gate import decided_alias, logged_metrics
-from registry.journal import mlflow_key
+from tracking.journal import mlflow_key
 
 DEFAULT_METRICS = ("i2t_R@1", "i2t_R@5", "t2i_R@1", "t2i_R@5", "mAP@10", "zeroshot_top1")
 

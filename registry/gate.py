@@ -190,7 +190,7 @@ def first_line(err: BaseException) -> str:
 
 def metric_tag(primary_metric: str) -> str:
     """The version tag holding the gate's input value (`metric.i2t_R_at_5`)."""
-    from registry.journal import mlflow_key
+    from tracking.journal import mlflow_key
 
     return f"metric.{mlflow_key(primary_metric)}"
 
@@ -208,7 +208,7 @@ def candidate_from_version(version: Any, primary_metric: str,
                            mlflow_client: Any | None = None) -> Candidate:
     """The version's value of `primary_metric`: its tag, else (a version registered while another
     metric was primary) the metric on its logged model, read through `mlflow_client`."""
-    from registry.journal import mlflow_key
+    from tracking.journal import mlflow_key
 
     tags = version.tags or {}
     raw = tags.get(metric_tag(primary_metric))

@@ -16,6 +16,8 @@ shared:
   not serialised; the stage says so).
 """
 
+# tested by: tests/registry/test_gate.py
+
 from __future__ import annotations
 
 import hashlib
@@ -29,7 +31,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from registry.prefect_limits import ensure_one_slot_limit
-from registry.settings import sqlite_path
+from tracking.settings import sqlite_path
 
 LIMIT_PREFIX = "mlflow-gate-"
 

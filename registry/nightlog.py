@@ -230,8 +230,8 @@ def _fmt(value: Any) -> str:
 def log_to_mlflow(workdir: Path, night: Night, page: str, client: Any = None) -> str:
     """A run in the `clip-nights` experiment with the night's figures and its page; the page
     also goes to tonight's training run, when train ran. Returns the night's run id."""
-    from registry.settings import client as make_client
-    from registry.settings import ensure_experiment
+    from tracking.settings import client as make_client
+    from tracking.settings import ensure_experiment
 
     mlflow = client or make_client()
     experiment = ensure_experiment(mlflow, NIGHTS_EXPERIMENT)
@@ -303,7 +303,7 @@ def add_command(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from registry.settings import client
+    from tracking.settings import client
 
     lines = list_nights(client(), args.limit)
     print("\n".join(lines) if lines else f"no nights recorded (experiment {NIGHTS_EXPERIMENT})")

@@ -5,6 +5,8 @@ workspace lock (`flows.pipeline`). Standard library only at import time (Prefect
 called), so the flow module stays light.
 """
 
+# tested by: tests/integration/test_registry_postgres.py
+
 from __future__ import annotations
 
 

@@ -137,7 +137,7 @@ def log_model(bundle_dir: Path | str, name: str = "clip", run_id: str | None = N
     run's metrics of that step to the logged model); returns its ModelInfo."""
     import mlflow
 
-    from registry.settings import tracking_uri
+    from tracking.settings import tracking_uri
 
     bundle = check_bundle(bundle_dir)
     if run_id is None:

@@ -18,6 +18,8 @@ message names the row and what is allowed, with no stack trace. Any other failur
 INTERNAL_ERROR (HTTP 500) without details; the traceback goes to the server's log only.
 """
 
+# tested by: tests/registry/test_gate.py
+
 from __future__ import annotations
 
 import logging
@@ -50,8 +52,28 @@ def request_limits(environ: dict[str, str] | None = None) -> Any:
     return RequestLimits(**values)
 
 
+class ClientInputError(MlflowException):
+    """An INVALID_PARAMETER_VALUE whose message, once made, stays as it is. MLflow's scoring
+    server rewrites the message of any MlflowException raised by predict as "Failed to predict
+    data '<the request's DataFrame>'. Error: <message>": the answer would repeat what the client
+    sent (a path, a token in a caption, 50 characters of every cell), which no message here does
+    (clipms.deploy.inputs)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, error_code=INVALID_PARAMETER_VALUE)
+
+    @property
+    def message(self) -> str:
+        return self._message
+
+    @message.setter
+    def message(self, value: str) -> None:
+        if not hasattr(self, "_message"):  # set by MlflowException.__init__; never rewritten
+            self._message = value
+
+
 def client_error(message: str) -> MlflowException:
-    return MlflowException(message, error_code=INVALID_PARAMETER_VALUE)
+    return ClientInputError(message)
 
 
 def _present(value: Any) -> bool:

@@ -12,6 +12,8 @@ logged with the version, into its run under `checkpoint/<logged model id>/`
 (`registry.versions`), so a later night can warm-start from it.
 """
 
+# tested by: tests/registry/test_carryover.py
+
 from __future__ import annotations
 
 import logging
@@ -24,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 from clipms.eval.metrics import metric_direction
 from registry import gate, pyfunc
 from registry.gatelock import gate_lock
-from registry.journal import mlflow_key, now_ms
-from registry.lineage import val_digest
-from registry.run import PipelineRun
-from registry.settings import RegisterParams, client, tracking_uri
 from registry.versions import checkpoint_path
+from tracking.journal import mlflow_key, now_ms
+from tracking.lineage import val_digest
+from tracking.run import PipelineRun
+from tracking.settings import RegisterParams, client, tracking_uri
 
 if TYPE_CHECKING:
     from registry.rescore import EvaluationSet

@@ -5,7 +5,7 @@ another set than the champion was. Before deciding, the gate scores the champion
 version's set (as MLflow's evaluate scores a baseline model on the candidate's data): the
 champion's export bundle is downloaded from the registry (`registry.versions`: its MindIR graphs,
 its own tokenizer and preprocessing), opened with `clipms.deploy.infer.Encoder`, and scored by
-`clipms.eval.evaluate.evaluate_towers`, the code the `evaluate` stage runs, with the same shards,
+`clipms.eval.scoring.evaluate_towers`, the code the `evaluate` stage runs, with the same shards,
 split, batch size and zero-shot settings. So every metric `evaluate` writes, retrieval and
 zero-shot alike, can be the primary one.
 
@@ -19,6 +19,9 @@ Anything that goes wrong - the bundle cannot be downloaded or loaded, the set ca
 metric is missing - is a `RescoreError` (a `GateError`): `register` fails and no alias moves.
 """
 
+# not unit-tested: the gate calls it against a real registry;
+# tests/registry/test_gate_mlflow.py re-scores a champion on a new set.
+
 from __future__ import annotations
 
 import tempfile
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from registry import gate
 
 if TYPE_CHECKING:
-    from clipms.eval.evaluate import ZeroShotSpec
+    from clipms.eval.scoring import ZeroShotSpec
 
 
 class RescoreError(gate.GateError):
@@ -42,7 +45,7 @@ class EvaluationSet:
 
     shards_dir: Path  # a folder in the shard stage's format (manifest.json + <split>/*.tar)
     split: str
-    digest: str | None  # registry.lineage.val_digest of that split: which samples, exactly
+    digest: str | None  # tracking.lineage.val_digest of that split: which samples, exactly
     name: str  # how decisions name it, e.g. "split val of data/shards"
     zeroshot: ZeroShotSpec
     batch_size: int
@@ -64,11 +67,20 @@ def rescore(mlflow_client: Any, model_name: str, champion: gate.Candidate,
     except Exception as err:  # a download, a broken bundle, unreadable shards: never a pass
         raise RescoreError(f"could not re-score {where}: {gate.first_line(err)}; no alias was "
                            "moved") from err
+    return rescored_on(model_name, champion, evaluation_set, primary_metric, metrics)
+
+
+def rescored_on(model_name: str, champion: gate.Candidate, evaluation_set: EvaluationSet,
+                primary_metric: str, metrics: dict[str, float]) -> gate.Candidate:
+    """`champion` carrying its `primary_metric` from `metrics` (its scores on `evaluation_set`),
+    labelled with that set's digest: the new version's, so the gate compares the two."""
     value = metrics.get(primary_metric)
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise RescoreError(
-            f"could not re-score {where}: the evaluation gave no '{primary_metric}' "
-            f"(register.primary_metric; it gave {sorted(metrics)[:12]}...); no alias was moved")
+            f"could not re-score champion v{champion.version} of '{model_name}' on this "
+            f"version's evaluation set {evaluation_set.name} ({evaluation_set.digest}): the "
+            f"evaluation gave no '{primary_metric}' (register.primary_metric; it gave "
+            f"{sorted(metrics)[:12]}...); no alias was moved")
     return gate.rescored(champion, float(value), str(evaluation_set.digest),
                          source_label(model_name, champion.version, evaluation_set.digest))
 
@@ -77,7 +89,7 @@ def _score(mlflow_client: Any, model_name: str, version: str,
            evaluation_set: EvaluationSet) -> dict[str, float]:
     """Every metric of the `evaluate` stage, for the registered version's bundle."""
     from clipms.deploy.infer import Encoder
-    from clipms.eval.evaluate import evaluate_towers
+    from clipms.eval.scoring import evaluate_towers
     from registry.versions import download_bundle, resolve
 
     found = resolve(mlflow_client, f"models:/{model_name}/{version}")

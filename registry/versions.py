@@ -15,6 +15,8 @@ embeddings, is never fetched here). A URI that names nothing usable is a `Versio
 URI and what is missing; any other registry error propagates unchanged (callers fail closed).
 """
 
+# tested by: tests/registry/test_carryover_params.py
+
 from __future__ import annotations
 
 import re

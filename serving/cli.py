@@ -10,6 +10,8 @@ from its own page when they carry an `Origin` (serving.hosts); connections, requ
 bodies are bounded in number, size and time (serving.protocol, serving.guard).
 """
 
+# tested by: tests/serving/test_app.py
+
 from __future__ import annotations
 
 import argparse
@@ -61,6 +63,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="seconds an idle keep-alive connection stays open")
     p.add_argument("--body-timeout-s", type=float, default=connections.body_timeout_s,
                    help="seconds for a request body to arrive (408 beyond)")
+    p.add_argument("--send-timeout-s", type=float, default=connections.send_timeout_s,
+                   help="seconds a client may take none of its unsent answers before the "
+                   "connection is dropped")
     p.add_argument("--max-batch", type=int, default=32, help="items per model call")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="how long a batch waits for more items")
@@ -99,12 +104,12 @@ def check_bind(host: str, token: str | None) -> None:
 def default_model_name() -> str:
     """register.model_name of the project's params.yaml (the name the pipeline registers)."""
     from pipeline.params import PARAMS_FILE, ParamsError
-    from registry.settings import register_params
+    from tracking.settings import register_params
 
     try:
         return register_params(PARAMS_FILE).model_name
     except ParamsError:  # not in a project checkout: the pipeline's default name
-        from registry.settings import RegisterParams
+        from tracking.settings import RegisterParams
 
         return RegisterParams().model_name
 
@@ -154,7 +159,8 @@ def model_source(args: argparse.Namespace) -> tuple[Any, Any]:
 def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
     try:
         limits = ConnectionLimits(args.max_connections, args.max_header_bytes,
-                                  args.header_timeout_s, args.keep_alive_s, args.body_timeout_s)
+                                  args.header_timeout_s, args.keep_alive_s, args.body_timeout_s,
+                                  args.send_timeout_s)
     except ValueError as err:
         raise SystemExit(f"clipms-serve: {err}") from None
     bounded = limits.within_open_files()
@@ -169,7 +175,7 @@ def build(args: argparse.Namespace) -> Any:
     from serving.app import create_app
     from serving.engine import BatchSettings
     from serving.hosts import HostPolicy
-    from serving.metrics import ServiceMetrics
+    from serving.prometheus import ServiceMetrics
     from serving.state import ServiceState
 
     token = read_token(args)

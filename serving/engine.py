@@ -11,6 +11,8 @@ Padding rows are zeros and are dropped from the output.
 out) is closed only when the last request it accepted has been answered.
 """
 
+# tested by: tests/serving/test_source.py
+
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from clipms.deploy.index import ImageIndex
+from clipms.deploy.searchindex import ImageIndex
 from serving.batcher import Batcher
 
 

@@ -6,6 +6,8 @@ Starlette app's exception handlers (serving.app) and by the direct /v1/embedding
 stack) for a fault of the service: no answer carries a stack trace or a path of the service.
 """
 
+# tested by: tests/serving/test_routes.py
+
 from __future__ import annotations
 
 import logging

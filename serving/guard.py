@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from serving.hosts import HostPolicy, shown
-from serving.metrics import ENDPOINTS, endpoint_label
+from serving.prometheus import ENDPOINTS, endpoint_label
 
 MODEL_SCOPE_KEY = "clipms.model.clip"  # set by the handler to the ModelInfo of the engine it used
 BODY_SCOPE_KEY = "clipms.body"  # the body as read here (within the limit), for the handlers

@@ -18,6 +18,8 @@ carries the page's name in `Host`, and a cross-site request its site in `Origin`
   (sandboxed frames, local files) is refused.
 """
 
+# tested by: tests/serving/test_guard.py
+
 from __future__ import annotations
 
 import ipaddress

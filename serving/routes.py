@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 from urllib.parse import quote
@@ -71,29 +73,73 @@ class RankBody(Strict):
 
 
 Body = TypeVar("Body", bound=BaseModel)
+Parsed = TypeVar("Parsed")
 
 
 # The JSON values a body may hold beyond one per row: the object, its lists, its other fields.
 SHAPE_MARGIN = 16
-JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# The rest of a JSON string after its opening quote: through its closing quote, or to the end of
+# a body whose last string never closes. Possessive, so the engine never backtracks and reads each
+# byte once however quotes and backslashes fall: the plain pattern, run over a body whose string
+# of escaped quotes never closes, read to the end of the body from every one of its quotes
+# (quadratic: 8 KB took 0.10 s of the event loop, 16 KB 0.43 s).
+STRING_REST = re.compile(rb'[^"\\]*+(?:\\.[^"\\]*+)*+(?:"|\Z)', re.DOTALL)
+# A body at least this large is bounded and parsed in a worker thread, not on the event loop:
+# /healthz and every other connection keep being answered while it is read (a 16 MiB body
+# takes tens of milliseconds; the common request, far smaller, is parsed where it is).
+OFF_LOOP_BYTES = 64 * 1024
 
 
-def _separators(data: bytes) -> int:
-    """Commas, list and object openers: one per JSON value, give or take the first of each."""
-    return data.count(b",") + data.count(b"[") + data.count(b"{")
+def _separators(data: bytes, start: int = 0, end: int | None = None) -> int:
+    """Commas, list and object openers in data[start:end]: one per JSON value, give or take the
+    first of each."""
+    end = len(data) if end is None else end
+    return data.count(b",", start, end) + data.count(b"[", start, end) + data.count(
+        b"{", start, end)
+
+
+@dataclass
+class Shape:
+    """What `scan_shape` found: separators outside strings, strings, and its own work (calls
+    of its byte primitives, bytes they were given: each primitive is linear in its bytes)."""
+
+    separators: int = 0
+    strings: int = 0
+    calls: int = 0
+    examined: int = 0
+
+
+def scan_shape(body: bytes, most_strings: int) -> Shape:
+    """The separators outside JSON strings, in one pass that gives each byte to one primitive
+    (find/count between strings, STRING_REST through a string), stopping after `most_strings`
+    strings: linear in the body, and at most `most_strings` + 1 steps whatever it holds."""
+    shape, pos, end = Shape(), 0, len(body)
+    while pos < end:
+        quote = body.find(b'"', pos)
+        stop = end if quote < 0 else quote
+        shape.separators += _separators(body, pos, stop)
+        shape.calls, shape.examined = shape.calls + 2, shape.examined + stop - pos
+        if quote < 0 or shape.strings == most_strings:
+            break
+        shape.strings += 1
+        rest = STRING_REST.match(body, quote + 1)
+        pos = end if rest is None else rest.end()  # None: a lone backslash ends the body
+        shape.calls, shape.examined = shape.calls + 1, shape.examined + pos - quote
+    return shape
 
 
 def check_shape(body: bytes, limits: RequestLimits) -> None:
     """InputError when the body holds more JSON values than a request of `max_rows` rows needs,
     decided on the bytes, before a parser builds an object per value (a 16 MiB body of `[]`s is
     5 million lists). Separators counted over the raw bytes bound the values from above (strings
-    may hold commas too); only when that bound is passed are the strings (a bounded number of
-    them) blanked out and the separators counted again."""
+    may hold commas too); only when that bound is passed are the separators outside strings
+    counted (`scan_shape`, linear), and a body of more strings than its values could be (a key
+    and a value each) refused as it is read."""
     allowed = limits.max_rows + SHAPE_MARGIN
     if _separators(body) <= allowed:
         return
-    quotes = body.count(b'"') - body.count(b'\\"')
-    if quotes > 4 * allowed or _separators(JSON_STRING.sub(b'""', body)) > allowed:
+    shape = scan_shape(body, 2 * allowed + 1)
+    if shape.strings > 2 * allowed or shape.separators > allowed:
         raise InputError(f"the request body holds more JSON values than a request of at most "
                          f"{limits.max_rows} rows can (the limit on rows per request)")
 
@@ -122,8 +168,16 @@ async def parse(request: Request, model: type[Body]) -> Body:
     """The request body as `model`, bounded (`read_json`), then parsed and checked by pydantic
     in one pass (400 otherwise)."""
     body = request.scope.get(BODY_SCOPE_KEY)  # serving.guard read it
-    return validated(model, await request.body() if body is None else body,
-                     request.app.state.limits)
+    body = await request.body() if body is None else body
+    return await off_loop(body, validated, model, body, request.app.state.limits)
+
+
+async def off_loop(body: bytes, work: Callable[..., Parsed], *args: Any) -> Parsed:
+    """`work(*args)`, which reads `body`: in a worker thread when the body is OFF_LOOP_BYTES or
+    more (the event loop goes on answering other requests meanwhile), else here."""
+    if len(body) < OFF_LOOP_BYTES:
+        return work(*args)
+    return await asyncio.to_thread(work, *args)
 
 
 def validated(model: type[Body], body: bytes, limits: RequestLimits) -> Body:
@@ -205,7 +259,7 @@ def service(request: Request) -> ServiceState:
 
 async def embed(state: ServiceState, limits: RequestLimits, scope: Scope, body: bytes) -> bytes:
     """The JSON answer of a /v1/embeddings body (ClientError, InputError... for a bad one)."""
-    texts, images, encoding = embeddings_body(body, limits)
+    texts, images, encoding = await off_loop(body, embeddings_body, body, limits)
     if not texts and not images:
         raise ClientError("give 'texts' and/or 'images' (base64), at least one item")
     limits.check(texts, images)

@@ -41,7 +41,7 @@ class Fetched:
 
 def local_model(bundle_dir: Path | str, index_dir: Path | str | None = None) -> Fetched:
     """A bundle folder (models/export) and its index (default: the sibling models/index)."""
-    from clipms.deploy.index import bundle_digest
+    from clipms.deploy.searchindex import bundle_digest
 
     bundle = Path(bundle_dir)
     index = Path(index_dir) if index_dir is not None else bundle.parent / "index"
@@ -65,7 +65,7 @@ class RegistrySource:
         self.cache_dir = Path(cache_dir) if cache_dir else None
 
     def _client(self):  # noqa: ANN202 - mlflow is imported lazily
-        from registry.settings import client
+        from tracking.settings import client
 
         return client(self.tracking_uri)
 
@@ -82,7 +82,7 @@ class RegistrySource:
         """Download version `version`'s model (its bundle and its index) into a new folder."""
         import mlflow
 
-        from clipms.deploy.index import INDEX_JSON
+        from clipms.deploy.searchindex import INDEX_JSON
         from registry.registration import INDEX_ARTIFACT
 
         if self.cache_dir is not None:

@@ -12,6 +12,8 @@ unreachable mid-download) is retried at the next poll. Either way the reason is 
 in `/metrics`, and the current version keeps serving.
 """
 
+# tested by: tests/serving/test_source.py
+
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +24,7 @@ from typing import Any
 
 from serving.batcher import Returning
 from serving.engine import BatchSettings, Engine
-from serving.metrics import ServiceMetrics
+from serving.prometheus import ServiceMetrics
 from serving.source import Fetched, RegistrySource, SourceError
 
 log = logging.getLogger("clipms.serving")
@@ -34,7 +36,7 @@ class NotReady(RuntimeError):
 
 def open_index(fetched: Fetched) -> tuple[str, Any]:
     """(bundle digest, the checked index); numpy and files only, safe beside the model thread."""
-    from clipms.deploy.index import ImageIndex, bundle_digest
+    from clipms.deploy.searchindex import ImageIndex, bundle_digest
 
     digest = bundle_digest(fetched.bundle_dir)
     return digest, ImageIndex.load(fetched.index_dir, bundle_digest=digest)
@@ -43,8 +45,8 @@ def open_index(fetched: Fetched) -> tuple[str, Any]:
 def open_encoder(fetched: Fetched, index: Any, max_batch: int, runtime: Any = None) -> Any:
     """The bundle's Encoder on `runtime` (a clipms.runtime.RuntimeConfig; None: CPU defaults);
     MindSpore, so run in the model thread."""
-    from clipms.deploy.index import ImageIndexError
     from clipms.deploy.infer import Encoder
+    from clipms.deploy.searchindex import ImageIndexError
 
     encoder = Encoder(fetched.bundle_dir, batch_size=max_batch, device=runtime or "CPU")
     if index.meta["dim"] != encoder.embed_dim:
@@ -68,12 +70,18 @@ def mindspore_context() -> dict[str, Any]:
             "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM")}
 
 
+# Builds (MindIR loaded, graphs compiled) of a downloaded version the follower tries before it
+# gives the version up: one more after a failure that may have been passing (memory short while
+# the old model served), not one at every poll.
+BUILD_TRIES = 2
+
+
 def broken_version(err: Exception) -> bool:
     """True for what is wrong with the version itself (its index, bundle or artifacts); other
     errors (the registry unreachable mid-download, a full disk) are retried at the next poll."""
     from clipms.data.preprocess import PreprocessError
-    from clipms.deploy.index import ImageIndexError
     from clipms.deploy.infer import BundleError
+    from clipms.deploy.searchindex import ImageIndexError
 
     return isinstance(err, ImageIndexError | BundleError | PreprocessError | SourceError)
 
@@ -94,6 +102,7 @@ class ServiceState:
         self.returning = Returning(batching.max_wait_ms / 1000.0)
         self._fetched: dict[str, Fetched] = {}
         self.failed: dict[str, str] = {}  # version -> why it was not swapped in
+        self._build_failures: dict[str, int] = {}  # version -> loads failed after its download
         self._retiring: set[asyncio.Task] = set()
 
     def acquire(self) -> Engine:
@@ -158,14 +167,29 @@ class ServiceState:
             if version == current or version in self.failed:
                 continue
             try:
-                await self.load(lambda v=version, r=run_id: source.fetch(v, r))
+                fetched = await asyncio.to_thread(source.fetch, version, run_id)
             except Exception as err:
-                reason = f"{type(err).__name__}: {err}"
-                if broken_version(err):  # never servable: do not try it again
-                    self.failed[version] = reason
-                self.metrics.swap_failed(version, reason, time.time())
-                log.error("follow %s: v%s not swapped in, still serving v%s: %s", source.uri,
-                          version, current, reason)
+                self._not_swapped(source.uri, version, current, err, downloaded=False)
+                continue
+            try:
+                await self.load(lambda f=fetched: f)
+            except Exception as err:
+                self._not_swapped(source.uri, version, current, err, downloaded=True)
+
+    def _not_swapped(self, uri: str, version: str, current: str | None, err: Exception,
+                     downloaded: bool) -> None:
+        """Record a version that was not swapped in: never tried again when the version itself
+        is broken, or when it was downloaded but could not be built BUILD_TRIES times (its
+        MindIR does not load here: downloading it at every poll would never end); a failed
+        download is tried again at the next poll (the registry may be back)."""
+        reason = f"{type(err).__name__}: {err}"
+        if downloaded:
+            self._build_failures[version] = self._build_failures.get(version, 0) + 1
+        if broken_version(err) or self._build_failures.get(version, 0) >= BUILD_TRIES:
+            self.failed[version] = reason
+        self.metrics.swap_failed(version, reason, time.time())
+        log.error("follow %s: v%s not swapped in, still serving v%s: %s", uri, version,
+                  current, reason)
 
     async def close(self) -> None:
         if self.engine is not None:

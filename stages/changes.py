@@ -17,19 +17,19 @@ from typing import Literal
 
 from pydantic import Field
 
-from clipms.prep.catalog import CatalogError, read_catalog
-from clipms.prep.changes import ChangesError, Thresholds, run
 from clipms.schema import Section
-from clipms.text.tokenizer import Tokenizer, TokenizerError
+from clipms.text.clip_tokenizer import Tokenizer, TokenizerError
+from pipeline import paths
 from pipeline.params import ParamsError, load_section
-from stages import paths
+from prep.catalog import CatalogError, read_catalog
+from prep.delta import ChangesError, Thresholds, run
 
 READS = (paths.METADATA, paths.IMAGES, paths.DOWNLOAD, paths.TOKENIZER)
 WRITES = (paths.CHANGES_STATE, paths.CHANGES_METRICS)
 
 
 class ChangesParams(Section):
-    """The `changes` section: the checks that stop a run before training (clipms.prep.changes)."""
+    """The `changes` section: the checks that stop a run before training (prep.delta)."""
 
     # most new images failing to download (or refused by the URL policy)
     max_new_failure_rate: float = Field(0.5, ge=0.0, le=1.0)

@@ -4,6 +4,8 @@
 `metadata.source` so that rows the download stage would refuse are dropped (and counted) here.
 """
 
+# tested by: tests/prep/test_captions.py
+
 from __future__ import annotations
 
 import sys
@@ -12,11 +14,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from clipms.prep import captions
 from clipms.schema import Section
 from clipms.utils.jsonio import write_json
+from pipeline import paths
 from pipeline.params import ParamsError, load_section
-from stages import paths
+from prep import captions
 from stages.urlpolicy import fetch_policy
 
 READS = (paths.METADATA,)

@@ -5,9 +5,9 @@ store in data/download/, and the catalog of where each of today's images is.
 whether `file://` URLs may be fetched). `data/download` is a `persist: true` out in dvc.yaml, so
 what earlier runs fetched is still there: a run fetches only the images the store does not hold
 (by the key dedupe computes from each image's identity) as a new part, and an interrupted run
-resumes its part (`clipms.prep.download`, `clipms.prep.store`). With `download.output` (any fsspec
+resumes its part (`prep.fetch`, `prep.store`). With `download.output` (any fsspec
 URL: `s3://bucket/prefix`, `file:///mnt/shared/...`) the store is there instead and
-`data/download` holds only the catalog and the pointer to the tars (`clipms.prep.remote`).
+`data/download` holds only the catalog and the pointer to the tars (`prep.remote`).
 Exits 1 when img2dataset did not finish, or when fewer than `min_success_rate` of the rows arrived
 (metrics/download.json is written first, so the reasons are on record).
 
@@ -25,23 +25,23 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from clipms.prep.catalog import CatalogError, read_images
-from clipms.prep.download import (
+from clipms.schema import Section
+from clipms.utils.jsonio import write_json
+from clipms.utils.redact import redact_text, redact_url
+from pipeline import paths
+from pipeline.params import PARAMS_FILE, ParamsError, read_params, validate_section
+from prep.catalog import CatalogError, read_images
+from prep.engines import DISTRIBUTORS, EngineError, EngineSettings
+from prep.fetch import (
     DownloadError,
     DownloadSettings,
     check_success_rate,
     content_settings,
     download_images,
 )
-from clipms.prep.engines import DISTRIBUTORS, EngineError, EngineSettings
-from clipms.prep.remote import RemoteError, check_output_url
-from clipms.prep.store import StoreError, prune, prune_plan, store_id
-from clipms.prep.urlguard import FetchPolicy
-from clipms.schema import Section
-from clipms.utils.jsonio import write_json
-from clipms.utils.redact import redact_text, redact_url
-from pipeline.params import PARAMS_FILE, ParamsError, read_params, validate_section
-from stages import paths
+from prep.remote import RemoteError, check_output_url
+from prep.store import StoreError, prune, prune_plan, store_id
+from prep.urlguard import FetchPolicy
 from stages.urlpolicy import FetchParams, read_source
 
 READS = (paths.IMAGES, paths.SYNTHETIC)  # file: URLs of the synthetic source point there

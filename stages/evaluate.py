@@ -10,16 +10,18 @@ results as CLIP_benchmark JSON files), plots/recall_at_k.csv + .png, plots/confu
 row per image: actual, predicted) + .png, and plots/retrieval_gallery.png.
 """
 
+# tested by: tests/clipms/eval/test_scoring_run.py
+
 from __future__ import annotations
 
 import sys
 import time
 
-from clipms.eval.settings import EvaluateParams
-from clipms.model.config import DEFAULT_PRESET
+from clipms.eval.options import EvaluateParams
+from clipms.model.architecture import DEFAULT_PRESET
 from clipms.runtime import RuntimeConfig, configure
+from pipeline import paths
 from pipeline.params import ParamsError, load_section, read_params
-from stages import paths
 
 READS = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.TOKENIZER, paths.SHARDS_VAL, paths.MANIFEST,
          paths.MLFLOW_RUN)
@@ -47,7 +49,6 @@ def main() -> int:
         return 1
     configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
     from clipms.eval.clip_benchmark import BenchmarkFormatError, BenchmarkRun
-    from clipms.eval.evaluate import EvaluationError, evaluate
     from clipms.eval.metrics import MetricsInputError
     from clipms.eval.outputs import (
         EvalOutputs,
@@ -56,7 +57,8 @@ def main() -> int:
         write_gallery,
         write_outputs,
     )
-    from clipms.text.tokenizer import Tokenizer
+    from clipms.eval.scoring import EvaluationError, evaluate
+    from clipms.text.clip_tokenizer import Tokenizer
     from clipms.train.trained import RunConfig, TrainedModelError, load_clip
 
     zs = params.zeroshot
@@ -87,8 +89,8 @@ def main() -> int:
             ValueError) as err:
         print(f"evaluate: error: {err}", file=sys.stderr)
         return 1
-    from registry.run import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
-    from stages.tracking import FILES
+    from tracking.files import FILES
+    from tracking.run import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
 
     artifacts = [(p, "plots") for p in (out.recall_curve, out.predictions, *out.pictures)]
     artifacts += [(out.clip_benchmark_dir / name, "clip_benchmark") for name in files]

@@ -2,12 +2,14 @@
 models/export/, then a parity check of each MindIR graph against the checkpoint on real val samples.
 
 `python -m stages.export`; reads the `export` and `runtime` sections. `export.precision` (fp32 |
-fp16) is the bundle's; the parity bar is that precision's (clipms.deploy.export.PARITY) unless
+fp16) is the bundle's; the parity bar is that precision's (clipms.deploy.mindir.PARITY) unless
 `export.tolerance` is set. The gate is computed on the host CPU, where the bars were calibrated;
 on a device (runtime.device_target GPU/Ascend) the device's own errors are recorded beside it as
 `device_*`, not gated (clipms.deploy.hostparity says why). Fails (exit 1) when an error exceeds
 the bar; metrics/export.json holds the errors either way.
 """
+
+# tested by: tests/clipms/deploy/test_mindir.py
 
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from pydantic import Field
 
 from clipms.runtime import RuntimeConfig, configure, for_precision
 from clipms.schema import Section
+from pipeline import paths
 from pipeline.params import ParamsError, load_section
-from stages import paths
 
 READS = (paths.CHECKPOINT, paths.RUN_CONFIG, paths.TOKENIZER, paths.SHARDS_VAL, paths.MANIFEST,
          paths.MLFLOW_RUN)
@@ -32,7 +34,7 @@ WRITES = (paths.BUNDLE, paths.EXPORT_METRICS)
 class ExportParams(Section):
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 7, 32], min_length=1)
     precision: Literal["fp32", "fp16"] = "fp32"  # of the MindIR graphs (I/O stay float32)
-    # null: the precision's bar (clipms.deploy.export.PARITY)
+    # null: the precision's bar (clipms.deploy.mindir.PARITY)
     tolerance: float | None = Field(None, gt=0)
     split: str = "val"  # where the real parity samples come from
 
@@ -66,9 +68,9 @@ def main() -> int:
     # the device and mode of the `runtime` section, before any graph compiles; an fp16 bundle's
     # parity graphs run unfused on CPU, as amp training does (clipms.runtime.for_precision)
     configure(for_precision(runtime, params.precision))
-    from clipms.deploy.export import ParityError, assert_parity, export_bundle, parity_report
     from clipms.deploy.hostparity import gate_on_host, host_parity
-    from clipms.text.tokenizer import Tokenizer
+    from clipms.deploy.mindir import ParityError, assert_parity, export_bundle, parity_report
+    from clipms.text.clip_tokenizer import Tokenizer
     from clipms.train.trained import RunConfig, TrainedModelError, load_clip
     from clipms.utils.jsonio import read_json, write_json
 
@@ -94,8 +96,8 @@ def main() -> int:
                   **{f"{p.stem}_mb": round(p.stat().st_size / 2**20, 3)
                      for p in sorted(paths.BUNDLE.glob("*.mindir"))})
     write_json(paths.EXPORT_METRICS, report)
-    from registry.run import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
-    from stages.tracking import FILES
+    from tracking.files import FILES
+    from tracking.run import log_stage  # MLflow: the pipeline's run (docs/mlflow.md)
 
     log_stage("export", params.model_dump(), FILES, report)
     try:

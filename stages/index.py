@@ -1,10 +1,12 @@
 """Stage `index`: embed the shards' images with the exported bundle and write the search index.
 
 `python -m stages.index`; reads the `index` and `runtime` sections. Writes models/index/
-(clipms.deploy.index: unit-length embeddings, keys, captions, thumbnails, the bundle's digest; a
-FAISS index when `index.search` is hnsw or ivf) and metrics/index.json. Images the bundle's decoder
-refuses are skipped and counted.
+(clipms.deploy.searchindex: unit-length embeddings, keys, captions, thumbnails, the bundle's
+digest; a FAISS index when `index.search` is hnsw or ivf) and metrics/index.json. Images the
+bundle's decoder refuses are skipped and counted.
 """
+
+# tested by: tests/clipms/deploy/test_searchindex.py
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from pydantic import Field
 
 from clipms.runtime import RuntimeConfig, configure
 from clipms.schema import Section
+from pipeline import paths
 from pipeline.params import ParamsError, load_section
-from stages import paths
 
 READS = (paths.BUNDLE, paths.SHARDS_TRAIN, paths.SHARDS_VAL, paths.MANIFEST)
 WRITES = (paths.INDEX, paths.INDEX_METRICS)
@@ -36,9 +38,9 @@ class IndexParams(Section):
 
 
 def items(splits: list[str]) -> Iterator:
-    """Every sample of the splits, in manifest order, as clipms.deploy.index.Item."""
+    """Every sample of the splits, in manifest order, as clipms.deploy.searchindex.Item."""
     from clipms.data.webds import read_manifest, read_tar, split_entry
-    from clipms.deploy.index import Item
+    from clipms.deploy.searchindex import Item
 
     manifest = read_manifest(paths.SHARDS)
     for split in splits:
@@ -58,9 +60,9 @@ def main() -> int:
         return 1
     configure(runtime)  # the device and mode of the `runtime` section, before any graph compiles
     from clipms.data.webds import DataError
-    from clipms.deploy.index import ImageIndexError, build_index, bundle_digest
     from clipms.deploy.infer import BundleError, Encoder
     from clipms.deploy.search import SearchOptions
+    from clipms.deploy.searchindex import ImageIndexError, build_index, bundle_digest
     from clipms.utils.jsonio import write_json
 
     options = SearchOptions(kind=params.search, hnsw_m=params.hnsw_m,

@@ -5,6 +5,8 @@
 `download.allow_private_addresses`).
 """
 
+# tested by: tests/benchmarks/test_rehearsal.py
+
 from __future__ import annotations
 
 import re
@@ -13,10 +15,10 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from clipms.prep.metadata import MSCOCO_URL, MetadataError, MetadataSpec, build_metadata
 from clipms.schema import Section
+from pipeline import paths
 from pipeline.params import ParamsError, load_section
-from stages import paths
+from prep.sources import MSCOCO_URL, MetadataError, MetadataSpec, build_metadata
 from stages.urlpolicy import fetch_policy
 
 READS: tuple = ()
@@ -43,10 +45,13 @@ class MetadataParams(Section):
     caption_col: str = Field("TEXT", min_length=1)
     id_col: str | None = Field(None, min_length=1)  # an image id column (dedupe.identity: id)
     # mscoco/local: Karpathy's dataset_coco.json (a path or an http(s) URL); its 5k test images
-    # become the val split (clipms/prep/karpathy.py)
+    # become the val split (prep/karpathy.py)
     karpathy_split: str | None = Field(None, min_length=1)
     # mscoco/local: a parquet of more rows is refused before it is read (~1 GB per million rows)
     max_rows: int = Field(5_000_000, ge=1)
+    # mscoco/local: bytes of text in one value, and in the file's URL/caption/id columns
+    max_text_bytes: int = Field(65_536, ge=256)
+    max_total_text_bytes: int = Field(1 << 30, ge=1 << 20)
 
     @field_validator("sha256")
     @classmethod

@@ -9,16 +9,18 @@ Needs the tracking server: when it is unreachable this stage fails with a messag
 nothing upstream is lost.
 """
 
+# tested by: tests/integration/test_registry_postgres.py
+
 from __future__ import annotations
 
 import sys
 from typing import TYPE_CHECKING
 
+from pipeline import paths
 from pipeline.params import ParamsError, load_section
-from stages import paths
 
 if TYPE_CHECKING:
-    from clipms.eval.settings import EvaluateParams
+    from clipms.eval.options import EvaluateParams
     from registry.rescore import EvaluationSet
 
 READS = (paths.BUNDLE, paths.INDEX, paths.MLFLOW_RUN, paths.EVAL_METRICS, paths.MANIFEST,
@@ -28,8 +30,8 @@ WRITES = (paths.REGISTER_METRICS,)
 
 def evaluation_set(params: EvaluateParams) -> EvaluationSet:
     """The set `evaluate` scored this version on, as the gate re-scores a champion on it."""
-    from registry.lineage import val_digest
     from registry.rescore import EvaluationSet
+    from tracking.lineage import val_digest
 
     shards, split, name = paths.evaluation_set(params.split, params.pinned_set)
     if params.pinned_set:  # a frozen set must be the one recorded, shard for shard
@@ -42,8 +44,8 @@ def evaluation_set(params: EvaluateParams) -> EvaluationSet:
 
 def main() -> int:
     from clipms.data.webds import DataError
-    from clipms.eval.settings import EvaluateParams
-    from registry.settings import register_params
+    from clipms.eval.options import EvaluateParams
+    from tracking.settings import register_params
 
     try:
         params = register_params(paths.PARAMS)
@@ -54,10 +56,10 @@ def main() -> int:
     from clipms.utils.jsonio import read_json, write_json
     from registry.gate import GateError
     from registry.gatelock import GateLockTimeout
-    from registry.lineage import flatten
     from registry.registration import RegistryError, register_version
-    from registry.run import PipelineRun, TrackingUnavailable
-    from stages.tracking import FILES
+    from tracking.files import FILES
+    from tracking.lineage import flatten
+    from tracking.run import PipelineRun, TrackingUnavailable
 
     try:
         run = PipelineRun.resume(FILES)

@@ -3,12 +3,14 @@ data/shards/{train,val}/*.tar + manifest.json.
 
 `python -m stages.shard`; reads the `shard` section, and `download.output`: when the download
 stage wrote to that URL, data/download holds its catalog and pointer and the tars are read from
-the URL (`clipms.prep.remote`), refused when they are not the ones the pointer records. Which tars
-hold today's images is the download catalog's (`clipms.prep.catalog`); each sample's captions,
+the URL (`prep.remote`), refused when they are not the ones the pointer records. Which tars
+hold today's images is the download catalog's (`prep.catalog`); each sample's captions,
 split, labels and URL are data/images.parquet's, so a caption list that changed for an image an
 earlier run fetched is the new one. What decoding each input tar's images found is kept in
 data/shard-checks (by the tar's sha256), so a night decodes only the images of the new parts.
 """
+
+# tested by: tests/prep/test_shards.py
 
 from __future__ import annotations
 
@@ -18,19 +20,19 @@ from typing import Any
 
 from pydantic import Field
 
-from clipms.prep.catalog import CatalogError, read_catalog, shard_inputs
-from clipms.prep.remote import (
+from clipms.schema import Section
+from clipms.utils.jsonio import write_json
+from clipms.utils.redact import redact_url
+from pipeline import paths
+from pipeline.params import PARAMS_FILE, ParamsError, load_section, read_params
+from prep.catalog import CatalogError, read_catalog, shard_inputs
+from prep.remote import (
     POINTER_FILE,
     RemoteError,
     check_output_url,
     read_pointer,
 )
-from clipms.prep.shards import ShardError, ShardSettings, build_shards
-from clipms.schema import Section
-from clipms.utils.jsonio import write_json
-from clipms.utils.redact import redact_url
-from pipeline.params import PARAMS_FILE, ParamsError, load_section, read_params
-from stages import paths
+from prep.shards import ShardError, ShardSettings, build_shards
 
 READS = (paths.DOWNLOAD, paths.IMAGES)
 WRITES = (paths.SHARDS_TRAIN, paths.SHARDS_VAL, paths.MANIFEST, paths.SHARD_CHECKS,

@@ -10,6 +10,8 @@ registered (the first night: it is built as above); any other registry miss stop
 metrics/tokenizer.json says where the file came from.
 """
 
+# tested by: tests/benchmarks/test_rehearsal.py
+
 from __future__ import annotations
 
 import sys
@@ -20,11 +22,11 @@ from pydantic import Field
 
 from clipms.data.dataset import DataError, iter_captions
 from clipms.schema import Section
-from clipms.text.tokenizer import MIN_TRAINED_VOCAB, Tokenizer, TokenizerError
+from clipms.text.clip_tokenizer import MIN_TRAINED_VOCAB, Tokenizer, TokenizerError
 from clipms.utils.jsonio import write_json
+from pipeline import paths
 from pipeline.params import ParamsError, load_section
 from registry.versions import MODEL_URI
-from stages import paths
 
 READS = (paths.SHARDS_TRAIN, paths.MANIFEST)
 WRITES = (paths.TOKENIZER, paths.TOKENIZER_METRICS)

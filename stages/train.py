@@ -23,13 +23,13 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
-from clipms.model.config import DEFAULT_PRESET, CLIPConfig, resolve_model
+from clipms.model.architecture import DEFAULT_PRESET, CLIPConfig, resolve_model
 from clipms.runtime import RuntimeConfig, for_precision, prepare_import
 from clipms.schema import Section
-from clipms.train.config import LOSS_INIT, TrainSettings, check_loss_fits
+from clipms.train.recipe import LOSS_INIT, TrainSettings, check_loss_fits
+from pipeline import paths
 from pipeline.params import ParamsError, load_section
 from registry.versions import is_model_uri
-from stages import paths
 
 READS = (paths.TOKENIZER, paths.TOKENIZER_METRICS, paths.SHARDS_TRAIN, paths.MANIFEST,
          paths.CHANGES_METRICS)
@@ -64,12 +64,12 @@ class WarmStartParams(Section):
 
 
 class TrainParams(TrainSettings):
-    """The `train` section: the library's TrainSettings (clipms.train.config, the one train
+    """The `train` section: the library's TrainSettings (clipms.train.recipe, the one train
     schema) plus the stage's own keys. params.yaml documents every key."""
 
     model_config = ConfigDict(frozen=False)
 
-    preset: str = DEFAULT_PRESET  # a name of clipms.model.config.PRESETS
+    preset: str = DEFAULT_PRESET  # a name of clipms.model.architecture.PRESETS
     model: dict[str, Any] = Field(default_factory=dict)  # overrides, e.g. {vision: {layers: 2}}
     resume: Literal["auto", "never"] = "auto"
     distributed: DistributedParams = Field(default_factory=DistributedParams)
@@ -88,7 +88,7 @@ class TrainParams(TrainSettings):
 
 def model_for(preset: str, loss: str, overrides: dict[str, Any]) -> CLIPConfig:
     """The preset with `train.model`'s overrides laid over `loss`'s initial temperature and bias
-    (SigLIP's; clipms.train.config.LOSS_INIT)."""
+    (SigLIP's; clipms.train.recipe.LOSS_INIT)."""
     return resolve_model(preset, {**LOSS_INIT[loss], **overrides})
 
 
@@ -102,9 +102,9 @@ def build_job(params: TrainParams, runtime: RuntimeConfig) -> Any:
     global batch (before anything compiles)."""
     from clipms.data.dataset import split_sample_count
     from clipms.data.decode import loader_workers
-    from clipms.text.tokenizer import Tokenizer
-    from clipms.train.config import TrainConfig
+    from clipms.text.clip_tokenizer import Tokenizer
     from clipms.train.job import Outputs, TrainJob, data_fingerprint
+    from clipms.train.recipe import TrainConfig
 
     cluster = params.distributed.cluster()
     global_batch = params.batch_size * params.accum_steps * cluster.workers
@@ -141,7 +141,7 @@ def warm_start(params: TrainParams) -> tuple[TrainParams, Any]:
     (registry.carryover.CarriedOver); `params` unchanged and None for anything else."""
     if not is_model_uri(params.init_from):
         return params, None
-    from clipms.text.tokenizer import Tokenizer
+    from clipms.text.clip_tokenizer import Tokenizer
     from registry.carryover import fetch_init_checkpoint
 
     model = resolved_model(params, Tokenizer.load(paths.TOKENIZER))
@@ -201,9 +201,9 @@ def main() -> int:
         return _join_as_worker_node(job, cluster)
     from clipms.train import job as train_job
     from clipms.train.loop import NonFiniteLossError
-    from registry.callback import TrainCallback
-    from registry.run import PipelineRun  # MLflow: one run per pipeline run (docs/mlflow.md)
-    from stages.tracking import FILES
+    from tracking.callback import TrainCallback
+    from tracking.files import FILES
+    from tracking.run import PipelineRun  # MLflow: one run per pipeline run (docs/mlflow.md)
 
     # Never blocks training (a background sender, a journal); a training that resumes from a
     # checkpoint continues the MLflow run that wrote it (paths.CHECKPOINTS_RUN).

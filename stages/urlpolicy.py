@@ -1,5 +1,8 @@
 """The URL policy params every fetching stage shares (`download`'s keys, read by `metadata` and
-`dedupe` too): which schemes and which addresses may be fetched (`clipms.prep.urlguard`)."""
+`dedupe` too): which schemes and which addresses may be fetched (`prep.urlguard`)."""
+
+# not unit-tested: params read by the fetching stages; tests/stages/test_download.py and
+# tests/prep/test_captions.py run them with bad and good values.
 
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from clipms.prep.urlguard import FetchPolicy, allowed_schemes
 from clipms.schema import Section
 from pipeline.params import PARAMS_FILE, read_params, validate_section
+from prep.urlguard import FetchPolicy, allowed_schemes
 
 
 class FetchParams(Section):

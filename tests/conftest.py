@@ -8,7 +8,7 @@ server process (MLflow, Prefect, PostgreSQL, the search service) or runs `dvc` o
 that compiles a MindSpore training step, exports or loads MindIR, compiles fused kernels or runs a
 stage on data is always over the budget; one that starts a stage only to see it refuse bad
 params, before anything heavy loads, usually is not, nor is a loopback server in a thread of the
-test process (tests/image_site.py).
+test process (harness/image_site.py).
 Every run ends by listing the unmarked tests over the budget, in CPU seconds (this process and the
 children it waited for), which a loaded machine changes far less than wall time.
 """
@@ -21,6 +21,7 @@ import resource
 import shutil
 import tempfile
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -31,11 +32,12 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("GLOG_v", "3")
 
 # CPU graph-kernel fusion (clipms.runtime): the commands tests start (stages, `dvc repro`, servers;
-# tests/workspace.py's tool_env) run fused, as users run them, compiling into a kernel cache of
+# harness/dvc_workspace.py's tool_env) run fused, as users run them, compiling into a kernel cache
+# of
 # their own that starts empty. This pytest process itself stays unfused: after ~80 tests had
 # compiled hundreds of unrelated graphs in it, MindSpore's AKG kernel-build client was found closed
 # ("Send request before Open()"), which no single stage or inference process ever showed.
-# tests/test_runtime.py compares fused and unfused runs in processes of their own.
+# tests/clipms/test_runtime.py compares fused and unfused runs in processes of their own.
 if "CLIPMS_KERNEL_CACHE" not in os.environ:
     os.environ["CLIPMS_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="clipms-test-kernels-")
     atexit.register(shutil.rmtree, os.environ["CLIPMS_KERNEL_CACHE"], True)
@@ -79,14 +81,16 @@ def mode(request):
 # end-to-end runs of the suite - where one worker could be left running them while the other had
 # nothing left to take. Here the modules go longest first, shortest last (the two workers then
 # finish together, give or take the last fast module): these modules
-# (the longest of a CI run, longest first, but the test_flows_* ones in the order they always ran
+# (the longest of a CI run, longest first, but the flows/ ones in the order they always ran
 # in: a worker's modules share one Prefect server, prefect_server.prefect_stack), then the other
 # modules with slow tests, most slow tests first (the best guess of their length there is before
 # they run), then the rest; pytest_configure below makes xdist keep this order.
 LONGEST_MODULES = (
-    "test_flows_deploy.py", "test_flows_nightly.py", "test_kill_recovery.py", "test_smoke.py",
-    "test_time_to_quality.py", "test_registry_server.py", "test_flows_secrets.py",
+    "flows/test_deploy.py", "flows/test_pipeline_nightly.py", "e2e/test_kill_recovery.py",
+    "ops/test_smoke.py", "benchmarks/test_time_to_quality.py",
+    "integration/test_registry_server.py", "flows/test_pipeline_secrets.py",
 )
+TESTS = Path(__file__).resolve().parent
 
 
 def pytest_configure(config):
@@ -97,10 +101,13 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Modules longest first (above); a module's tests stay together and in their order."""
-    slow_tests = Counter(item.path.name for item in items if item.get_closest_marker("slow"))
+    def module(item) -> str:
+        return item.path.relative_to(TESTS).as_posix()
+
+    slow_tests = Counter(module(item) for item in items if item.get_closest_marker("slow"))
 
     def rank(item) -> tuple[int, int]:
-        name = item.path.name
+        name = module(item)
         if name in LONGEST_MODULES:
             return (0, LONGEST_MODULES.index(name))
         return (1, -slow_tests[name]) if slow_tests[name] else (2, 0)

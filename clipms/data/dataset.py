@@ -74,7 +74,7 @@ from clipms.data.preprocess import (
     resize_shorter_side,
 )
 from clipms.data.sampling import BatchOrder, SamplingError, group_ids, sample_rng
-from clipms.text.tokenizer import Tokenizer
+from clipms.text.clip_tokenizer import Tokenizer
 from clipms.data.webds import DataError  # the shard format's error type, raised for loader errors too
 
 log = logging.getLogger(__name__)

@@ -5,6 +5,8 @@ clipms.data.dataset builds the dataset; this module only decides how many worker
 docs/ascend.md says what was tested here and what is taken from MindSpore's documentation.
 """
 
+# tested by: tests/clipms/data/test_dataset_loader.py
+
 from __future__ import annotations
 
 import os

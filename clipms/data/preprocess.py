@@ -3,7 +3,8 @@
 The transform is open_clip's evaluation transform (torchvision on PIL images), with PIL only:
   1. decode (bytes; JPEG, PNG or WEBP only, at most `max_pixels` pixels and a long side at most
      `max_aspect_ratio` times the short one, both checked from the header before any pixel is
-     decoded) and convert to RGB (before resizing, so palette/alpha images resize as RGB);
+     decoded, and a JPEG of at most MAX_JPEG_SCANS scans) and convert to RGB (before resizing,
+     so palette/alpha images resize as RGB; 16-bit greyscale scaled to 8 bits, not clipped);
   2. resize so that the SHORTER side equals `image_size` (the longer side becomes
      int(image_size * long / short), as torchvision computes it), PIL resampling `interpolation`
      (default bicubic, open_clip's choice; PIL filters antialias when shrinking, as torchvision does
@@ -26,6 +27,7 @@ from PIL import Image, UnidentifiedImageError
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's pixel statistics (open_clip too)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+WIDE_GREY = ("I;16", "I;16L", "I;16B")  # 16-bit greyscale (PNG), as PIL opens it
 INTERPOLATIONS = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
 # The only decoders ever run on image bytes: everything else PIL can open (EPS runs Ghostscript,
 # others are rarely fuzzed) is refused before a plugin sees more than the first bytes.
@@ -38,6 +40,14 @@ DEFAULT_MAX_PIXELS = 50_000_000
 # for a 224 x 22,400,000 image (5 x 10^9 pixels). At 10 (the download stage's own default,
 # download.max_aspect_ratio) the resize of a 224 model holds at most 224 x 2,240 pixels.
 DEFAULT_MAX_ASPECT_RATIO = 10.0
+# Scans of one JPEG. libjpeg re-reads every coefficient of the image at each scan of a progressive
+# JPEG, however little the scan holds: 10,000 empty scans (a 160 KB file) of a 2000 x 2000 image
+# took 1.7 CPU-s (0.014 s without them), growing with the pixels, and a thread cannot stop a
+# decode once it has started. libjpeg's own progressive
+# script writes 10 scans (6 for greyscale); at 100, a 50 MP image's scans cost a fraction of a
+# second.
+MAX_JPEG_SCANS = 100
+JPEG_HEADER_SEGMENTS = 1024  # segments walked before the first scan; past it, every FF DA counts
 
 
 class PreprocessError(ValueError):
@@ -50,6 +60,10 @@ class PixelLimitError(PreprocessError):
 
 class AspectRatioError(PreprocessError):
     """An image whose long side is over `max_aspect_ratio` times its short side."""
+
+
+class ScanLimitError(PreprocessError):
+    """A JPEG of more than MAX_JPEG_SCANS scans."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +124,16 @@ def decode_image(image: Image.Image | bytes, name: str = "image",
         check_pixels(image.size, max_pixels, name, max_aspect_ratio)
     else:
         image = open_image(image, name, max_pixels, max_aspect_ratio)
+    return to_rgb(image)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """`image` in RGB. A 16-bit greyscale is scaled to 8 bits first (x / 257,
+    rounded: 8-bit v is 16-bit 257 v): PIL's convert("RGB") clips it at 255, so a 16-bit PNG of
+    mid grey (32896) became pure white."""
+    if image.mode in WIDE_GREY:
+        pixels = np.asarray(image).astype(np.int64)
+        image = Image.fromarray(((pixels.clip(0, 65535) + 128) // 257).astype(np.uint8), "L")
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
@@ -126,6 +150,8 @@ def open_image(data: bytes, name: str = "image", max_pixels: int = DEFAULT_MAX_P
     try:
         image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
         check_pixels(image.size, max_pixels, name, max_aspect_ratio)  # header only: no decode
+        if image.format == "JPEG":
+            check_scans(bytes(data) if isinstance(data, memoryview) else data, name)
         image.load()  # the full decode, inside the try (truncated data fails here)
         return image
     except UnidentifiedImageError:
@@ -151,6 +177,34 @@ def check_pixels(size: tuple[int, int], max_pixels: int, name: str = "image",
     if max_aspect_ratio is not None and max(size) > max_aspect_ratio * max(1, min(size)):
         raise AspectRatioError(f"{name}: {width}x{height} has an aspect ratio over the limit "
                                f"of {max_aspect_ratio:g} (long side / short side)")
+
+
+def jpeg_scans(data: bytes | bytearray) -> int:
+    """At least the number of scans (SOS markers) of JPEG bytes, read without decoding: the
+    header segments walked up to the first scan (an FF DA inside an EXIF thumbnail or an ICC
+    profile is not a scan of this image), then every FF DA after it (entropy-coded data stuffs
+    each FF byte with 00, so FF DA there is a marker). Linear in the bytes, in C but for at most
+    JPEG_HEADER_SEGMENTS steps."""
+    pos = 2  # after SOI
+    for _ in range(JPEG_HEADER_SEGMENTS):
+        if pos + 4 > len(data) or data[pos] != 0xFF or data[pos + 1] in (0xDA, 0xD9):
+            break
+        marker = data[pos + 1]
+        if marker == 0xFF:  # a fill byte before the marker
+            pos += 1
+        elif 0xD0 <= marker <= 0xD7 or marker in (0x01, 0xD8):  # markers without a length
+            pos += 2
+        else:
+            pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+    return data.count(b"\xff\xda", pos)
+
+
+def check_scans(data: bytes | bytearray, name: str = "image") -> None:
+    """ScanLimitError when JPEG bytes hold more than MAX_JPEG_SCANS scans."""
+    scans = jpeg_scans(data)
+    if scans > MAX_JPEG_SCANS:
+        raise ScanLimitError(f"{name}: a JPEG of {scans} scans, over the limit of "
+                             f"{MAX_JPEG_SCANS} (a progressive JPEG has about 10)")
 
 
 def resize_shorter_side(image: Image.Image, size: int, interpolation: str) -> Image.Image:

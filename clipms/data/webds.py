@@ -20,6 +20,12 @@ Two rules, both here and nowhere else:
   given to `search`) are read with the key rule alone.
 
 Shards are written deterministically (fixed member headers, the given order) and atomically.
+
+Shards are read as untrusted input (a downloaded tar, a folder given to `search`): a member is
+read only when it is a plain regular file of at most MAX_MEMBER_BYTES (`check_member`). A GNU
+sparse member (a 10 KB tar can declare 1.5 GB, which tarfile reads back as zeros), a link, a
+device or a FIFO is refused with an error naming it; directory entries hold nothing and are
+skipped.
 """
 
 from __future__ import annotations
@@ -149,14 +155,42 @@ def check_complete(path: Path | str) -> None:
             raise DataError(f"{path}: truncated tar (no end-of-archive marker)")
 
 
+# The largest member read: far over any image, caption or json of a sample (the download stage
+# resizes images to a few hundred KB), far under what would hurt a reader's memory.
+MAX_MEMBER_BYTES = 64 << 20
+
+
+_MEMBER_KINDS = {tarfile.SYMTYPE: "a symbolic link", tarfile.LNKTYPE: "a hard link",
+                 tarfile.CHRTYPE: "a device", tarfile.BLKTYPE: "a device",
+                 tarfile.FIFOTYPE: "a FIFO", tarfile.CONTTYPE: "a contiguous file",
+                 tarfile.GNUTYPE_SPARSE: "a GNU sparse file"}
+
+
+def check_member(path: Path | str, member: tarfile.TarInfo) -> bool:
+    """True for a member to read (a plain regular file of at most MAX_MEMBER_BYTES), False for a
+    directory entry (nothing to read); DataError for anything else."""
+    if member.isdir():
+        return False
+    if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE) or member.issparse():
+        kind = "a GNU sparse file" if member.issparse() else _MEMBER_KINDS.get(
+            member.type, f"of tar type {member.type.decode(errors='replace')!r}")
+        raise DataError(f"{path}: member {member.name!r} is {kind}, not a regular file; "
+                        "shards hold regular files only")
+    if member.size > MAX_MEMBER_BYTES:
+        raise DataError(f"{path}: member {member.name!r} declares {member.size:,} bytes, over "
+                        f"the limit of {MAX_MEMBER_BYTES:,} bytes per member")
+    return True
+
+
 def read_tar(path: Path | str) -> list[Sample]:
     """Every sample of one tar, all members read (so a cut inside a member surfaces), in the order
-    their keys first appear. Members without an extension or that are not files are ignored."""
+    their keys first appear. Members without an extension and directory entries are ignored;
+    other members that are not regular files, or are too large, are refused (`check_member`)."""
     samples: dict[str, Sample] = {}
     try:
         with tarfile.open(path, "r:") as tar:
             for member in tar:
-                parts = split_name(member.name) if member.isfile() else None
+                parts = split_name(member.name) if check_member(path, member) else None
                 if parts is None:
                     continue
                 handle = tar.extractfile(member)
@@ -184,7 +218,7 @@ def index_tar(path: Path | str) -> dict[str, dict[str, Span]]:
     try:
         with tarfile.open(path, "r:") as tar:
             for member in tar:
-                parts = split_name(member.name) if member.isfile() else None
+                parts = split_name(member.name) if check_member(path, member) else None
                 if parts is not None:
                     index.setdefault(parts[0], {})[parts[1]] = Span(member.offset_data,
                                                                     member.size)
@@ -213,7 +247,7 @@ def write_tar(path: Path | str, samples: Iterable[SampleFiles]) -> dict[str, Any
     """Write samples to one tar, atomically and deterministically (fixed mtimes and owners);
     return {"samples", "bytes", "sha256"}. Keys and extensions are checked before anything is
     written, so a member name is always `<key>.<ext>` in the key format. The bytes are exactly
-    those of `tarfile` in GNU format with these headers (tests/test_webds.py compares them);
+    those of `tarfile` in GNU format with these headers (tests/clipms/data/test_webds.py compares them);
     the headers are made here from one template because building each one with `tarfile` was
     most of the time a night's shard stage spent rewriting the shards (docs/data-pipeline.md,
     "Measurements behind the code")."""

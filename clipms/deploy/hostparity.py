@@ -1,7 +1,7 @@
 """An export's parity computed on the host CPU, where its bars were calibrated, from a process that
 runs on a device.
 
-`clipms.deploy.export.PARITY`'s fp32 bar (1e-5 absolute) was calibrated on CPU, where the static
+`clipms.deploy.mindir.PARITY`'s fp32 bar (1e-5 absolute) was calibrated on CPU, where the static
 graph and the dynamic-batch MindIR pick the same kernels and the error is 0. On an NPU they may
 pick other kernels (another matmul tiling, fused element-wise ops, HF32 where allowed) and differ
 by more than fp32 rounding, so the bar would fail a correct export. The gate is therefore the
@@ -11,6 +11,8 @@ A process chooses its device once, so the host parity runs in a process of its o
 `host_parity(...)` writes the inputs to a temporary file and runs `python -m
 clipms.deploy.hostparity` on CPU, which loads the checkpoint and both MindIR graphs there.
 """
+
+# tested by: tests/clipms/deploy/test_mindir.py
 
 from __future__ import annotations
 
@@ -26,14 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from clipms.model.config import CLIPConfig
+from clipms.model.architecture import CLIPConfig
 
 
 def host_parity(bundle_dir: Path | str, checkpoint: Path | str, model: CLIPConfig,
                 images: np.ndarray, tokens: np.ndarray, batch_sizes: Sequence[int],
                 precision: str = "fp32", tolerance: float | None = None,
                 timeout: float = 1800) -> dict[str, Any]:
-    """`clipms.deploy.export.parity_report` of the bundle against the checkpoint, on CPU."""
+    """`clipms.deploy.mindir.parity_report` of the bundle against the checkpoint, on CPU."""
     with tempfile.TemporaryDirectory(prefix="clipms-host-parity-") as tmp:
         inputs, spec = Path(tmp) / "inputs.npz", Path(tmp) / "spec.json"
         np.savez(inputs, images=images, tokens=tokens)
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from clipms.runtime import RuntimeConfig, configure, for_precision
 
     configure(for_precision(RuntimeConfig(device_target="CPU"), spec["precision"]))
-    from clipms.deploy.export import parity_report
+    from clipms.deploy.mindir import parity_report
     from clipms.train.trained import load_clip
 
     net = load_clip(spec["checkpoint"], CLIPConfig.from_dict(spec["model"]))

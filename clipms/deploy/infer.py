@@ -35,12 +35,12 @@ from PIL import Image
 
 from clipms.data.preprocess import PreprocessConfig, PreprocessError, preprocess_image
 from clipms.data.webds import Sample, iter_samples
-from clipms.text.tokenizer import Tokenizer
+from clipms.text.clip_tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from clipms.runtime import RuntimeConfig
 
-# as clipms.deploy.export writes it (no MindSpore import here)
+# as clipms.deploy.mindir writes it (no MindSpore import here)
 BUNDLE_FORMAT = "clipms-mindir-bundle"
 SUPPORTED_VERSIONS = (1, 2)  # 2: the bundle has a logit_bias (SigLIP)
 

@@ -12,6 +12,8 @@ Every searcher answers `search(queries (Q, E) float32, k) -> (scores (Q, k), ids
 first, ids into the collection's rows; k is cut to the collection's size.
 """
 
+# tested by: tests/clipms/deploy/test_searchindex.py
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

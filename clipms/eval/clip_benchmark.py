@@ -18,6 +18,8 @@ Its metric definitions, and the keys of metrics/eval.json (clipms.eval.metrics) 
 Every value is a fraction in [0, 1], as CLIP_benchmark writes them.
 """
 
+# tested by: tests/clipms/eval/test_scoring.py
+
 from __future__ import annotations
 
 import json

@@ -9,6 +9,8 @@ MindIR graphs are another (`clipms.deploy.infer.Encoder` has the same two method
 model can be scored on a new evaluation set by the very same code.
 """
 
+# tested by: tests/clipms/eval/test_scoring.py
+
 from __future__ import annotations
 
 import sys
@@ -21,7 +23,7 @@ import numpy as np
 
 from clipms.data.dataset import eval_sample_count, iter_eval_batches
 from clipms.data.preprocess import PreprocessConfig
-from clipms.text.tokenizer import Tokenizer
+from clipms.text.clip_tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from clipms.model.clip import CLIP

@@ -11,6 +11,8 @@ label fields, e.g. "red circle"), any image of the same class: on data where man
 description, an image of the right class is a right answer.
 """
 
+# tested by: tests/clipms/eval/test_scoring_run.py
+
 from __future__ import annotations
 
 import textwrap

@@ -20,8 +20,8 @@ from clipms.data.dataset import index_shards
 from clipms.data.preprocess import decode_image
 from clipms.eval import clip_benchmark
 from clipms.eval.embed import EvaluationError
-from clipms.eval.evaluate import EvalReport
 from clipms.eval.gallery import Gallery, build_gallery, render_gallery
+from clipms.eval.scoring import EvalReport
 from clipms.eval.zeroshot import class_names_from_labels
 from clipms.utils.atomic import atomic_write, write_text
 from clipms.utils.jsonio import write_json

@@ -10,6 +10,8 @@
 Undecodable images and images without a usable class are counted as skipped, never fatal.
 """
 
+# tested by: tests/clipms/eval/test_scoring.py
+
 from __future__ import annotations
 
 import logging

@@ -21,7 +21,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Initializer, Normal, Uniform, initializer
 
-from clipms.model.config import CLIPConfig, TextConfig, VisionConfig
+from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig
 from clipms.model.patch_dropout import PatchDropout
 
 # Added to masked attention scores. Finite (not -inf) so that Ascend kernels never see inf - inf,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clipms.model.config import CLIPConfig
+from clipms.model.architecture import CLIPConfig
 from clipms.utils.atomic import atomic_write, write_text
 
 # open_clip's image preprocessing for OpenAI-style weights (open_clip.constants).

@@ -13,7 +13,7 @@ pure function of (seed, draw, sample, patch):
 - `sample` is the sample's index in the global batch (`first_sample` + row), so each rank of a
   data-parallel run draws for its own samples exactly what one process of the whole batch would;
 - any continuous i.i.d. scores select a uniformly random subset, as randn's do; fed the same
-  scores, `drop_patches` equals open_clip's PatchDropout (tests/test_patch_dropout.py).
+  scores, `drop_patches` equals open_clip's PatchDropout (tests/clipms/model/test_patch_dropout.py).
 
 The counter Parameter exists only once `start_drawing` is called (by the trainer), so a model
 built for evaluation, export or conversion has exactly its weights. MindSpore runs a forward that

@@ -2,6 +2,9 @@
 writes calls `worker_main`). Kept apart from the launcher, so no module both launches and is
 launched."""
 
+# not unit-tested: msrun starts it as a script; tests/clipms/parallel/test_launch.py runs it
+# on two ranks.
+
 from __future__ import annotations
 
 import logging

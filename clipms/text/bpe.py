@@ -9,12 +9,14 @@ count is below `min_frequency`.
 
 Tie rule (the one thing that differs): among the pairs of the highest count, the one with the
 smallest (left id, right id) is merged, ids being the positions in `base` and then the new tokens
-in the order they were created (in a trained `clipms.text.tokenizer`, exactly its vocabulary ids).
-`BpeTrainer` has the same rule, but its ids of the end-of-word symbols follow hash-map order, so
-the same corpus could give different vocabularies from one run to the next. Here the result
+in the order they were created (in a trained `clipms.text.clip_tokenizer`, exactly its vocabulary
+ids). `BpeTrainer` has the same rule, but its ids of the end-of-word symbols follow hash-map order,
+so the same corpus could give different vocabularies from one run to the next. Here the result
 depends on the word counts, `base` and the parameters only: all work is on int ids and
 insertion-ordered dicts, never on the iteration order of a hashed str.
 """
+
+# tested by: tests/clipms/text/test_clip_tokenizer.py
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from clipms.model.config import CLIPConfig
+from clipms.model.architecture import CLIPConfig
 
 
 class BatchSource(Protocol):

@@ -6,7 +6,7 @@ it imports, leaving out every file under `sys.path` (mindspore/graph/api.py of 2
 from `sys.path` (PYTHONPATH, msrun workers, an installed package), and its train graph holds the
 learning rate, warmup, total steps, clipping, loss-scale window, the pixel mean/std, world size and
 rank as constants, so MindSpore's own key sees none of them: a run with another lr loaded the
-previous run's graph and trained with the old lr (tests/test_graph_cache.py, on CPU).
+previous run's graph and trained with the old lr (tests/clipms/train/test_graphcache.py, on CPU).
 
 A run therefore caches only in `<kernel cache>/graphs/<key>/rank<r>/`, `<key>` hashing:
 - the config's fingerprint (every setting that changes the weights: lr, schedule, model,
@@ -28,7 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from clipms.train.config import TrainConfig
+from clipms.train.recipe import TrainConfig
 from clipms.utils.codehash import code_digest, module_closure
 
 # The module whose import closure (clipms.utils.codehash) is the code a training step runs.

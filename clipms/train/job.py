@@ -3,6 +3,8 @@ and the per-step CSV out. The same function runs in-process and in every `msrun`
 writes), so single-device and data-parallel runs share all their code.
 """
 
+# tested by: tests/clipms/train/test_checkpoint.py
+
 from __future__ import annotations
 
 import csv
@@ -13,8 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clipms.train.config import TrainConfig
 from clipms.train.graphcache import training_code_digest
+from clipms.train.recipe import TrainConfig
 from clipms.utils.atomic import write_text
 from clipms.utils.jsonio import read_json, write_json
 
@@ -75,9 +77,9 @@ def run(job: TrainJob, callbacks: Sequence[Callback] = (),
         distributed: bool = False) -> TrainResult:
     """Train as `job` says and (on rank 0) write its outputs."""
     from clipms.data.preprocess import PreprocessConfig
-    from clipms.parallel.comm import init_distributed
     from clipms.runtime import configure, for_precision
-    from clipms.text.tokenizer import Tokenizer
+    from clipms.text.clip_tokenizer import Tokenizer
+    from clipms.train.collectives import init_distributed
     from clipms.train.loop import ShardBatches, train
 
     tokenizer = Tokenizer.load(job.tokenizer)

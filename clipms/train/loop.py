@@ -35,7 +35,6 @@ import numpy as np
 from clipms.data.preprocess import PreprocessConfig
 from clipms.runtime import configure, enable_graph_cache, for_precision, kernel_cache_dir
 from clipms.train import checkpoint
-from clipms.train.config import TrainConfig
 from clipms.train.feed import (
     BatchSignature,
     BatchSource,
@@ -45,6 +44,7 @@ from clipms.train.feed import (
     SinkFeed,
 )
 from clipms.train.graphcache import graph_cache_dir, graph_cache_key
+from clipms.train.recipe import TrainConfig
 from clipms.train.schedule import cosine_lr
 from clipms.utils.atomic import atomic_write
 
@@ -202,7 +202,7 @@ class Training:
         """Continue from the newest checkpoint in `folder` if it is this run's; otherwise (rank 0)
         move the folder's checkpoints aside (`checkpoint.set_aside`, never deleted) and start.
 
-        `barrier` (data parallel: `clipms.parallel.comm.barrier`) returns once every rank has
+        `barrier` (data parallel: `clipms.train.collectives.barrier`) returns once every rank has
         read the folder, so rank 0 never moves a file another rank is still reading."""
         import mindspore as ms
 
@@ -256,7 +256,7 @@ def train(cfg: TrainConfig, source: BatchSource, checkpoint_dir: Path | str | No
     if ckpt_dir is not None:
         run.resume_or_start(ckpt_dir, resume, _barrier() if distributed else None)
     if distributed:
-        from clipms.parallel.comm import check_same_start
+        from clipms.train.collectives import check_same_start
 
         check_same_start(run.step)  # hosts without a shared checkpoint folder would diverge
     writer = (checkpoint.CheckpointWriter(ckpt_dir, cfg.keep_checkpoints)
@@ -363,14 +363,14 @@ def setup_runtime(cfg: TrainConfig, distributed: bool) -> tuple[int, int, bool]:
     settings = configure(for_precision(cfg.runtime, cfg.precision))
     import mindspore as ms
 
-    from clipms.parallel.comm import init_distributed
+    from clipms.train.collectives import init_distributed
 
     ms.set_seed(cfg.seed)  # same seed on every rank: identical initial weights
     return (*(init_distributed() if distributed else (0, 1)), settings.data_sink)
 
 
 def _barrier() -> Callable[[], None]:
-    from clipms.parallel.comm import barrier
+    from clipms.train.collectives import barrier
 
     return barrier
 

@@ -1,6 +1,6 @@
 """The contrastive losses: `ClipLoss`, the symmetric InfoNCE of open_clip's ClipLoss, and
 `SigLipLoss`, the pairwise sigmoid loss of open_clip's SigLipLoss (Zhai et al. 2023);
-`build_loss` makes the one `train.loss` names (clipms.train.config.LOSS_INIT: what each one's
+`build_loss` makes the one `train.loss` names (clipms.train.recipe.LOSS_INIT: what each one's
 model starts from).
 
 With data parallelism each rank sees only its own batch. `gather=True` all-gathers the features of

@@ -11,10 +11,10 @@ the bias correction into the three scalars the kernel takes, for each step t:
     kernel: p <- p - lr_t * (m / (sqrt(v) + eps_t) + wd_t * p)
     with    lr_t = lr * sqrt(c2) / c1,  eps_t = eps * sqrt(c2),  wd_t = lr * wd / lr_t
 
-which is the same update, algebraically exact (tests/test_optim.py checks it against a numpy AdamW).
-`Schedule` computes the learning rate and these scalars inside the compiled step from the step
-counters, so the host never feeds (or waits for) them; `clipms.train.schedule` has the same formulas
-on the host (`cosine_lr`, `folded_hyper`: for logs, tests and the reference).
+which is the same update, algebraically exact (tests/clipms/train/test_optim.py checks it against a
+numpy AdamW). `Schedule` computes the learning rate and these scalars inside the compiled step from
+the step counters, so the host never feeds (or waits for) them; `clipms.train.schedule` has the
+same formulas on the host (`cosine_lr`, `folded_hyper`: for logs, tests and the reference).
 """
 
 from __future__ import annotations

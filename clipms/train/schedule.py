@@ -3,6 +3,8 @@ copy of what `clipms.train.optim.Schedule` computes inside the compiled step (fo
 the tests and a reference step). No MindSpore here, so the training loop may import it up front.
 """
 
+# tested by: tests/clipms/train/test_loop.py
+
 from __future__ import annotations
 
 import math

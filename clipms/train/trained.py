@@ -5,6 +5,8 @@
 they measure and the model they ship are built the same way.
 """
 
+# tested by: tests/clipms/deploy/test_infer.py
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clipms.data.preprocess import PreprocessConfig
-from clipms.model.config import CLIPConfig
+from clipms.model.architecture import CLIPConfig
 from clipms.utils.jsonio import read_json
 
 if TYPE_CHECKING:

@@ -12,6 +12,8 @@ the import graph, so none of them can go stale by hand.
 docstring edit leaves it unchanged (it cannot change a result), any change to code changes it.
 """
 
+# tested by: tests/project/test_dvc_deps.py
+
 from __future__ import annotations
 
 import ast

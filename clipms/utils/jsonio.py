@@ -1,5 +1,7 @@
 """JSON files of the library: written atomically (clipms.utils.atomic), key-sorted, pretty."""
 
+# tested by: tests/clipms/deploy/test_searchindex.py
+
 from __future__ import annotations
 
 import json

@@ -10,7 +10,14 @@ and also drops the user-info of host strings without a scheme: urllib and http.c
 request's host as `user:password@host` in their errors, and an scp-style path
 (`user:password@host:/data/x.parquet`) has one too.
 
-Used by everything that prints or logs a URL: the data stages (`clipms.prep`), the tracking layer
+User-info comes in more forms than `user:password@`: a token as the user name (`TOKEN@host`, as
+GitHub and many object stores take it), an empty password (`user:@`), no user name (`:password@`)
+or a bare `@`. This module is the one place that knows them all: `has_userinfo` tells whether a URL
+carries any (the URL policy refuses such URLs with it), and the redactions drop every form. In free
+text a token before a host cannot be told from an e-mail address (`alice@example.com`), so both are
+redacted; `name@5` (a metric such as `i2t_R@5`) and `clip@champion` are not hosts and stay.
+
+Used by everything that prints or logs a URL: the data stages (`prep`), the tracking layer
 (`registry`: params, tags, dataset sources) and the flows (Prefect logs, failure notices).
 """
 
@@ -23,11 +30,31 @@ MARK = "<redacted>"
 # A URL inside free text: a scheme, "://", then anything up to whitespace, a quote or a bracket
 # (the marker included, so that redacting a redacted text changes nothing).
 _URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://(?:<redacted>|[^\s'\"<>()\[\]{}`])+")
-# `user:password@` before a host, outside a URL: a token that starts the text or follows a space,
-# quote, bracket, comma, semicolon or `=`, holds a colon, and ends at the last `@` before the host
-# (a password may hold `@`). `user@host` without a password (an e-mail address) is left alone.
+# Where user-info may start in free text: at the start, or after a space, quote, bracket, comma,
+# semicolon or `=`.
+_START = r"(?<![^\s'\"(<\[{,;=])"
+# `user:password@` before a host, outside a URL (the user name or the password may be empty): a
+# token that holds a colon and ends at the last `@` before the host (a password may hold `@`).
 _USERINFO_IN_TEXT = re.compile(
-    r"(?<![^\s'\"(<\[{,;=])[^\s'\"<>()\[\]{}`/@:=,;]+:[^\s'\"<>()\[\]{}`/]*@(?=[A-Za-z0-9\[])")
+    _START + r"[^\s'\"<>()\[\]{}`/@:=,;]*:[^\s'\"<>()\[\]{}`/]*@(?=[A-Za-z0-9\[])")
+# What follows `@` when a token without a colon is user-info: a host, i.e. an IP literal, a dotted
+# name whose last label starts with a letter, `localhost`, or one label with a port or an
+# scp-style path after it; not `i2t_R@5` (a metric) or `clip@champion` (a registry alias).
+_HOST_AHEAD = (r"(?=\[[0-9A-Fa-f:.]+\]|\d{1,3}(?:\.\d{1,3}){3}|(?:[A-Za-z0-9-]+\.)+[A-Za-z]"
+               r"|localhost\b|[A-Za-z][A-Za-z0-9-]*:[\d/])")
+# `TOKEN@host`: a token as the user name, without a password.
+_TOKEN_IN_TEXT = re.compile(_START + r"[^\s'\"<>()\[\]{}`/@:=,;]+@" + _HOST_AHEAD)
+
+
+def has_userinfo(url: str) -> bool:
+    """Whether `url` carries user-info in any form (`user:password@`, `TOKEN@`, `user:@`,
+    `:password@`, `@`). A URL urllib cannot split counts when its authority (after `//`, up to the
+    path, query or fragment) holds an `@`: fail closed."""
+    try:
+        return "@" in urlsplit(url).netloc
+    except ValueError:
+        authority = url.split("//", 1)[1] if "//" in url else ""
+        return "@" in re.split(r"[/?#]", authority, maxsplit=1)[0]
 
 
 def redact_url(url: str) -> str:
@@ -44,7 +71,7 @@ def redact_url(url: str) -> str:
     if not parts.scheme or not parts.netloc:
         return url
     netloc = _netloc(host, port)
-    if parts.username is not None or parts.password is not None:
+    if has_userinfo(url):
         netloc = f"{MARK}@{netloc}"
     return urlunsplit((parts.scheme, netloc, parts.path, MARK if parts.query else "",
                        MARK if parts.fragment else ""))
@@ -64,11 +91,12 @@ def host_only(url: str) -> str:
 
 def redact_text(text: str) -> str:
     """`text` with every URL in it redacted (`redact_url`), and the user-info of every host
-    string (`user:password@host`) replaced by the marker."""
+    string (`user:password@host`, `TOKEN@host`, ...) replaced by the marker."""
     if "://" in text:
         text = _URL_IN_TEXT.sub(lambda match: redact_url(match.group(0)), text)
     if "@" in text:
         text = _USERINFO_IN_TEXT.sub(f"{MARK}@", text)
+        text = _TOKEN_IN_TEXT.sub(f"{MARK}@", text)
     return text
 
 
