@@ -59,7 +59,7 @@ class NightFailed(RuntimeError):
 # (kind, pattern in the failed stage's output, advice); the first match wins, so the patterns
 # that name a cause outright (the disk, a signal) come before the ones that name a stage's trade.
 _RULES: tuple[tuple[str, str, str], ...] = (
-    ("disk full", r"No space left on device|ENOSPC|Disk quota exceeded",
+    ("disk full", r"No space left on device|ENOSPC|Disk quota exceeded|File too large",
      "free space on the disk that holds the workspace, the DVC cache or the MLflow store "
      "(retention removes old versions' artifacts; `dvc gc` the cache), then rerun the night"),
     ("killed", r"exited with -\d+\b|exited with 137\b|\bSIGKILL\b|Killed\b",

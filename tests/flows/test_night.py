@@ -27,6 +27,8 @@ def test_a_full_disk_wins_over_the_stage_it_happened_in() -> None:
                                       "OSError: [Errno 28] No space left on device"))
     assert found.kind == "disk full"
     assert found.reason == "OSError: [Errno 28] No space left on device"
+    capped = diagnose("shard", output("shard", "OSError: [Errno 27] File too large"))
+    assert capped.kind == "disk full"  # a file-size limit (RLIMIT_FSIZE, a quota) reads the same
 
 
 def test_a_diverging_training_names_the_step_and_says_what_to_lower() -> None:
