@@ -1,4 +1,5 @@
-"""Command line of the registry: `python -m registry compare [--name clip] [--metrics a,b]`.
+"""Command line of the registry: `python -m registry compare [--name clip] [--metrics a,b]`, and
+`python -m registry nights [--limit N]`, the last nights one line each (registry/nightlog.py).
 
 Reads the same store as the pipeline (`MLFLOW_TRACKING_URI`, default sqlite:///mlflow.db).
 """
