@@ -51,8 +51,9 @@ class Diagnosis:
 class NightFailed(RuntimeError):
     """A night stopped at a stage; carries the diagnosis the notice is made of."""
 
-    def __init__(self, diagnosis: Diagnosis) -> None:
-        super().__init__(diagnosis.text())
+    def __init__(self, diagnosis: Diagnosis, detail: str = "") -> None:
+        # the stage's own words after the diagnosis: a reason line cannot hold every message
+        super().__init__(diagnosis.text() + (f"\n\n{detail}" if detail else ""))
         self.diagnosis = diagnosis
 
 

@@ -75,8 +75,9 @@ def notify_failure(flow: Any, flow_run: Any, state: Any) -> None:
     from prefect.logging.loggers import flow_run_logger
 
     logger = flow_run_logger(flow_run, flow)
-    diagnosis = getattr(_exception(state), "diagnosis", None)  # flows.night.NightFailed
-    message = diagnosis.text() if diagnosis is not None else state.message or state.name
+    error = _exception(state)
+    diagnosis = getattr(error, "diagnosis", None)  # flows.night.NightFailed
+    message = str(error) if diagnosis is not None else state.message or state.name
     notice = failure_notice(flow.name, flow_run.name, str(flow_run.id), message, diagnosis)
     logger.error("FAILURE NOTICE: %s", notice["text"])
     send(notice, logger)

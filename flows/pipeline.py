@@ -321,7 +321,7 @@ def _run(workdir: Path, order: list[str], force: bool, refresh: set[str], run_na
         publish_summary(workdir, summary.RunReport(
             headline=headline, stages=outcomes, notes=notes,
             details=f"{diagnosis.text()}\n\n{err}"), run_name)
-        raise night.NightFailed(diagnosis) from err
+        raise night.NightFailed(diagnosis, str(err)) from err
     report = summary.RunReport(headline=summary.headline_for(outcomes), stages=outcomes,
                                notes=notes)
     publish_summary(workdir, report, run_name)

@@ -5,7 +5,7 @@ is verbatim; the stage lines are the project's messages and Python's)."""
 
 from __future__ import annotations
 
-from flows.night import diagnose
+from flows.night import NightFailed, diagnose
 
 FAILED = ("ERROR: failed to reproduce '{stage}': failed to run: python -m stages.{stage}, "
           "exited with {code}")
@@ -52,3 +52,12 @@ def test_an_unknown_failure_names_its_last_error_line_and_the_command_to_reprodu
     assert "dvc repro index" in found.advice
     source = diagnose("metadata", output("metadata", "metadata: error: no column 'TEXT'"))
     assert (source.kind, source.reason) == ("broken source", "metadata: error: no column 'TEXT'")
+
+
+def test_a_failed_night_keeps_the_stage_own_words_after_the_diagnosis() -> None:
+    """A params error spans lines; the reason holds one, the failure (and its notice) all."""
+    text = output("train", "train: error: params.yaml: invalid 'train' params:",
+                  "  train.epochs = 'many': Input should be a valid integer")
+    failed = NightFailed(diagnose("train", text), text)
+    assert str(failed).startswith("stage 'train': stage failed: train: error: params.yaml")
+    assert "train.epochs = 'many'" in str(failed) and failed.diagnosis.stage == "train"
