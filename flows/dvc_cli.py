@@ -164,9 +164,10 @@ def select(order: list[str], wanted: Iterable[str] | None) -> list[str]:
     return [s for s in order if s in wanted]
 
 
-def changed_stages(workdir: Path) -> dict[str, Any]:
-    """`dvc status --json`: {stage: reasons} for every stage that is not up to date."""
-    out = dvc(["status", "--json"], workdir)
+def changed_stages(workdir: Path, targets: list[str] | None = None) -> dict[str, Any]:
+    """`dvc status --json [targets]`: {stage: reasons} for every stage (of `targets`, default
+    all) that is not up to date."""
+    out = dvc(["status", "--json", *(targets or [])], workdir)
     start = out.find("{")
     return json.loads(out[start:]) if start >= 0 else {}
 

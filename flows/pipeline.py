@@ -14,12 +14,21 @@ Parameters (all optional):
              of the checkout (flows/worktree.py: the checkout's files are never written), saved
              as DVC experiment `clip-<flow run id>`
   dry_run    show what DVC would run (`dvc status`, `dvc repro --dry`), change nothing
+  train_without_new_data
+             false (the nightly deployment): when no input of `train` under data/ changed since
+             the last trained night, train and the stages after it do not run, and one notice
+             says so; true (the default for a run a person starts): DVC alone decides
+
+A night that fails puts the workspace back as the last good night left it and sends one notice
+naming the stage, the reason and what to do (flows/night.py, flows/notify.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,11 +41,12 @@ from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
 from clipms.utils.redact import redact_text
-from flows import dvc_cli, summary, worktree
-from flows.notify import notify_failure
+from flows import dvc_cli, night, summary, worktree
+from flows.notify import notify_failure, notify_night
 from registry.prefect_limits import ensure_one_slot_limit
 
 ARTIFACT_KEY = "clip-pipeline-summary"
+NIGHT_ARTIFACT_KEY = "clip-night"  # the night's page (registry/nightlog.py)
 # Network-bound stages get retries with exponential backoff (10 s, 20 s, 40 s, +-50% jitter).
 # Every other stage fails fast: training resumes from its own checkpoint on the next run instead.
 NETWORK_RETRIES = {"metadata": 3, "download": 3}
@@ -158,6 +168,35 @@ def publish_summary(workdir: Path, report: summary.RunReport, run_name: str) -> 
     return markdown
 
 
+@task(name="night-report", cache_policy=NO_CACHE)
+def publish_night(workdir: Path, run_name: str, started: float, headline: str, outcome: str,
+                  outcomes: list[dict[str, Any]], diagnosis: night.Diagnosis | None = None,
+                  tracking_uri: str | None = None) -> str:
+    """The night's page: a markdown artifact, and a run of MLflow's nights experiment (plus the
+    training run's copy). Never fails the night: a page that cannot be made is a warning."""
+    logger = _logger()
+    try:
+        from registry import nightlog
+
+        record = nightlog.read_night(workdir, run_name, started, headline, outcome, outcomes,
+                                     dataclasses.asdict(diagnosis) if diagnosis else None)
+        page = redact_text(nightlog.render(record))
+        create_markdown_artifact(key=NIGHT_ARTIFACT_KEY, markdown=page,
+                                 description=f"night: {headline}")
+    except Exception as err:  # noqa: BLE001 - the night's outcome stands without its page
+        logger.warning("the night's page could not be made: %s", redact_text(str(err)))
+        return ""
+    try:
+        from tracking.settings import client
+
+        run_id = nightlog.log_to_mlflow(workdir, record, page, client(tracking_uri))
+        logger.info("the night's page is in MLflow run %s (%s)", run_id, nightlog.NIGHTS_EXPERIMENT)
+    except Exception as err:  # noqa: BLE001 - e.g. the registry is the outage
+        logger.warning("the night's page could not be logged to MLflow: %s",
+                       redact_text(str(err))[:500])
+    return page
+
+
 def lock_name(workdir: Path) -> str:
     """The concurrency limit for this workspace: one slot, so runs on it never overlap."""
     digest = hashlib.sha1(str(workdir.resolve()).encode()).hexdigest()[:10]
@@ -178,25 +217,49 @@ def workspace_lock(workdir: Path) -> Iterator[None]:
         yield
 
 
+@task(name="new-data", cache_policy=NO_CACHE)
+def has_new_data(workdir: Path) -> bool:
+    """Whether `train` has data it did not train on (`dvc status train`: a changed input under
+    data/, or no training yet)."""
+    status = dvc_cli.changed_stages(workdir, [night.TRAIN_STAGE])
+    found = night.new_data_for_training(status, workdir)
+    _logger().info("new data for train: %s", "yes" if found else "no")
+    return found
+
+
 def _run_stages(workdir: Path, order: list[str], force: bool, refresh: set[str],
-                outcomes: list[dict[str, Any]], tracking_uri: str | None = None) -> None:
+                outcomes: list[dict[str, Any]], tracking_uri: str | None = None,
+                train_without_new_data: bool = True,
+                snapshot: night.Snapshot | None = None) -> bool:
     """Run the stages one after another into `outcomes`; the first failure raises, later stages
-    do not run."""
+    do not run. False when the night stopped before train for want of new data."""
     stale = set(stale_stages(workdir))
     upstream_changed = False
-    for stage in order:
+    for position, stage in enumerate(order):
+        if (stage == night.TRAIN_STAGE and not train_without_new_data and not force
+                and not has_new_data(workdir)):
+            outcomes += [{"stage": s, "outcome": summary.SKIPPED_NO_DATA, "seconds": 0.0,
+                          "changed": False} for s in order[position:]]
+            return False
         clean = stage not in stale and not upstream_changed
         outcomes.append({"stage": stage, "outcome": "FAILED", "seconds": 0.0, "changed": False})
-        outcome = stage_task(stage)(workdir, stage, force=force or stage in refresh,
-                                    known_up_to_date=clean, tracking_uri=tracking_uri)
+        if snapshot is not None:
+            snapshot.at_stage(stage)
+        began = time.monotonic()
+        try:
+            outcome = stage_task(stage)(workdir, stage, force=force or stage in refresh,
+                                        known_up_to_date=clean, tracking_uri=tracking_uri)
+        finally:  # a failed stage's time counts in the night's page too
+            outcomes[-1]["seconds"] = time.monotonic() - began
         upstream_changed = upstream_changed or outcome["changed"]
         outcomes[-1] = outcome
+    return True
 
 
 @flow(name="clip-pipeline", on_failure=[notify_failure], on_crashed=[notify_failure])
 def clip_pipeline(stages: list[str] | None = None, force: bool = False,
                   refresh: list[str] | None = None, overrides: dict[str, Any] | None = None,
-                  dry_run: bool = False) -> dict[str, Any]:
+                  dry_run: bool = False, train_without_new_data: bool = True) -> dict[str, Any]:
     """Run the DVC pipeline in the current directory (the deployment's working directory)."""
     from prefect.runtime import flow_run
 
@@ -211,21 +274,34 @@ def clip_pipeline(stages: list[str] | None = None, force: bool = False,
             publish_summary(workdir, report, run_name)
         elif overrides:
             report = _run_experiment(workdir, order, force, set(refresh or []), overrides,
-                                     run_name, f"clip-{run_id}")
+                                     run_name, f"clip-{run_id}", train_without_new_data)
         else:
             report = _run(workdir, order, force, set(refresh or []), run_name,
-                          [f"workspace `{workdir}`"])
+                          [f"workspace `{workdir}`"], restore=True,
+                          train_without_new_data=train_without_new_data)
     return {"headline": report.headline, "stages": report.stages}
 
 
 def _run(workdir: Path, order: list[str], force: bool, refresh: set[str], run_name: str,
-         notes: list[str], tracking_uri: str | None = None,
-         experiment: str | None = None) -> summary.RunReport:
-    """Run the stages in `workdir` and publish the summary (a failure too, then re-raised); with
-    `experiment`, save the result as that DVC experiment."""
+         notes: list[str], tracking_uri: str | None = None, experiment: str | None = None,
+         restore: bool = False, train_without_new_data: bool = True) -> summary.RunReport:
+    """Run the stages in `workdir` and publish the summary (a failure too, then raised as
+    NightFailed); with `experiment`, save the result as that DVC experiment; with `restore`, a
+    failure puts the workspace back as it was before the first stage."""
     outcomes: list[dict[str, Any]] = []
+    if restore:
+        _after_a_killed_night(workdir)
+    snapshot = night.Snapshot.take(workdir, run_name) if restore else None
+    started = time.time() - 1.0  # file times are coarser than the clock on some file systems
     try:
-        _run_stages(workdir, order, force, refresh, outcomes, tracking_uri)
+        trained = _run_stages(workdir, order, force, refresh, outcomes, tracking_uri,
+                              train_without_new_data, snapshot)
+        if not trained:
+            report = _no_new_data(workdir, outcomes, notes, run_name)
+            publish_night(workdir, run_name, started, report.headline, night.NO_NEW_DATA,
+                          outcomes, night.no_new_data_diagnosis(), tracking_uri)
+            _discard(snapshot)
+            return report
         if experiment:
             name = save_experiment(workdir, experiment)
             notes.append(f"DVC experiment `{name}` (reproduce: `dvc exp apply {name}`)" if name
@@ -233,17 +309,73 @@ def _run(workdir: Path, order: list[str], force: bool, refresh: set[str], run_na
     except Exception as err:
         failed = [o["stage"] for o in outcomes if o["outcome"] == "FAILED"]
         where = f"at stage '{failed[0]}'" if failed else "before the first stage"
-        publish_summary(workdir, summary.RunReport(headline=f"failed {where}", stages=outcomes,
-                                                   notes=notes, details=str(err)), run_name)
-        raise
+        diagnosis = night.diagnose(failed[0] if failed else "plan",
+                                   getattr(err, "output", "") or str(err))
+        headline = f"failed {where}: {diagnosis.kind}"
+        # The page first: it reads tonight's files, which putting the workspace back replaces.
+        publish_night(workdir, run_name, started, headline, "failed", outcomes, diagnosis,
+                      tracking_uri)
+        if snapshot is not None:
+            notes.append(_put_back(snapshot))
+            snapshot.discard()
+        publish_summary(workdir, summary.RunReport(
+            headline=headline, stages=outcomes, notes=notes,
+            details=f"{diagnosis.text()}\n\n{err}"), run_name)
+        raise night.NightFailed(diagnosis, str(err)) from err
     report = summary.RunReport(headline=summary.headline_for(outcomes), stages=outcomes,
                                notes=notes)
     publish_summary(workdir, report, run_name)
+    _discard(snapshot)
+    publish_night(workdir, run_name, started, report.headline, "completed", outcomes,
+                  tracking_uri=tracking_uri)
+    return report
+
+
+def _discard(snapshot: night.Snapshot | None) -> None:
+    if snapshot is not None:
+        snapshot.discard()
+
+
+def _after_a_killed_night(workdir: Path) -> None:
+    """A night whose process died left its snapshot: put the workspace back as the last good
+    night left it, and send the notice that night could not send."""
+    found = night.Snapshot.left_behind(workdir)
+    if found is None:
+        return
+    snapshot, manifest = found
+    diagnosis = night.killed_night_diagnosis(manifest)
+    _logger().warning("%s", diagnosis.text())
+    _put_back(snapshot)
+    snapshot.discard()
+    notify_night(diagnosis, verb="found an earlier night killed")
+
+
+def _put_back(snapshot: night.Snapshot) -> str:
+    """Restore the last good night's outputs; the note says what happened (a failure to restore
+    is reported, never hides the night's own failure)."""
+    try:
+        changed = snapshot.restore(dvc_cli.dvc)
+    except Exception as err:  # noqa: BLE001 - the notice must still go out
+        _logger().error("could not put the workspace back: %s", err)
+        return f"the workspace could NOT be put back: {redact_text(str(err))}"
+    _logger().info("workspace put back as the last good night left it (%d files)", len(changed))
+    return "the workspace was put back as the last good night left it"
+
+
+def _no_new_data(workdir: Path, outcomes: list[dict[str, Any]], notes: list[str],
+                 run_name: str) -> summary.RunReport:
+    """The night that found nothing to train on: its summary, and its one notice."""
+    diagnosis = night.no_new_data_diagnosis()
+    report = summary.RunReport(headline=f"{night.NO_NEW_DATA}: nothing trained",
+                               stages=outcomes, notes=notes, details=diagnosis.text())
+    publish_summary(workdir, report, run_name)
+    notify_night(diagnosis)
     return report
 
 
 def _run_experiment(checkout: Path, order: list[str], force: bool, refresh: set[str],
-                    overrides: dict[str, Any], run_name: str, name: str) -> summary.RunReport:
+                    overrides: dict[str, Any], run_name: str, name: str,
+                    train_without_new_data: bool = True) -> summary.RunReport:
     """A run with param overrides: in a private worktree of the checkout (the checkout's files
     are never written), saved as DVC experiment `name` (the flow run's id)."""
     notes = [f"workspace `{checkout}` (a private copy: overrides never touch its files)",
@@ -251,7 +383,8 @@ def _run_experiment(checkout: Path, order: list[str], force: bool, refresh: set[
     with worktree.experiment_workspace(checkout, name, dvc=dvc_cli.dvc) as private:
         apply_overrides(private, overrides)
         return _run(private, order, force, refresh, run_name, notes,
-                    tracking_uri=checkout_tracking_uri(checkout), experiment=name)
+                    tracking_uri=checkout_tracking_uri(checkout), experiment=name,
+                    train_without_new_data=train_without_new_data)
 
 
 def checkout_tracking_uri(checkout: Path) -> str | None:

@@ -22,6 +22,7 @@ REGISTER_DECISION = Path("metrics/register.json")
 MLFLOW_RUN = Path("models/mlflow_run.json")
 UP_TO_DATE = "up to date"
 RESTORED = "restored from the run cache"
+SKIPPED_NO_DATA = "skipped: no new data"
 
 
 @dataclass

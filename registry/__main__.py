@@ -1,6 +1,8 @@
-"""Command line of the registry: `python -m registry compare [--name clip] [--metrics a,b]`, and
-`python -m registry retain [--dry-run]`: the retention policy (`retention` in params.yaml) applied
-now, or only shown (what would be removed, and why).
+"""Command line of the registry:
+- `python -m registry compare [--name clip] [--metrics a,b]`: the registered versions, side by side;
+- `python -m registry retain [--dry-run]`: the retention policy (`retention` in params.yaml)
+  applied now, or only shown (what would be removed, and why);
+- `python -m registry nights [--limit N]`: the last nights, one line each (registry/nightlog.py).
 
 Reads the same store as the pipeline (`MLFLOW_TRACKING_URI`, default sqlite:///mlflow.db).
 """
@@ -11,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from registry import nightlog
 from registry.compare import DEFAULT_METRICS
 
 
@@ -32,9 +35,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="registered model (default: register.model_name in params.yaml)")
     retain.add_argument("--params", type=Path, default=Path("params.yaml"),
                         help="the params file with the retention section")
+    nightlog.add_command(sub)
     args = parser.parse_args(argv)
     if args.command == "retain":
         return _retain(args)
+    if args.command == "nights":
+        return nightlog.main(args)
 
     from registry.compare import collect, render
     from tracking.settings import client

@@ -20,7 +20,7 @@ import yaml
 
 from flows import dvc_cli
 from flows.pipeline import ARTIFACT_KEY
-from flows.summary import UP_TO_DATE
+from flows.summary import SKIPPED_NO_DATA, UP_TO_DATE
 from harness import prefect_server
 from harness.dvc_workspace import run
 from harness.prefect_server import PrefectStack
@@ -78,7 +78,7 @@ def test_deployments_from_prefect_yaml(prefect_stack: PrefectStack) -> None:
     [schedule] = nightly["schedules"]
     assert schedule["schedule"]["cron"] == "0 2 * * *"
     assert schedule["schedule"]["timezone"] == declared["nightly"]["schedules"][0]["timezone"]
-    assert nightly["parameters"] == {"refresh": ["metadata"]}
+    assert nightly["parameters"] == {"refresh": ["metadata"], "train_without_new_data": False}
     assert manual["schedules"] == []
     for deployment in (manual, nightly):
         assert deployment["work_pool_name"] == "clipms"
@@ -142,7 +142,8 @@ def test_broken_param_fails_with_the_validation_message(prefect_stack: PrefectSt
 def test_runs_started_together_do_not_overlap(prefect_stack: PrefectStack) -> None:
     """A manual and a nightly run at once, after the failed run: they take turns on the workspace,
     and both find everything up to date - the failed run had overrides, so it ran in a private
-    worktree (flows/worktree.py) and left the checkout exactly as it was."""
+    worktree (flows/worktree.py) and left the checkout exactly as it was. The nightly run, finding
+    no new data, does not train and says so in one notice."""
     manual = prefect_stack.run_deployment(MANUAL, {"stages": None})
     nightly = prefect_stack.run_deployment("clip-pipeline/nightly")
     runs = {rid: prefect_stack.wait(rid, timeout=600) for rid in (manual, nightly)}
@@ -154,7 +155,13 @@ def test_runs_started_together_do_not_overlap(prefect_stack: PrefectStack) -> No
     assert outcomes[nightly]["metadata"] == "ran (forced), outputs unchanged"
     for rid in runs:
         assert all(_idle(outcome) for outcome in outcomes[rid].values()), outcomes[rid]
-        assert _artifact(prefect_stack, rid).splitlines()[0].endswith(f": {UP_TO_DATE}")
+    assert _artifact(prefect_stack, manual).splitlines()[0].endswith(f": {UP_TO_DATE}")
+    if "train" in STATE["order"]:
+        assert outcomes[nightly]["train"] == SKIPPED_NO_DATA
+        assert _artifact(prefect_stack, nightly).splitlines()[0].endswith(
+            ": no new data: nothing trained")
+        notices = [n for n in prefect_stack.webhook.received if n["flow_run_id"] == nightly]
+        assert [n["kind"] for n in notices] == ["no new data"], notices
 
 
 def _outcomes(artifact: str) -> dict[str, str]:
@@ -164,7 +171,7 @@ def _outcomes(artifact: str) -> dict[str, str]:
 
 
 def _idle(outcome: str) -> bool:
-    return outcome in (UP_TO_DATE, "ran (forced), outputs unchanged")
+    return outcome in (UP_TO_DATE, "ran (forced), outputs unchanged", SKIPPED_NO_DATA)
 
 
 def test_overrides_run_is_its_own_experiment(prefect_stack: PrefectStack) -> None:

@@ -289,7 +289,8 @@ def test_serve_builds_the_prefect_yaml_deployments() -> None:
     assert set(kwargs) == {"manual", "nightly"}
     [nightly] = kwargs["nightly"]["schedules"]
     assert (nightly.cron, nightly.timezone) == ("0 2 * * *", "UTC")
-    assert kwargs["nightly"]["parameters"] == {"refresh": ["metadata"]}
+    assert kwargs["nightly"]["parameters"] == {"refresh": ["metadata"],
+                                               "train_without_new_data": False}
     assert kwargs["manual"]["schedules"] == []
 
 

@@ -1,0 +1,30 @@
+"""The month-of-nights benchmark's own parts that need no pipeline: its plan of planted nights and
+its storage count (the nights themselves run in tests/e2e/test_nights.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from benchmarks.nights import DEFAULT_PLAN, KINDS, parse_plan, size_of
+
+
+def test_a_plan_names_nights_and_known_kinds_only() -> None:
+    assert parse_plan("3:broken_source, 4:diverging") == {3: "broken_source", 4: "diverging"}
+    assert set(DEFAULT_PLAN.values()) == set(KINDS)  # the default plants every kind once
+    with pytest.raises(ValueError, match="bad plant '5:flood'.*disk_full"):
+        parse_plan("5:flood")
+    with pytest.raises(ValueError, match="bad plant 'x:sigkill'"):
+        parse_plan("x:sigkill")
+
+
+def test_storage_counts_a_hard_linked_file_once(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    (store / "a").mkdir(parents=True)
+    (store / "a" / "blob").write_bytes(b"x" * 1000)
+    os.link(store / "a" / "blob", store / "blob-again")  # DVC links cache files into workspaces
+    (store / "small").write_bytes(b"y" * 10)
+    assert size_of(store) == 1010
+    assert size_of(store / "small") == 10 and size_of(tmp_path / "absent") == 0
