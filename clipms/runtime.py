@@ -144,6 +144,17 @@ def for_precision(config: RuntimeConfig, precision: str) -> RuntimeConfig:
     return config
 
 
+def for_data_parallel(config: RuntimeConfig) -> RuntimeConfig:
+    """`config` as a data-parallel rank applies it: CPU kernel fusion off. With fusion, the ranks'
+    collectives on CPU fell out of step (`AllReduce ... Memcpy error, dest size is 4, src size is
+    256`, in the smoke run's data-parallel check); data parallel on CPU is for checking the
+    distributed path, not for speed. Ascend and GPU are unchanged (fusion is CPU-only here)."""
+    if config.device_target == "CPU" and config.kernel_fusion:
+        log.info("data parallel on CPU: kernel fusion off for the ranks' graphs")
+        return config.model_copy(update={"kernel_fusion": False})
+    return config
+
+
 def prepare_import(config: RuntimeConfig) -> None:
     """Export what MindSpore reads at import (`import_env`: OMP_WAIT_POLICY on CPU) for a process
     that imports MindSpore-backed modules before it can call configure(): the train stage builds

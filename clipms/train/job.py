@@ -86,7 +86,7 @@ def run(job: TrainJob, callbacks: Sequence[Callback] = (),
     """Train as `job` says and (on rank 0) write its outputs."""
     from clipms.data.decode import usable_cores
     from clipms.data.preprocess import PreprocessConfig
-    from clipms.runtime import configure, for_precision
+    from clipms.runtime import configure, for_data_parallel, for_precision
     from clipms.text.clip_tokenizer import Tokenizer
     from clipms.train.collectives import init_distributed
     from clipms.train.feed import rank_loader_workers
@@ -95,7 +95,8 @@ def run(job: TrainJob, callbacks: Sequence[Callback] = (),
     tokenizer = Tokenizer.load(job.tokenizer)
     preprocess = PreprocessConfig(image_size=job.config.model.vision.image_size)
     if distributed:
-        configure(for_precision(job.config.runtime, job.config.precision))  # before init()
+        runtime = for_data_parallel(for_precision(job.config.runtime, job.config.precision))
+        configure(runtime)  # before init()
         rank, group_size = init_distributed()
     else:
         rank, group_size = 0, 1

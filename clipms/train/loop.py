@@ -35,7 +35,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from clipms.data.preprocess import PreprocessConfig
-from clipms.runtime import configure, enable_graph_cache, for_precision, kernel_cache_dir
+from clipms.runtime import (
+    configure,
+    enable_graph_cache,
+    for_data_parallel,
+    for_precision,
+    kernel_cache_dir,
+)
 from clipms.train import checkpoint
 from clipms.train.feed import (
     BatchSignature,
@@ -455,7 +461,8 @@ def save_model(model: Any, path: Path | str) -> None:
 def setup_runtime(cfg: TrainConfig, distributed: bool) -> tuple[int, int, bool]:
     """Device, mode, kernel fusion (clipms.runtime) and seed for `cfg`, before any graph
     compiles; returns (rank, group size, whether batches are sunk to the device)."""
-    settings = configure(for_precision(cfg.runtime, cfg.precision))
+    runtime = for_precision(cfg.runtime, cfg.precision)
+    settings = configure(for_data_parallel(runtime) if distributed else runtime)
     import mindspore as ms
 
     from clipms.train.collectives import init_distributed

@@ -23,6 +23,7 @@ from clipms.runtime import (
     SWITCH,
     RuntimeConfig,
     configure,
+    for_data_parallel,
     for_precision,
     kernel_cache_dir,
     settings_for,
@@ -105,6 +106,14 @@ def test_amp_training_on_cpu_runs_unfused_and_nothing_else_changes():
     assert for_precision(cpu, "fp16") == RuntimeConfig(kernel_fusion=False)  # an fp16 export
     ascend = RuntimeConfig(device_target="Ascend")
     assert for_precision(ascend, "amp") is ascend  # fusion there is jit_level's, untouched
+
+
+def test_data_parallel_ranks_on_cpu_run_unfused_and_nothing_else_changes():
+    assert for_data_parallel(RuntimeConfig()) == RuntimeConfig(kernel_fusion=False)
+    unfused = RuntimeConfig(kernel_fusion=False)
+    assert for_data_parallel(unfused) is unfused
+    ascend = RuntimeConfig(device_target="Ascend")
+    assert for_data_parallel(ascend) is ascend
 
 
 def test_the_kernel_cache_is_never_the_working_directory():

@@ -64,10 +64,9 @@ def test_the_parity_line_shows_the_device_figures_beside_the_host_gate():
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # three compiles: ~2 CPU-minutes, far more wall time on a busy host
 def test_the_smoke_run_trains_twice_and_exports_on_this_cpu(tmp_path):
-    """With 2 ranks asked for, the data-parallel check runs too (2 msrun workers). Unfused, as
-    the distributed tests run: with CPU kernel fusion on, this check found the 2 ranks' CPU
-    collectives out of step (an AllReduce of 4 bytes met one of 256), which the train step's
-    owners have to resolve; amp's smoke runs are unfused either way (clipms.runtime)."""
+    """With 2 ranks asked for, the data-parallel check runs too (2 msrun workers), with the
+    default params: fused kernels for the single process, unfused ranks (with CPU kernel fusion
+    the ranks' collectives fell out of step: clipms.runtime.for_data_parallel)."""
     scratch = tmp_path / "tmp"  # where the smoke's temporary folder goes (TMPDIR)
     scratch.mkdir()
     env = {**tool_env(), "PYTHONPATH": str(PROJECT_ROOT), "CLIPMS_KERNEL_CACHE": str(tmp_path),
@@ -75,7 +74,7 @@ def test_the_smoke_run_trains_twice_and_exports_on_this_cpu(tmp_path):
     proc = run(["python", "-m", "ops.preflight", "--params",
                 str(PROJECT_ROOT / "params.yaml"), "--manifest", str(tmp_path / "none.json"),
                 "--smoke", "--json", "-S", "runtime.compile_cache=true",
-                "-S", "train.distributed.workers=2", "-S", "runtime.kernel_fusion=false"],
+                "-S", "train.distributed.workers=2"],
                cwd=tmp_path, env=env, check=False, timeout=2400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     checks = {c["name"]: c for c in json.loads(proc.stdout.strip().splitlines()[-1])["checks"]}
