@@ -40,8 +40,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # harness/
 
 import record  # noqa: E402 - benchmarks/record.py
+
+from harness import project_copy  # noqa: E402
 
 DATA_STAGES = ("metadata", "dedupe", "download", "shard")
 CHAMPION = "models:/clip@champion"
@@ -69,15 +72,7 @@ def overrides_of(pairs: list[str]) -> dict[str, Any]:
 
 def set_params(folder: Path, overrides: dict[str, Any]) -> None:
     """Apply {"section.key": value} to the folder's params.yaml."""
-    path = folder / "params.yaml"
-    params = yaml.safe_load(path.read_text())
-    for dotted, value in overrides.items():
-        *parents, leaf = dotted.split(".")
-        node = params
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    project_copy.set_params(folder / "params.yaml", overrides)
 
 
 def stage(folder: Path, name: str) -> float:

@@ -85,6 +85,20 @@ def wait_until(ready: Callable[[], object], proc: subprocess.Popen[Any], what: s
     raise TimeoutError(f"{what} not ready after {timeout:.0f} s:\n{tail(log, chars)}")
 
 
+def finished_ok(proc: subprocess.Popen[str], timeout: float,
+                diagnosis: Callable[[], str] = str) -> None:
+    """Wait up to `timeout` s for `proc` (its output piped) and assert it exited 0, showing the
+    end of its output and `diagnosis()` (say, its workers' logs) when not; killed if still
+    running."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, f"{out[-3000:]}\n{diagnosis()}"
+
+
 def stop(proc: subprocess.Popen[Any] | None, signum: int = signal.SIGTERM,
          timeout: float = 15.0, kill_timeout: float = 15.0, sweep: bool = False) -> None:
     """End `proc` (started by `spawn()`, so its pid is its process group's id) and its group:

@@ -34,6 +34,7 @@ from clipms.parallel.launch import (
     worker_logs_tail,
 )
 from harness.dvc_workspace import checkpoint_arrays
+from harness.processes import finished_ok
 
 PROJECT = Path(__file__).resolve().parents[3]
 
@@ -98,13 +99,7 @@ def _msrun(cluster: Cluster, out: Path, mode: str, loss: str = "clip") -> subpro
 
 
 def _finish(proc: subprocess.Popen, logs: Path, timeout: float = 400) -> None:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, f"{out[-3000:]}\n{worker_logs_tail(logs)}"
+    finished_ok(proc, timeout, lambda: worker_logs_tail(logs))
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ import pytest
 
 from clipms.parallel.launch import Cluster, msrun_command, worker_logs_tail
 from harness.dvc_workspace import checkpoint_arrays
+from harness.processes import finished_ok
 
 PROJECT = Path(__file__).resolve().parents[3]
 POOL = 16  # samples an optimizer step, in every mode
@@ -88,13 +89,7 @@ def _start(out: Path, mode: str, loss: str) -> subprocess.Popen:
 
 
 def _finish(proc: subprocess.Popen, logs: Path, timeout: float = 600) -> None:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, f"{out[-3000:]}\n{worker_logs_tail(logs)}"
+    finished_ok(proc, timeout, lambda: worker_logs_tail(logs))
 
 
 @pytest.fixture(scope="module")
