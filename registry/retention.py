@@ -243,7 +243,7 @@ def render(plan: Plan, dry_run: bool) -> str:
         where = {"mlflow": f"MLflow {action.path}",
                  "index-chunk": f"index store {action.path}"}.get(
                      action.kind, f"DVC cache {action.target} ({action.path})")
-        users = ", ".join(f"v{v}" for v in action.versions) or "no registered version"
+        users = ", ".join(f"v{v}" for v in action.versions) or "no remaining version"
         lines.append(f"  {where}, {action.bytes / 1e6:.2f} MB, of {users}: {action.reason}")
     lines += [f"note: {note}" for note in plan.notes]
     if dry_run:
@@ -649,6 +649,10 @@ def apply_plan(mlflow_client: Any, plan: Plan, cache: DvcCache | None, plan_file
     # only chunks still named by no reference now: a `register` since the plan may have logged
     # one naming a chunk it found in the store (it uploads only what the store lacks).
     named_now = _named_now(mlflow_client, plan)
+    if named_now is None:
+        plan.notes.append("no search-index chunk removed: an index reference logged since the "
+                          "plan cannot be read")
+        on_line(f"retain: {plan.notes[-1]}")
     for action in (a for a in plan.actions if a.kind == "index-chunk"):
         if named_now is None or Path(action.path).name in named_now:
             continue
