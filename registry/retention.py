@@ -18,11 +18,13 @@ every other version, what is heavy leaves:
   folder DVC names. When a DVC remote is configured, `dvc push` runs first (and the removed
   versions' objects are pushed too, when no earlier night did), and only objects the remote then
   holds are removed: a failed push removes nothing from the cache;
-- the search-index store (`registry.index_store`): the chunks no remaining index reference names
-  (the reference of every logged model of the experiment whose `index/` stays: kept versions,
-  versions removed earlier keep none) and that an earlier retention run already listed in the
-  store at least LISTING_MIN_AGE_S before (`index_store.collectable` says why that makes a
-  concurrent `register` safe). Each applied run records the store's listing for the next one.
+- the search-index store (`registry.index_store`): the chunks that no remaining index reference
+  names (the references of every logged model of the experiment whose `index/` folder stays:
+  kept versions, versions not yet removed, models of other registered names or not registered
+  yet) and that an earlier retention run already listed in the store at least
+  LISTING_MIN_AGE_S before (`index_store.collectable` says why that makes a concurrent
+  `register` safe). Each applied run records the store's listing for the next one; the
+  references are read again just before the chunks go.
 
 Never removed: a version's registry entry, its run, params, metrics, tags and lineage (the
 logged model's MLmodel, the logged `dvc.lock`), so `python -m registry compare` and the MLflow
