@@ -427,8 +427,8 @@ def index_chunk_actions(mlflow_client: Any, versions: Sequence[VersionState], pl
             continue
         held = index_store.held_chunks(mlflow_client, run_id)
         earlier = earlier_listing(listings, run_id, now)
-        if not earlier.young:
-            plan.listings[run_id] = {"listed_at": now, "chunks": sorted(held)}
+        if not earlier.young:  # stamped once listed: what it holds was there by then
+            plan.listings[run_id] = {"listed_at": time.time(), "chunks": sorted(held)}
         plan.store_experiments.append(experiment_id)
         refs = index_references(mlflow_client, experiment_id, scratch)
         unreadable = sorted(m for m, chunks in refs.items() if chunks is None)
