@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +46,18 @@ def chunks_of(path: Path, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
             yield block
 
 
-def store_run(mlflow_client: Any, experiment_id: str) -> str:
-    """The experiment's store run (made on first use); its id."""
+def find_store_run(mlflow_client: Any, experiment_id: str) -> str | None:
+    """The experiment's store run, None when none was made yet."""
     found = mlflow_client.search_runs([experiment_id], f"tags.`{STORE_TAG}` = 'true'",
                                       max_results=1, order_by=["attributes.start_time ASC"])
+    return found[0].info.run_id if found else None
+
+
+def store_run(mlflow_client: Any, experiment_id: str) -> str:
+    """The experiment's store run (made on first use); its id."""
+    found = find_store_run(mlflow_client, experiment_id)
     if found:
-        return found[0].info.run_id
+        return found
     run = mlflow_client.create_run(experiment_id, run_name=STORE_RUN_NAME,
                                    tags={STORE_TAG: "true", "mlflow.note.content":
                                          "Search-index chunks by sha256, shared by every "
@@ -144,3 +150,23 @@ def _chunk(run_id: str, digest: str, tmp: Path, tracking_uri: str | None, mlflow
 def referenced_chunks(ref: dict[str, Any]) -> set[str]:
     """The chunks a reference needs (what a clean-up of the store must keep)."""
     return {digest for entry in ref["files"].values() for digest in entry["chunks"]}
+
+
+def held_chunks(mlflow_client: Any, run_id: str) -> dict[str, int]:
+    """{sha256: bytes} of every chunk the store run holds."""
+    return {Path(a.path).name: int(a.file_size or 0)
+            for a in mlflow_client.list_artifacts(run_id, CHUNKS) if not a.is_dir}
+
+
+def collectable(held: Mapping[str, int], referenced: Iterable[str],
+                listed_before: Iterable[str]) -> dict[str, int]:
+    """The chunks a clean-up of the store may remove, {sha256: bytes}: held, named by no
+    remaining reference (`referenced`), and already held when an earlier clean-up listed the
+    store (`listed_before`, taken long enough ago). The last rule is what makes a concurrent
+    `store_index` safe: its chunks are uploaded before the version's reference is logged, so a
+    chunk no reference names yet may be one a reference is about to name; one already listed
+    by an earlier clean-up, longer ago than any upload lasts, whose reference still does not
+    exist, belongs to no version."""
+    keep, before = set(referenced), set(listed_before)
+    return {digest: size for digest, size in sorted(held.items())
+            if digest not in keep and digest in before}

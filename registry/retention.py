@@ -17,7 +17,14 @@ every other version, what is heavy leaves:
   objects (`dvc gc` keeps only what git revisions use), so the files are deleted from the cache
   folder DVC names. When a DVC remote is configured, `dvc push` runs first (and the removed
   versions' objects are pushed too, when no earlier night did), and only objects the remote then
-  holds are removed: a failed push removes nothing from the cache.
+  holds are removed: a failed push removes nothing from the cache;
+- the search-index store (`registry.index_store`): the chunks that no remaining index reference
+  names (the references of every logged model of the experiment whose `index/` folder stays:
+  kept versions, versions not yet removed, models of other registered names or not registered
+  yet) and that an earlier retention run already listed in the store at least
+  LISTING_MIN_AGE_S before (`index_store.collectable` says why that makes a concurrent
+  `register` safe). Each applied run records the store's listing for the next one; the
+  references are read again just before the chunks go.
 
 Never removed: a version's registry entry, its run, params, metrics, tags and lineage (the
 logged model's MLmodel, the logged `dvc.lock`), so `python -m registry compare` and the MLflow
@@ -58,6 +65,14 @@ LOCK_NAME = "dvc.lock"
 # retain stage and `python -m registry retain` share it, so either finishes the other's. Not a DVC
 # out (DVC would delete it before the stage runs).
 PLAN_FILE = Path("models/retention-plan.json")
+# The search-index store's chunk listing, {store run id: {"listed_at", "chunks"}}, written by each
+# applied run (never a dry run) beside the plan: the next run removes only chunks it names.
+LISTING_FILE = Path("models/index-store-listing.json")
+# How old that listing must be before its unreferenced chunks go: longer than any `register`
+# takes from its first chunk upload to logging the reference (minutes; an hour or two for the
+# largest index over a slow link), shorter than a night, so each night removes what the one before
+# listed. A run sooner (a second `retain` by hand) removes no chunk and keeps the older listing.
+LISTING_MIN_AGE_S = 6 * 3600
 _NOT_KEPT = ("0", "false", "no")  # keep_tag values that do not keep a version
 
 
@@ -180,16 +195,18 @@ def objects(lock_text: str, listing: Listing, uncached: Iterable[str] = (),
 
 @dataclass
 class Action:
-    kind: str  # "mlflow" | "dvc-cache"
-    target: str  # mlflow: the artifact repository URI; dvc-cache: "md5" or "md5 (legacy)"
-    path: str  # mlflow: the artifact path removed; dvc-cache: a path of a removed version
+    kind: str  # "mlflow" | "index-chunk" | "dvc-cache"
+    # mlflow, index-chunk: the artifact repository URI; dvc-cache: "md5" or "md5 (legacy)"
+    target: str
+    # mlflow, index-chunk: the artifact path removed; dvc-cache: a path of a removed version
+    path: str
     versions: list[int]
     bytes: int
     reason: str
 
     @property
     def key(self) -> str:
-        return f"{self.kind} {self.target} {self.path if self.kind == 'mlflow' else ''}".strip()
+        return f"{self.kind} {self.target} {'' if self.kind == 'dvc-cache' else self.path}".strip()
 
 
 @dataclass
@@ -202,6 +219,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     remote: str | None = None  # the DVC remote pushed to before the cache actions
     untagged: list[int] = field(default_factory=list)  # removed versions not tagged so yet
+    # the index store's listings this run records once applied (LISTING_FILE)
+    listings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    store_experiments: list[str] = field(default_factory=list)  # whose store runs were read
     created: float = field(default_factory=time.time)
 
     def to_json(self) -> dict[str, Any]:
@@ -222,10 +242,11 @@ def render(plan: Plan, dry_run: bool) -> str:
     total = sum(a.bytes for a in plan.actions)
     lines.append(f"{verb} {len(plan.actions)} item(s), {total / 1e6:.1f} MB:")
     for action in plan.actions:
-        where = (f"MLflow {action.path}" if action.kind == "mlflow"
-                 else f"DVC cache {action.target} ({action.path})")
-        lines.append(f"  {where}, {action.bytes / 1e6:.2f} MB, of "
-                     f"{', '.join(f'v{v}' for v in action.versions)}: {action.reason}")
+        where = {"mlflow": f"MLflow {action.path}",
+                 "index-chunk": f"index store {action.path}"}.get(
+                     action.kind, f"DVC cache {action.target} ({action.path})")
+        users = ", ".join(f"v{v}" for v in action.versions) or "no remaining version"
+        lines.append(f"  {where}, {action.bytes / 1e6:.2f} MB, of {users}: {action.reason}")
     lines += [f"note: {note}" for note in plan.notes]
     if dry_run:
         lines.append("dry run: nothing was removed")
@@ -304,6 +325,157 @@ def version_lock(mlflow_client: Any, version: VersionState, scratch: Path) -> st
     dst = scratch / f"v{version.number}"
     dst.mkdir(parents=True, exist_ok=True)
     return Path(repo.download_artifacts(f"{where}/{LOCK_NAME}", str(dst))).read_text()
+
+
+# ---------------------------------------------------------------- the search-index store
+
+
+def read_listings(path: Path) -> dict[str, Any]:
+    """The listings an earlier run recorded ({} when none, or unreadable: then no chunk goes
+    this time, and this run's listing replaces it)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@dataclass(frozen=True)
+class EarlierListing:
+    chunks: set[str] | None  # None: no chunk of the store run goes this time
+    about: str  # where the listing comes from, or why no chunk goes
+    young: bool = False  # too young to use: it stays the listing the next run reads
+
+
+def earlier_listing(listings: Mapping[str, Any], run_id: str, now: float) -> EarlierListing:
+    """The chunks an earlier run listed in the store run, when that listing is old enough
+    (LISTING_MIN_AGE_S)."""
+    entry = listings.get(run_id)
+    try:
+        listed_at, chunks = float(entry["listed_at"]), {str(c) for c in entry["chunks"]}
+    except (TypeError, KeyError, ValueError):
+        return EarlierListing(None, "no earlier retention run listed the search-index store: "
+                                    "its unreferenced chunks go from the next run on")
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(listed_at))
+    if now - listed_at < LISTING_MIN_AGE_S:
+        return EarlierListing(None, f"no search-index chunk removed: the store's listing by the "
+                              f"retention run of {stamp} is under "
+                              f"{LISTING_MIN_AGE_S / 3600:.0f} h old (a `register` may still "
+                              "be uploading chunks it lists); a later run removes them", True)
+    return EarlierListing(chunks, f"listed by the retention run of {stamp}")
+
+
+def _read_ref(path: Path) -> set[str] | None:
+    """The chunks a downloaded reference names, None when it is not a readable reference."""
+    from registry import index_store
+
+    try:
+        ref = json.loads(path.read_text())
+        if ref.get("format") != index_store.REF_FORMAT:
+            return None
+        return index_store.referenced_chunks(ref)
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def index_references(mlflow_client: Any, experiment_id: str,
+                     scratch: Path) -> dict[str, set[str] | None]:
+    """{logged model id: the chunks its index reference names (None: unreadable)} of every logged
+    model of the experiment whose index folder holds a reference: registered or not (a
+    `register` between logging its model and registering the version), of any registered
+    model."""
+    from registry.index_store import REF_FILE
+    from registry.registration import INDEX_ARTIFACT  # (registration imports this module)
+
+    found: dict[str, set[str] | None] = {}
+    token = None
+    while True:
+        page = mlflow_client.search_logged_models([experiment_id], max_results=100,
+                                                  page_token=token)
+        for model in page:
+            repo = _repo(model.artifact_location, mlflow_client.tracking_uri)
+            if not any(Path(i.path).name == REF_FILE
+                       for i in repo.list_artifacts(INDEX_ARTIFACT)):
+                continue
+            dst = scratch / "refs" / model.model_id
+            dst.mkdir(parents=True, exist_ok=True)
+            local = repo.download_artifacts(f"{INDEX_ARTIFACT}/{REF_FILE}", str(dst))
+            found[model.model_id] = _read_ref(Path(local))
+        token = page.token
+        if not token:
+            return found
+
+
+def index_chunk_actions(mlflow_client: Any, versions: Sequence[VersionState], plan: Plan,
+                        scratch: Path, listings: Mapping[str, Any], now: float) -> list[Action]:
+    """The search-index chunks to remove (`index_store.collectable`): in the store run of each
+    experiment the versions were logged in, those no logged model's reference names once the
+    plan's index folders are gone, and that the earlier listing already held. Records in
+    `plan.listings` the listing this run leaves (unless the earlier one is too young to use)."""
+    from registry import index_store
+    from registry.registration import INDEX_ARTIFACT
+
+    by_number = {v.number: v for v in versions}
+    going = {by_number[a.versions[0]].model_id: a.versions[0] for a in plan.actions
+             if a.kind == "mlflow" and a.path == INDEX_ARTIFACT}
+    experiments = sorted({mlflow_client.get_run(v.run_id).info.experiment_id
+                          for v in versions if v.run_id})
+    actions = []
+    for experiment_id in experiments:
+        run_id = index_store.find_store_run(mlflow_client, experiment_id)
+        if run_id is None:
+            continue
+        held = index_store.held_chunks(mlflow_client, run_id)
+        earlier = earlier_listing(listings, run_id, now)
+        if not earlier.young:  # stamped once listed: what it holds was there by then
+            plan.listings[run_id] = {"listed_at": time.time(), "chunks": sorted(held)}
+        plan.store_experiments.append(experiment_id)
+        refs = index_references(mlflow_client, experiment_id, scratch)
+        unreadable = sorted(m for m, chunks in refs.items() if chunks is None)
+        if unreadable:
+            plan.notes.append(f"no search-index chunk removed: the index reference of logged "
+                              f"model {unreadable[0]} cannot be read, so which chunks it needs "
+                              "is unknown")
+            continue
+        if earlier.chunks is None:
+            plan.notes.append(earlier.about)
+            continue
+        referenced = {d for m, chunks in refs.items() if m not in going for d in chunks or ()}
+        users: dict[str, list[int]] = {}
+        for model_id, number in going.items():
+            for digest in refs.get(model_id) or ():
+                users.setdefault(digest, []).append(number)
+        root = mlflow_client.get_run(run_id).info.artifact_uri
+        for digest, size in index_store.collectable(held, referenced, earlier.chunks).items():
+            actions.append(Action("index-chunk", root, f"{index_store.CHUNKS}/{digest}",
+                                  sorted(users.get(digest, [])), size,
+                                  f"named by no remaining index reference, {earlier.about}"))
+    return actions
+
+
+def _named_now(mlflow_client: Any, plan: Plan) -> set[str] | None:
+    """The chunks the logged models' references name now (None: one cannot be read)."""
+    import tempfile
+
+    if not any(a.kind == "index-chunk" for a in plan.actions):
+        return set()
+    named: set[str] = set()
+    with tempfile.TemporaryDirectory(prefix="retain-refs-") as scratch:
+        for experiment_id in plan.store_experiments:
+            for chunks in index_references(mlflow_client, experiment_id, Path(scratch)).values():
+                if chunks is None:
+                    return None
+                named |= chunks
+    return named
+
+
+def _save_listings(path: Path, listings: Mapping[str, Any]) -> None:
+    """This run's listings of the index store over the earlier ones (for the next run)."""
+    from clipms.utils.atomic import write_text
+
+    if listings:
+        merged = {**read_listings(path), **listings}
+        write_text(path, json.dumps(merged, indent=1, sort_keys=True), durable=True)
 
 
 # ---------------------------------------------------------------- DVC
@@ -426,6 +598,8 @@ def make_plan(mlflow_client: Any, model_name: str, params: RetentionParams, root
         plan.untagged.append(number)
         for repo_uri, path, size in heavy_artifacts(mlflow_client, version):
             plan.actions.append(Action("mlflow", repo_uri, path, [number], size, reason))
+    plan.actions += index_chunk_actions(mlflow_client, versions, plan, scratch,
+                                        read_listings(root / LISTING_FILE), time.time())
     locks = {v.number: version_lock(mlflow_client, v, scratch) for v in versions}
     unknown = sorted(n for n in selection.remove if not locks[n])
     if unknown:
@@ -452,15 +626,17 @@ def _record_done(progress: Path, key: str) -> None:
 
 
 def apply_plan(mlflow_client: Any, plan: Plan, cache: DvcCache | None, plan_file: Path,
-               on_line: Callable[[str], None] = print) -> dict[str, Any]:
-    """Remove what the plan says (each action recorded as done), tag the versions done; the
+               on_line: Callable[[str], None] = print,
+               listing_file: Path | None = None) -> dict[str, Any]:
+    """Remove what the plan says (each action recorded as done), tag the versions done, record
+    the index store's listing (in `listing_file`, default LISTING_FILE beside the plan file); the
     plan file is removed at the end. Returns the counts of what went."""
     from clipms.utils.atomic import write_text
 
     progress = plan_file.with_name(plan_file.name + ".done")
     write_text(plan_file, json.dumps(plan.to_json(), indent=1), durable=True)
     done = set(progress.read_text().split("\n")) if progress.exists() else set()
-    freed = {"mlflow": [0, 0], "dvc-cache": [0, 0]}  # [items, bytes]
+    freed = {"mlflow": [0, 0], "index-chunk": [0, 0], "dvc-cache": [0, 0]}  # [items, bytes]
     for action in (a for a in plan.actions if a.kind == "mlflow"):
         if action.key not in done:
             _repo(action.target, mlflow_client.tracking_uri).delete_artifacts(action.path)
@@ -471,11 +647,29 @@ def apply_plan(mlflow_client: Any, plan: Plan, cache: DvcCache | None, plan_file
         mlflow_client.set_model_version_tag(plan.model_name, str(number), REMOVED_TAG,
                                             f"checkpoint, bundle and index removed by retention "
                                             f"({plan.remove[number]})")
+    # After the index folders (a chunk goes only once no reference of the plan can need it), and
+    # only chunks still named by no reference now: a `register` since the plan may have logged
+    # one naming a chunk it found in the store (it uploads only what the store lacks).
+    named_now = _named_now(mlflow_client, plan)
+    if named_now is None:
+        plan.notes.append("no search-index chunk removed: an index reference logged since the "
+                          "plan cannot be read")
+        on_line(f"retain: {plan.notes[-1]}")
+    for action in (a for a in plan.actions if a.kind == "index-chunk"):
+        if named_now is None or Path(action.path).name in named_now:
+            continue
+        if action.key not in done:
+            _repo(action.target, mlflow_client.tracking_uri).delete_artifacts(action.path)
+            _record_done(progress, action.key)
+        freed["index-chunk"][0] += 1
+        freed["index-chunk"][1] += action.bytes
+    _save_listings(listing_file or plan_file.with_name(LISTING_FILE.name), plan.listings)
     cache_done = _apply_cache(plan, cache, progress, done, on_line)
     freed["dvc-cache"] = cache_done
     plan_file.unlink(missing_ok=True)
     progress.unlink(missing_ok=True)
     return {"mlflow_artifacts": freed["mlflow"][0], "mlflow_bytes": freed["mlflow"][1],
+            "index_chunks": freed["index-chunk"][0], "index_chunk_bytes": freed["index-chunk"][1],
             "dvc_cache_objects": freed["dvc-cache"][0], "dvc_cache_bytes": freed["dvc-cache"][1]}
 
 
@@ -550,7 +744,8 @@ def retain(mlflow_client: Any, model_name: str, params: RetentionParams, root: P
                   resumed=resumed and not dry)
     try:
         if not dry:
-            report.update(apply_plan(mlflow_client, plan, cache, plan_file, on_line))
+            report.update(apply_plan(mlflow_client, plan, cache, plan_file, on_line,
+                                     root / LISTING_FILE))
     except Exception as err:  # the plan file stays: the next run finishes it
         raise RetentionError(f"retention stopped midway ({type(err).__name__}: "
                              f"{str(err).strip()[:300]}); its plan is in {plan_file}, "

@@ -11,11 +11,14 @@ their heavy files.
 
 Each night's `data/shards` holds a file all nights share and a part two nights share (1 and 2, 3
 and 4, 5 and 6): an object a removed version shares with a kept one (v5 with v6) stays, one only
-removed versions share (v3 and v4) goes.
+removed versions share (v3 and v4) goes. Each night's search index is alike (stored by the real
+register stage as chunks in the experiment's index store): a file of its own, one all nights
+share and one two nights share.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -108,7 +111,8 @@ def night(root: Path, number: int, bundle_dir: Path, proxy: FaultProxy) -> None:
         shutil.copy2(bundle_dir.parent / "trained" / name, root / "models" / name)
     index = root / "models" / "index"  # logged into the version's model as its search index
     index.mkdir(exist_ok=True)
-    (index / "embeddings.bin").write_bytes(b"night %d" % number * 1000)
+    for name, data in index_files(number).items():
+        (index / name).write_bytes(data)
     scores = {"i2t_R@5": SCORES[number], "i2t_R@1": SCORES[number] / 2, "images": 10}
     write_json(root / "metrics" / "eval.json", scores)
     (root / "metrics" / "register.json").unlink(missing_ok=True)
@@ -120,6 +124,17 @@ def night(root: Path, number: int, bundle_dir: Path, proxy: FaultProxy) -> None:
     code, record = test_registry_server.register_in(root)
     proxy.clear()
     assert (code, record is None) == ((1, True) if number in GATE_FAILS else (0, False))
+
+
+def index_files(number: int) -> dict[str, bytes]:
+    """The night's index files, each under a chunk (so each file one chunk)."""
+    return {"embeddings.bin": b"night %d" % number * 1000,
+            "thumbnails.bin": b"thumbnails of every night" * 1000,
+            "items.bin": b"items %d" % ((number + 1) // 2) * 1000}
+
+
+def chunk_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +233,10 @@ def test_a_dry_run_lists_what_would_go_and_why_and_removes_nothing(
                 "challenger, not tagged keep)") in out
     assert "MLflow checkpoint/" in out and "DVC cache " in out
     assert out.rstrip().endswith("dry run: nothing was removed")
+    assert "no earlier retention run listed the search-index store" in out
     assert snapshot(root) == before
     assert not (root / "models" / "retention-plan.json").exists()
+    assert not (root / "models" / "index-store-listing.json").exists()  # a dry run records none
 
 
 def test_a_run_killed_midway_is_finished_by_the_next_retain_stage(
@@ -296,6 +313,79 @@ def test_removed_versions_still_compare_with_their_metrics(
             if line.startswith("v") and line[1].isdigit()}
     for number in NIGHTS:
         assert f"{SCORES[number]:.4f}" in rows[f"v{number}"], rows
+
+
+def store_chunks() -> set[str]:
+    from registry import index_store
+
+    client = settings.client()
+    experiment = client.get_experiment_by_name("retention-exp").experiment_id
+    return set(index_store.held_chunks(client, index_store.find_store_run(client, experiment)))
+
+
+def age_listing(root: Path) -> dict:
+    """The index store's listing recorded by the last applied run, made a day older (as if the
+    next run were the next night's)."""
+    path = root / "models" / "index-store-listing.json"
+    listings = json.loads(path.read_text())
+    for entry in listings.values():
+        entry["listed_at"] -= 24 * 3600
+    path.write_text(json.dumps(listings))
+    return listings
+
+
+def test_index_chunks_only_removed_versions_used_leave_the_store(
+        nights: tuple[Path, FaultProxy], tmp_path: Path) -> None:
+    """The run above removed v3-v5's index references and listed the store. A register then
+    uploads a chunk and has not logged its reference yet; the next night's retention removes the
+    chunks only v3-v5 named, keeps the kept versions' (the champion's index still
+    materializes) and the late upload; a night later, still named by no reference, it goes."""
+    import mlflow
+
+    from registry import index_store
+
+    root, proxy = nights
+    client = settings.client()
+    files = {n: index_files(n) for n in NIGHTS}
+    by_kept = {chunk_of(data) for n in KEPT for data in files[n].values()}
+    only_removed = {chunk_of(data) for n in REMOVED for data in files[n].values()} - by_kept
+    assert {chunk_of(files[3]["items.bin"]), chunk_of(files[5]["embeddings.bin"])} <= only_removed
+    assert chunk_of(files[5]["items.bin"]) in by_kept  # v5 shares it with v6
+    assert only_removed | by_kept <= store_chunks()  # the run above removed no chunk yet
+
+    late_index = tmp_path / "late"
+    late_index.mkdir()
+    (late_index / "embeddings.bin").write_bytes(b"a register still running" * 100)
+    experiment = client.get_experiment_by_name("retention-exp").experiment_id
+    late = index_store.store_index(client, experiment, late_index)["files"]["embeddings.bin"]
+    late_chunk = late["chunks"][0]
+    listings = age_listing(root)
+    assert all(late_chunk not in entry["chunks"] for entry in listings.values())
+
+    dry = run([sys.executable, "-m", "registry", "retain", "--dry-run"], root,
+              env=env(proxy.url)).stdout
+    for digest in only_removed:
+        assert (f"index store chunks/{digest}, 0.01 MB, of no remaining version: named by no "
+                "remaining index reference, listed by the retention run of") in dry, dry
+    assert late_chunk not in dry and not any(d in dry for d in by_kept)
+    assert only_removed | by_kept | {late_chunk} <= store_chunks()
+
+    run([sys.executable, "-m", "registry", "retain"], root, env=env(proxy.url))
+    held = store_chunks()
+    assert not held & only_removed and by_kept <= held and late_chunk in held
+    for number in KEPT:
+        model_id = client.get_model_version(MODEL, str(number)).source.removeprefix("models:/")
+        location = client.get_logged_model(model_id).artifact_location
+        served = Path(mlflow.artifacts.download_artifacts(
+            artifact_uri=f"{location}/index", dst_path=str(tmp_path / f"v{number}"),
+            tracking_uri=proxy.url))
+        assert index_store.materialize(served, proxy.url)
+        assert {p.name: p.read_bytes() for p in served.iterdir()} == files[number]
+
+    age_listing(root)  # a night later, the late upload still has no reference: it goes
+    out = run([sys.executable, "-m", "registry", "retain"], root, env=env(proxy.url)).stdout
+    assert f"index store chunks/{late_chunk}" in out and late_chunk not in store_chunks()
+    assert by_kept <= store_chunks()
 
 
 def test_a_failed_push_removes_nothing_from_the_cache(nights: tuple[Path, FaultProxy],

@@ -137,3 +137,49 @@ def test_outs_dvc_does_not_cache_are_no_objects_nor_unknown_folders() -> None:
                 {"path": "models/clip.ckpt", "md5": "1" * 32, "hash": "md5"})
     found, unreadable = objects(text, lambda md5, legacy: None, skip)
     assert found == {("1" * 32, False): "models/clip.ckpt"} and unreadable == []
+
+
+def test_index_chunks_go_only_unreferenced_and_listed_by_an_earlier_run() -> None:
+    """A chunk leaves the index store when no remaining reference names it and an earlier run
+    already listed it: one a kept version names stays, and so does one uploaded after that
+    listing (a `register` whose reference is not logged yet)."""
+    from registry.index_store import collectable
+
+    held = {"kept": 10, "removed-only": 20, "uploaded-since": 30, "orphan": 40}
+    found = collectable(held, referenced={"kept"},
+                        listed_before={"kept", "removed-only", "orphan", "gone-already"})
+    assert found == {"orphan": 40, "removed-only": 20}
+
+
+def test_an_index_listing_is_used_only_when_old_enough() -> None:
+    from registry.retention import LISTING_MIN_AGE_S, earlier_listing
+
+    listings = {"run": {"listed_at": 1_000_000.0, "chunks": ["a", "b"]}}
+    old = earlier_listing(listings, "run", 1_000_000.0 + LISTING_MIN_AGE_S)
+    assert old.chunks == {"a", "b"} and not old.young
+    assert old.about == "listed by the retention run of 1970-01-12 13:46 UTC"
+    young = earlier_listing(listings, "run", 1_000_000.0 + LISTING_MIN_AGE_S - 1)
+    assert young.chunks is None and young.young  # kept as the listing the next run reads
+    assert "under 6 h old" in young.about and "a later run removes them" in young.about
+    for state in ({}, {"run": {"chunks": ["a"]}}, {"run": "garbage"}):
+        none = earlier_listing(state, "run", 2e9)
+        assert none.chunks is None and not none.young  # replaced by this run's listing
+        assert "go from the next run on" in none.about
+
+
+def test_the_dry_run_names_each_index_chunk_its_bytes_and_reason() -> None:
+    from registry.retention import Action, Plan, render
+
+    chunk = "c" * 64
+    plan = Plan("clip", RetentionParams(keep_last=1).model_dump(), {3: "one of the newest 1"},
+                {1: "older", 2: "older"},
+                [Action("index-chunk", "mlflow-artifacts:/1/s/artifacts", f"chunks/{chunk}",
+                        [1, 2], 4_000_000, "named by no remaining index reference"),
+                 Action("index-chunk", "mlflow-artifacts:/1/s/artifacts", "chunks/" + "d" * 64,
+                        [], 1_000, "named by no remaining index reference")])
+    text = render(plan, dry_run=True)
+    assert (f"index store chunks/{chunk}, 4.00 MB, of v1, v2: named by no remaining index "
+            "reference") in text
+    assert f"index store chunks/{'d' * 64}, 0.00 MB, of no remaining version:" in text
+    assert Action("index-chunk", "x", "chunks/a", [], 1, "").key != \
+        Action("index-chunk", "x", "chunks/b", [], 1, "").key  # each recorded done on its own
