@@ -29,6 +29,14 @@ from pathlib import Path
 from typing import Any
 
 REF_FILE = "index.ref.json"
+# The search index's folder inside the logged model's own artifacts (serving/ reads it), beside
+# the bundle: the version points at one folder that holds both, and every log_model makes a new
+# model id, so nothing logged later (export/index/register rerun in the same pipeline run, which
+# continues the same MLflow run) can overwrite an earlier version's index. A folder in the run
+# would be shared by every version registered from that run. The folder holds a reference
+# (this module): the index files are stored once, by content, in the experiment's store
+# run, so an index that did not change is not copied again; serving writes them back on fetch.
+INDEX_ARTIFACT = "index"
 REF_FORMAT = "clipms-index-ref"
 STORE_TAG = "clipms.index_store"
 STORE_RUN_NAME = "search-index store"

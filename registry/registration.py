@@ -38,14 +38,6 @@ if TYPE_CHECKING:
     from registry.rescore import EvaluationSet
 
 MODEL_ARTIFACT = "clip"  # the logged model's name inside the run
-# The search index's folder inside the logged model's own artifacts (serving/ reads it), beside
-# the bundle: the version points at one folder that holds both, and every log_model makes a new
-# model id, so nothing logged later (export/index/register rerun in the same pipeline run, which
-# continues the same MLflow run) can overwrite an earlier version's index. A folder in the run
-# would be shared by every version registered from that run. The folder holds a reference
-# (registry.index_store): the index files are stored once, by content, in the experiment's store
-# run, so an index that did not change is not copied again; serving writes them back on fetch.
-INDEX_ARTIFACT = "index"
 # MLflow's log_model links every run metric of the model's step to the logged model. Step 0 holds
 # every stage's summary (counts, chance levels, train and export figures), so the model is logged
 # at a step no stage uses and only the quality metrics are linked to it, at that step.
@@ -154,7 +146,7 @@ def log_index(mlflow_client: Any, run_id: str, model_id: str,
     ref = index_store.store_index(mlflow_client, experiment_id, index_dir)
     with tempfile.TemporaryDirectory(prefix="clipms-index-ref-") as tmp:
         index_store.write_ref(ref, Path(tmp))
-        mlflow_client.log_model_artifacts(model_id, tmp, INDEX_ARTIFACT)
+        mlflow_client.log_model_artifacts(model_id, tmp, index_store.INDEX_ARTIFACT)
     return {"index_bytes": ref["total_bytes"], "index_added_bytes": ref["added_bytes"]}
 
 

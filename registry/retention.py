@@ -384,8 +384,7 @@ def index_references(mlflow_client: Any, experiment_id: str,
     model of the experiment whose index folder holds a reference: registered or not (a
     `register` between logging its model and registering the version), of any registered
     model."""
-    from registry.index_store import REF_FILE
-    from registry.registration import INDEX_ARTIFACT  # (registration imports this module)
+    from registry.index_store import INDEX_ARTIFACT, REF_FILE
 
     found: dict[str, set[str] | None] = {}
     token = None
@@ -413,7 +412,7 @@ def index_chunk_actions(mlflow_client: Any, versions: Sequence[VersionState], pl
     plan's index folders are gone, and that the earlier listing already held. Records in
     `plan.listings` the listing this run leaves (unless the earlier one is too young to use)."""
     from registry import index_store
-    from registry.registration import INDEX_ARTIFACT
+    from registry.index_store import INDEX_ARTIFACT
 
     by_number = {v.number: v for v in versions}
     going = {by_number[a.versions[0]].model_id: a.versions[0] for a in plan.actions

@@ -2,7 +2,7 @@
 
 `models:/NAME@ALIAS` (or `models:/NAME/VERSION`) resolves to a model version; its logged model holds
 the export bundle (the pyfunc's artifacts) and the index the `register` stage logged into it
-(registry.registration.INDEX_ARTIFACT), so one download of the version's own model brings both,
+(registry.index_store.INDEX_ARTIFACT), so one download of the version's own model brings both,
 into a folder of its own per version: any machine serves the champion from MLflow alone, and
 another version registered from the same run cannot change this version's index.
 """
@@ -83,8 +83,7 @@ class RegistrySource:
         import mlflow
 
         from clipms.deploy.searchindex import INDEX_JSON
-        from registry.index_store import IndexStoreError, materialize
-        from registry.registration import INDEX_ARTIFACT
+        from registry.index_store import INDEX_ARTIFACT, IndexStoreError, materialize
 
         if self.cache_dir is not None:
             self.cache_dir.mkdir(parents=True, exist_ok=True)

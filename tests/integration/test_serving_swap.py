@@ -47,7 +47,7 @@ def register(bundle: Path, index: Path | None) -> str:
     import mlflow
 
     from registry import pyfunc
-    from registry.registration import INDEX_ARTIFACT
+    from registry.index_store import INDEX_ARTIFACT
 
     with mlflow.start_run():
         info = pyfunc.log_model(bundle, name="clip")
