@@ -106,6 +106,7 @@ settings.client(sys.argv[1])
 """
 
 
+@pytest.mark.slow  # kills a child process that creates an MLflow store: ~3-4 CPU-s
 def test_a_store_killed_while_being_created_is_created_again_whole(tmp_path: Path) -> None:
     from tracking.settings import client
 

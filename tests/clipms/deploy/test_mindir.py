@@ -121,6 +121,7 @@ def test_a_different_checkpoint_fails_the_parity_check(exported, trained):
         assert_parity(report)
 
 
+@pytest.mark.slow  # exports MindIR
 def test_a_graph_below_its_checkpoint_everywhere_fails_the_parity_check(exported, trained):
     """The errors are absolute: a reference that is the bundle's own output plus 0.5 everywhere
     is 0.5 off (without `abs`, the max of got - want was -0.5, and it passed; a reference that

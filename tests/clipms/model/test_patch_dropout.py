@@ -152,6 +152,7 @@ def _trained_with_dropout(vocab_size: int = 40) -> tuple[CLIP, CLIP]:
     return trained, plain
 
 
+@pytest.mark.slow  # trains a model and compiles its eval graph: ~10 CPU-s
 def test_after_training_the_model_evaluates_without_dropout():
     trained, plain = _trained_with_dropout()
     images = Tensor(np.random.default_rng(2).normal(size=(5, 3, 16, 16)).astype(np.float32))

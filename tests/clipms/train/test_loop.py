@@ -147,6 +147,7 @@ def test_a_run_resumed_from_a_checkpoint_ends_bitwise_where_an_uninterrupted_one
         assert whole.summary["logit_bias"] != -10.0  # SigLIP's bias trains
 
 
+@pytest.mark.slow  # compiles a training step in graph mode: ~10 CPU-s
 @pytest.mark.parametrize("mode", ["graph"], indirect=True)
 def test_patch_dropout_draws_once_per_forward_and_the_loss_is_the_gradients_loss(mode):
     """A graph-mode step runs its forward once (the loss it returns and the gradient share the
