@@ -86,8 +86,8 @@ def mode(request):
 # modules with slow tests, most slow tests first (the best guess of their length there is before
 # they run), then the rest; pytest_configure below makes xdist keep this order.
 LONGEST_MODULES = (
-    "flows/test_deploy.py", "flows/test_pipeline_nightly.py", "e2e/test_kill_recovery.py",
-    "ops/test_smoke.py", "benchmarks/test_time_to_quality.py",
+    "e2e/test_nights.py", "flows/test_deploy.py", "flows/test_pipeline_nightly.py",
+    "e2e/test_kill_recovery.py", "ops/test_smoke.py", "benchmarks/test_time_to_quality.py",
     "integration/test_registry_server.py", "flows/test_pipeline_secrets.py",
 )
 TESTS = Path(__file__).resolve().parent
