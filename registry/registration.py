@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from clipms.eval.metrics import metric_direction
+from clipms.utils.redact import redact_text
 from registry import gate, index_store, pyfunc
 from registry.gatelock import gate_lock
 from registry.retention import LINEAGE_ARTIFACT
@@ -135,9 +136,14 @@ def log_checkpoint(mlflow_client: Any, run_id: str, model_id: str,
 
 
 def log_lineage_lock(mlflow_client: Any, run_id: str, model_id: str, lock: Path) -> None:
-    """The pipeline's dvc.lock as this version was made, beside it in the run (none: nothing)."""
+    """The pipeline's dvc.lock as this version was made, beside it in the run (none: nothing).
+    Its params hold the source URLs as given, signatures and tokens included: those are redacted
+    (retention reads only the outs' digests)."""
     if lock.is_file():
-        mlflow_client.log_artifact(run_id, str(lock), f"{LINEAGE_ARTIFACT}/{model_id}")
+        mlflow_client.log_text(run_id, redact_text(lock.read_text()),
+                               f"{LINEAGE_ARTIFACT}/{model_id}/{lock.name}")
+
+
 def log_index(mlflow_client: Any, run_id: str, model_id: str,
               index_dir: Path | str) -> dict[str, int]:
     """The index's chunks the store lacks, then its reference into the logged model; what it

@@ -406,7 +406,7 @@ def test_system_metrics_are_logged_without_mlflow_info_lines(tmp_path: Path) -> 
     interval (MLflow's monitor alone would drop that last, unfinished interval), and one
     started while records wait to be sent to a run that exists."""
     code = ("import time\n"
-            "from registry import run, settings\n"
+            "from tracking import run, settings\n"
             "from tracking.files import FILES\n"
             "c = settings.client()\n"
             "run_id = c.create_run(settings.ensure_experiment(c, 'quiet')).info.run_id\n"
