@@ -18,6 +18,7 @@ import resource
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,12 +58,15 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_tier(target: str) -> dict[str, Any]:
+def run_tier(target: str, log_dir: Path) -> dict[str, Any]:
+    """One tier, its whole output kept in `log_dir/<target>.log` (a failure's traceback with it)."""
     cmd = tier_command(target)
     cpu0, t0 = children_cpu_s(), time.monotonic()
     done = subprocess.run([sys.executable, "-m", *cmd], cwd=ROOT, capture_output=True, text=True)
     wall, cpu = time.monotonic() - t0, children_cpu_s() - cpu0
-    sys.stderr.write(done.stdout[-2000:])
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / f"{target}.log").write_text(done.stdout + done.stderr)
+    sys.stderr.write(done.stdout[-2000:] + f"\n(whole output: {log_dir / f'{target}.log'})\n")
     return {"tier": target, "command": shlex.join(cmd), "wall_s": round(wall, 1),
             "cpu_s": round(cpu, 1), "exit_code": done.returncode, **counts(done.stdout)}
 
@@ -71,9 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
     parser.add_argument("--out", type=Path, help="result file (default: benchmarks/results/)")
+    parser.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "suite_time",
+                        help="where each tier's whole pytest output is kept")
     args = parser.parse_args(argv)
     recording = record.start("suite_time", argv)
-    rows = [run_tier(target) for target in args.tiers]
+    rows = [run_tier(target, args.log_dir) for target in args.tiers]
     print(recording.write(rows, args.out))
     return 1 if any(row["exit_code"] for row in rows) else 0
 
