@@ -125,9 +125,9 @@ class World:
 
     def open(self) -> World:
         from harness.dvc_workspace import make_workspace, run
-        from harness.night_stack import PrefectServer
         from harness.nightly_world import GrowingSource, shape_picture
         from harness.prefect_server import WebhookReceiver
+        from harness.prefect_workers import start_server
 
         self.source = GrowingSource(self.root / "source", self.capacity, draw=shape_picture)
         self.site = self.exits.enter_context(self.source.site())
@@ -139,7 +139,7 @@ class World:
         run(["git", "-c", "user.email=b@clipms", "-c", "user.name=b", "commit", "-qm", "remote"],
             self.ws)
         (self.root / "prefect").mkdir()
-        self.stack = PrefectServer.start(self.root, self.root / "prefect")
+        self.stack = start_server(self.root / "prefect")
         self.exits.callback(self.stack.stop)
         self.hook = WebhookReceiver()
         self.exits.callback(self.hook.stop)

@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from harness.dvc_workspace import PROJECT_ROOT, run, tool_env
-from harness.night_stack import PrefectServer
-from harness.prefect_server import WebhookReceiver
+from harness.prefect_server import PrefectStack, WebhookReceiver
+from harness.prefect_workers import start_server
 from harness.processes import free_port
 from tests.flows.test_pipeline_secrets import run_flow
 
@@ -105,10 +105,10 @@ class Registry:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectStack]:
     root = tmp_path_factory.mktemp("nights-prefect")
     (root / "home").mkdir()
-    stack = PrefectServer.start(root, root / "home")
+    stack = start_server(root / "home")
     try:
         yield stack
     finally:
@@ -118,7 +118,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
 class Toy:
     """The toy project, its growing source and its registry; `night()` runs the flow once."""
 
-    def __init__(self, root: Path, stack: PrefectServer, hook: WebhookReceiver) -> None:
+    def __init__(self, root: Path, stack: PrefectStack, hook: WebhookReceiver) -> None:
         self.repo, self.stack, self.hook = root / "toy", stack, hook
         self.source = root / "export.jsonl"
         self.registry = Registry()
@@ -161,7 +161,7 @@ class Toy:
 
 
 @pytest.fixture
-def toy(tmp_path: Path, server: PrefectServer,
+def toy(tmp_path: Path, server: PrefectStack,
         monkeypatch: pytest.MonkeyPatch) -> Iterator[Toy]:
     hook = WebhookReceiver()
     monkeypatch.setenv("CLIPMS_FAILURE_WEBHOOK", hook.url)
