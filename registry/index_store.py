@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -124,6 +125,7 @@ def materialize(index_dir: Path, tracking_uri: str | None = None) -> bool:
     ref = json.loads(ref_path.read_text())
     if ref.get("format") != REF_FORMAT:
         raise IndexStoreError(f"{ref_path}: not a search-index reference")
+    check_ref_names(ref, ref_path)
     run_id = ref["store_run_id"]
     with tempfile.TemporaryDirectory(prefix="clipms-index-chunks-", dir=index_dir) as tmp:
         for name, entry in sorted(ref["files"].items()):
@@ -138,6 +140,21 @@ def materialize(index_dir: Path, tracking_uri: str | None = None) -> bool:
                                       f"reference names (sha256 {entry['sha256'][:16]}...)")
     ref_path.unlink()
     return True
+
+
+FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def check_ref_names(ref: dict[str, Any], where: Path) -> None:
+    """A reference comes from the registry: its file names must be plain names inside the index
+    folder and its chunks sha256 digests, or nothing is written (IndexStoreError)."""
+    for name, entry in ref["files"].items():
+        if not FILE_NAME.fullmatch(name) or ".." in name:
+            raise IndexStoreError(f"{where}: file name {name!r} is not a plain file name "
+                                  "(letters, digits, '_', '.', '-')")
+        if not all(isinstance(d, str) and DIGEST.fullmatch(d) for d in entry["chunks"]):
+            raise IndexStoreError(f"{where}: chunks of {name!r} are not sha256 digests")
 
 
 def _chunk(run_id: str, digest: str, tmp: Path, tracking_uri: str | None, mlflow: Any) -> bytes:

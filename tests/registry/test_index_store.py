@@ -105,6 +105,21 @@ def test_a_folder_without_a_reference_is_served_as_it_is(tmp_path):
     assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in whole.iterdir())
 
 
+@pytest.mark.parametrize("name, chunk", [
+    ("../outside.bin", "0" * 64), ("/tmp/abs.bin", "0" * 64), ("sub/x.bin", "0" * 64),
+    ("embeddings.npy", "../../other-run/artifact")])
+def test_a_reference_that_names_a_path_or_a_non_digest_writes_nothing(tmp_path, name, chunk):
+    # The reference comes from the registry: a name must not reach outside the index folder.
+    folder = tmp_path / "index"
+    folder.mkdir()
+    ref = {"format": index_store.REF_FORMAT, "store_run_id": "r",
+           "files": {name: {"chunks": [chunk], "sha256": "0" * 64}}}
+    (folder / index_store.REF_FILE).write_text(json.dumps(ref))
+    with pytest.raises(index_store.IndexStoreError, match="plain file name|sha256 digests"):
+        index_store.materialize(folder)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["index", index_store.REF_FILE]
+
+
 @pytest.mark.slow
 def test_two_versions_with_the_same_index_add_its_bytes_once(workspace: Path, bundle: Path,
                                                              server) -> None:
