@@ -16,6 +16,7 @@ children it waited for), which a loaded machine changes far less than wall time.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import resource
 import shutil
@@ -179,6 +180,8 @@ def pytest_terminal_summary(terminalreporter):
 # summed over the workers, so that a slow `make test` says where its time went.
 _module_times: dict[str, list[float]] = {}
 LONGEST_SHOWN = 15
+# Where a run writes every module's figures as JSON, when set (benchmarks/suite_time.py sets it).
+MODULE_TIMES_ENV = "CLIP_SUITE_MODULE_TIMES"
 
 
 def _add_module_time(report, props) -> None:
@@ -194,6 +197,11 @@ def _write_module_times(terminalreporter) -> None:
     if not _module_times:
         return
     longest = sorted(_module_times.items(), key=lambda kv: kv[1][0], reverse=True)
+    if os.environ.get(MODULE_TIMES_ENV):
+        Path(os.environ[MODULE_TIMES_ENV]).write_text(json.dumps(
+            [{"module": module, "seconds": round(seconds, 1), "cpu_s": round(cpu_s, 1),
+              "tests": tests, "slow": slow} for module, (seconds, cpu_s, tests, slow) in longest],
+            indent=1))
     terminalreporter.write_sep("-", f"the {LONGEST_SHOWN} longest modules (test seconds summed "
                                     "over the workers, CPU-s, slow tests / tests)")
     for module, (seconds, cpu_s, tests, slow) in longest[:LONGEST_SHOWN]:
