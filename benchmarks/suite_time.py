@@ -6,13 +6,15 @@
 Each tier's pytest command is read from the Makefile's target of that name (the Makefile owns
 the commands), and run from the repository root; the CPU seconds are those of pytest and every
 process it started (servers, `dvc`, `msrun`), from the children's resource usage. Writes
-benchmarks/results/suite_time.json; a tier that fails is recorded with its outcome and makes the
-command fail.
+benchmarks/results/suite_time.json, and keeps each tier's whole output and every module's
+seconds (`<tier>-modules.json`) in `--log-dir`; a tier that fails is recorded with its outcome
+and makes the command fail.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import resource
 import shlex
@@ -28,6 +30,7 @@ import record
 
 ROOT = Path(__file__).resolve().parents[1]
 TIERS = ("test-fast", "test")
+MODULE_TIMES_ENV = "CLIP_SUITE_MODULE_TIMES"  # tests/conftest.py reads the same name
 SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
 
 
@@ -61,10 +64,13 @@ def children_cpu_s() -> float:
 def run_tier(target: str, log_dir: Path) -> dict[str, Any]:
     """One tier, its whole output kept in `log_dir/<target>.log` (a failure's traceback with it)."""
     cmd = tier_command(target)
-    cpu0, t0 = children_cpu_s(), time.monotonic()
-    done = subprocess.run([sys.executable, "-m", *cmd], cwd=ROOT, capture_output=True, text=True)
-    wall, cpu = time.monotonic() - t0, children_cpu_s() - cpu0
     log_dir.mkdir(parents=True, exist_ok=True)
+    # every module's seconds beside the log (tests/conftest.py writes them)
+    env = {**os.environ, MODULE_TIMES_ENV: str(log_dir / f"{target}-modules.json")}
+    cpu0, t0 = children_cpu_s(), time.monotonic()
+    done = subprocess.run([sys.executable, "-m", *cmd], cwd=ROOT, capture_output=True, text=True,
+                          env=env)
+    wall, cpu = time.monotonic() - t0, children_cpu_s() - cpu0
     (log_dir / f"{target}.log").write_text(done.stdout + done.stderr)
     sys.stderr.write(done.stdout[-2000:] + f"\n(whole output: {log_dir / f'{target}.log'})\n")
     return {"tier": target, "command": shlex.join(cmd), "wall_s": round(wall, 1),

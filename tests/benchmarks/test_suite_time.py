@@ -33,3 +33,9 @@ def test_the_summary_line_gives_the_counts():
     out = "....\n= 1,0 =\n3 failed, 1096 passed, 4 skipped, 2 errors in 88.21s (0:01:28)\n"
     assert suite_time.counts(out) == {"failed": 3, "passed": 1096, "skipped": 4, "error": 2}
     assert suite_time.counts("1 passed in 0.1s") == {"passed": 1}
+
+
+def test_the_module_times_file_is_asked_for_by_the_name_the_suite_reads():
+    from tests import conftest
+
+    assert suite_time.MODULE_TIMES_ENV == conftest.MODULE_TIMES_ENV
