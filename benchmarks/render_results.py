@@ -447,14 +447,14 @@ def storage_growth(record: Record) -> str:
                    "dvc repro s"], rows, right=7)
     out = growth + "\nEach store's size after the night, and what retention kept:\n\n" + sizes
     last = nights_[-1]
-    parts = [(what, last.get(key)) for what, key in (("written", "added_by_kind"),
-                                                     ("freed", "freed_by_kind"))
-             if last.get(key)]
+    parts = [(what, last.get(key)) for what, key in (
+        ("What night {n} wrote to each store", "added_by_kind"),
+        ("What left each store on night {n} (retention)", "freed_by_kind")) if last.get(key)]
     for what, kinds in parts:
         names = list(dict.fromkeys(k for store in stores for k in kinds.get(store, {})))
         split = [[name, *(f"{kinds.get(store, {}).get(name, 0) / kb:,.0f}" for store in stores)]
                  for name in names]
-        out += (f"\nNight {last['night']}: what it {what}, by what it is (KiB):\n\n"
+        out += (f"\n{what.format(n=last['night'])}, by what it is (KiB):\n\n"
                 + table(["what", "DVC cache", "DVC remote", "MLflow artifacts"], split, right=3))
     return out
 

@@ -96,4 +96,5 @@ def test_the_table_shows_net_growth_what_was_freed_and_what_stays_over() -> None
     assert "| +3,072 (over) (0) |" in rows[0]
     assert "| -1 (1,024) |" in rows[1] and "(over)" not in rows[1]
     assert "| 5,120 | 9,216 | 3,072 | v1, v3 | 3 / 1 | 2 / 4 | 9.5 |" in text
-    assert "what it freed" in text and "| plots | 0 | 0 | 5 |" in text
+    assert "What left each store on night 2 (retention)" in text
+    assert "| plots | 0 | 0 | 5 |" in text
