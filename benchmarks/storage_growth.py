@@ -26,7 +26,7 @@ and `retain` removes unreferenced index chunks only from a listing at least
   them), and the bound the stores are held to: twice the new image bytes plus those files. The
   search index is not counted in them: a retrained model embeds every image again, so each
   version has its own index, and retention replaces an old one as it comes;
-- what `retain` planned and freed (metrics/retain.json), the versions it kept whole;
+- what `retain` kept whole, removed and freed (metrics/retain.json);
 - what the shard stage kept and wrote, and what `register` uploaded of the search index;
 - what each store's new and freed files are: DVC's by the output holding a file of that md5,
   MLflow's by where they lie (bundle, checkpoint, the pyfunc's copy of the code, index chunks,
