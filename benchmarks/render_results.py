@@ -411,34 +411,52 @@ def incremental_download(record: Record) -> str:
 
 
 def storage_growth(record: Record) -> str:
-    """Per night: the new image bytes, what each store grew by, and the bound it is held to."""
+    """Per night: the new image bytes, each store's net growth (after retention) and what
+    retention freed from it, against the bound; then each store's size, what `retain` kept, and
+    the last night's written and freed files by what they are."""
     kb = 1024
+    stores = ("dvc_cache", "dvc_remote", "mlflow_artifacts")
+    nights_ = record["results"]["nights"]
 
     def grew(night: dict[str, Any], store: str) -> str:
         within = "" if night[f"{store}_within_bound"] else " (over)"
-        return f"{night[f'{store}_added'] / kb:,.0f}{within}"
+        freed = night.get(f"{store}_freed")
+        net = f"{night[f'{store}_added'] / kb:+,.0f}{within}"
+        return net if freed is None else f"{net} ({freed / kb:,.0f})"
 
     rows = [[n["night"], n["images"], n["new_images"], f"{n['new_image_bytes'] / kb:,.1f}",
-             grew(n, "dvc_cache"), grew(n, "dvc_remote"), grew(n, "mlflow_artifacts"),
-             f"{n['model_files_bytes'] / kb:,.0f}", f"{n['bound_bytes'] / kb:,.0f}",
-             f"{n['shards_kept']} / {n['shards_new']}",
+             *(grew(n, store) for store in stores),
+             f"{n['model_files_bytes'] / kb:,.0f}", f"{n['bound_bytes'] / kb:,.0f}"]
+            for n in nights_]
+    growth = table(["night", "images", "new", "new image KiB",
+                    "DVC cache net KiB (freed)", "DVC remote net KiB (freed)",
+                    "MLflow artifacts net KiB (freed)", "model files KiB",
+                    "bound KiB (2 x new + model)"], rows, right=8)
+
+    def kept(n: dict[str, Any]) -> str:
+        retain = n.get("retain") or {}
+        return ", ".join(retain.get("kept", [])) or "-"
+
+    rows = [[n["night"], *(f"{n['totals'].get(store, 0) / kb:,.0f}" for store in stores),
+             kept(n), f"{n['shards_kept']} / {n['shards_new']}",
              "-" if n["index_added_bytes"] is None else
              f"{n['index_added_bytes'] / kb:,.0f} / {n['index_bytes'] / kb:,.0f}", n["repro_s"]]
-            for n in record["results"]["nights"]]
-    nights = table(["night", "images", "new", "new image KiB", "DVC cache + KiB",
-                    "DVC remote + KiB", "MLflow artifacts + KiB", "model files KiB",
-                    "bound KiB (2 x new + model)", "shards kept / new",
-                    "index uploaded / size KiB", "dvc repro s"], rows, right=11)
-    last = record["results"]["nights"][-1]
-    kinds = last.get("added_by_kind")
-    if not kinds:
-        return nights
-    stores = ("dvc_cache", "dvc_remote", "mlflow_artifacts")
-    names = list(dict.fromkeys(k for store in stores for k in kinds.get(store, {})))
-    split = [[name, *(f"{kinds.get(store, {}).get(name, 0) / kb:,.0f}" for store in stores)]
-             for name in names]
-    return nights + f"\nNight {last['night']}'s growth by what it is (KiB):\n\n" + table(
-        ["what", "DVC cache", "DVC remote", "MLflow artifacts"], split, right=3)
+            for n in nights_]
+    sizes = table(["night", "DVC cache KiB", "DVC remote KiB", "MLflow artifacts KiB",
+                   "versions kept whole", "shards kept / new", "index uploaded / size KiB",
+                   "dvc repro s"], rows, right=7)
+    out = growth + "\nEach store's size after the night, and what retention kept:\n\n" + sizes
+    last = nights_[-1]
+    parts = [(what, last.get(key)) for what, key in (
+        ("What night {n} wrote to each store", "added_by_kind"),
+        ("What left each store on night {n} (retention)", "freed_by_kind")) if last.get(key)]
+    for what, kinds in parts:
+        names = list(dict.fromkeys(k for store in stores for k in kinds.get(store, {})))
+        split = [[name, *(f"{kinds.get(store, {}).get(name, 0) / kb:,.0f}" for store in stores)]
+                 for name in names]
+        out += (f"\n{what.format(n=last['night'])}, by what it is (KiB):\n\n"
+                + table(["what", "DVC cache", "DVC remote", "MLflow artifacts"], split, right=3))
+    return out
 
 
 WARM_METRICS = ("i2t_R@1", "i2t_R@5", "t2i_R@5", "zeroshot_top1")

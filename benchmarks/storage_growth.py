@@ -1,30 +1,42 @@
-"""What a night adds to each store on a world that grows a few percent a night.
+"""What a night adds to each store on a world that grows a few percent a night, with retention on.
 
-    python benchmarks/storage_growth.py [--images 200 --growth 0.05 --nights 4
+    python benchmarks/storage_growth.py [--images 200 --growth 0.05 --nights 6 --keep-last 1
                                          --workdir WORKDIR
                                          --out benchmarks/results/storage_growth.json]
 
 The world: `--images` learnable pictures (harness/nightly_world.py: a coloured square, circle or
-stripe, captions that say which) served over loopback HTTP, listed by a `metadata.source: local`
-parquet that grows by `--growth` of the images each night. The workspace is a copy of the project
-in its own git repo (harness/dvc_workspace.py: the tiny model of the test suite, a few training
-steps a night), its registry a local MLflow store (`mlflow.db`, artifacts in `mlartifacts/`), its
-DVC remote a folder. Each night runs `dvc repro -f -s metadata` (the nightly deployment's refresh of
-the source, which DVC cannot see change), `dvc repro` (every stage: data, train, evaluate,
-export, index, register) and `dvc push`, then measures:
+stripe, captions that say which; 64 x 64 JPEGs of about 1 KiB) served over loopback HTTP, listed
+by a `metadata.source: local` parquet that grows by `--growth` of the images each night. The
+workspace is a copy of the project in its own git repo (harness/dvc_workspace.py: the tiny model of
+the test suite, a few training steps a night), its registry a local MLflow store (`mlflow.db`,
+artifacts in `mlartifacts/`), its DVC remote a folder, and `retention.keep_last` set to
+`--keep-last` in its params.yaml. Each night runs `dvc repro -f -s metadata` (the nightly
+deployment's refresh of the source, which DVC cannot see change), `dvc repro` (every stage: data,
+train, evaluate, export, index, register and the project's own `retain` stage) and `dvc push`.
+Before each night after the first, the search-index store's listing that the last `retain`
+recorded (`models/index-store-listing.json`) is made a day older: nights here are minutes apart,
+and `retain` removes unreferenced index chunks only from a listing at least
+`registry.retention.LISTING_MIN_AGE_S` old, which a real night's gap always is. Then it measures:
 
 - the night's new image bytes: the JPEG bytes of the samples the shards hold tonight and did not
   hold last night;
-- the growth of the DVC cache (`.dvc/cache`), the DVC remote and the MLflow artifact store;
+- each store's NET growth over the night (the DVC cache `.dvc/cache`, the DVC remote, the MLflow
+  artifact store), what the night wrote to it and what retention freed from it (files gone);
 - one version's model files (the export bundle and the training checkpoint, as `register` logs
-  them), and the bound the stores are held to: twice the new image bytes plus those files;
+  them), and the bound the stores are held to: twice the new image bytes plus those files. The
+  search index is not counted in them: a retrained model embeds every image again, so each
+  version has its own index, and retention replaces an old one as it comes;
+- what `retain` kept whole, removed and freed (metrics/retain.json);
 - what the shard stage kept and wrote, and what `register` uploaded of the search index;
-- what each store's new files are: DVC's by the output holding a file of that md5, MLflow's by
-  where they lie (bundle, checkpoint, the pyfunc's copy of the code, index chunks, plots).
+- what each store's new and freed files are: DVC's by the output holding a file of that md5,
+  MLflow's by where they lie (bundle, checkpoint, the pyfunc's copy of the code, index chunks,
+  plots).
+
+The DVC remote is the backup retention relies on (an object leaves the local cache only once the
+remote holds it), so nothing is ever removed from it: it keeps every version and grows with them.
 
 The JSON (benchmarks/record.py's envelope) holds every night; benchmarks/RESULTS.md renders it
-("Storage per night"). No retention runs here, so what stays in the stores for good is read
-from the growth of one night, not from the totals.
+("Storage per night").
 """
 
 from __future__ import annotations
@@ -48,7 +60,7 @@ import record  # noqa: E402 - benchmarks/record.py
 MODEL = "clip-growth"
 
 
-def params(source_path: Path) -> dict[str, Any]:
+def params(source_path: Path, keep_last: int = 1) -> dict[str, Any]:
     """The overrides of the test suite's tiny params (harness/dvc_workspace.py) for a nightly
     world."""
     return {
@@ -58,6 +70,7 @@ def params(source_path: Path) -> dict[str, Any]:
         "changes.min_new": 1,
         "train.max_steps": 4, "train.checkpoint_every": 100, "export.batch_sizes": [1, 8],
         "register.model_name": MODEL, "register.primary_metric": "i2t_R@5",
+        "retention.enabled": True, "retention.keep_last": keep_last,
     }
 
 
@@ -92,14 +105,42 @@ def stores(ws: Path) -> dict[str, int]:
     return {name: folder_bytes(ws / folder) for name, folder in STORE_FOLDERS.items()}
 
 
-def files_of(ws: Path) -> dict[str, set[Path]]:
-    return {name: {p for p in (ws / folder).rglob("*") if p.is_file()}
+def files_of(ws: Path) -> dict[str, dict[Path, int]]:
+    """Per store, its files and their bytes."""
+    return {name: {p: p.stat().st_size for p in (ws / folder).rglob("*") if p.is_file()}
             for name, folder in STORE_FOLDERS.items() if (ws / folder).exists()}
 
 
-def dvc_owner(ws: Path) -> dict[str, str]:
-    """md5 -> the DVC output holding a file of that content (as DVC names cache files)."""
-    owners: dict[str, str] = {}
+def changes(earlier: dict[str, dict[Path, int]], later: dict[str, dict[Path, int]]
+            ) -> tuple[dict[str, dict[Path, int]], dict[str, dict[Path, int]]]:
+    """Per store, the files written since `earlier` (new, or of another size) and those gone."""
+    written = {name: {p: size for p, size in files.items()
+                      if earlier.get(name, {}).get(p) != size}
+               for name, files in later.items()}
+    gone = {name: {p: size for p, size in files.items() if p not in later.get(name, {})}
+            for name, files in earlier.items()}
+    return written, gone
+
+
+def age_index_listing(ws: Path, seconds: float = 24 * 3600) -> bool:
+    """Make the search-index store's listing that `retain` recorded `seconds` older, as if the
+    next night came a day later (False when none was recorded)."""
+    from registry.retention import LISTING_FILE
+
+    path = ws / LISTING_FILE
+    if not path.exists():
+        return False
+    listings = json.loads(path.read_text())
+    for entry in listings.values():
+        entry["listed_at"] = float(entry["listed_at"]) - seconds
+    path.write_text(json.dumps(listings))
+    return True
+
+
+def dvc_owner(ws: Path, owners: dict[str, str] | None = None) -> dict[str, str]:
+    """md5 -> the DVC output holding a file of that content (as DVC names cache files), added to
+    `owners` (what earlier nights' workspaces held: the owners of what retention frees)."""
+    owners = {} if owners is None else owners
     for top in ("data", "models", "plots"):
         for path in (ws / top).rglob("*") if (ws / top).exists() else ():
             if path.is_file():
@@ -108,13 +149,13 @@ def dvc_owner(ws: Path) -> dict[str, str]:
     return owners
 
 
-def breakdown(ws: Path, new: dict[str, set[Path]]) -> dict[str, dict[str, int]]:
-    """Per store, the bytes of its new files by what they are."""
-    owners = dvc_owner(ws)
+def breakdown(owners: dict[str, str], files: dict[str, dict[Path, int]]
+              ) -> dict[str, dict[str, int]]:
+    """Per store, the bytes of `files` by what they are."""
     out: dict[str, dict[str, int]] = {}
-    for name, paths in new.items():
+    for name, paths in files.items():
         groups: dict[str, int] = {}
-        for path in paths:
+        for path, size in paths.items():
             text = path.as_posix()
             if name == "mlflow_artifacts":
                 group = next((g for part, g in MLFLOW_PARTS if part in text), "other")
@@ -122,31 +163,44 @@ def breakdown(ws: Path, new: dict[str, set[Path]]) -> dict[str, dict[str, int]]:
                 md5 = path.parent.name + path.name.removesuffix(".dir")
                 group = ("directory listings" if path.name.endswith(".dir")
                          else owners.get(md5, "other"))
-            groups[group] = groups.get(group, 0) + path.stat().st_size
+            groups[group] = groups.get(group, 0) + size
         out[name] = dict(sorted(groups.items(), key=lambda kv: -kv[1]))
     return out
 
 
+def retained(ws: Path) -> dict[str, Any]:
+    """What tonight's `retain` stage kept, removed and freed (metrics/retain.json)."""
+    path = ws / "metrics/retain.json"
+    report = json.loads(path.read_text()) if path.exists() else {}
+    return {"kept": sorted(report.get("kept", {})), "removed": sorted(report.get("removed", {})),
+            **{key: report.get(key, 0) for key in ("mlflow_bytes", "index_chunk_bytes",
+                                                   "dvc_cache_bytes")}}
+
+
 def night(ws: Path, env: dict[str, str], held: dict[str, int],
-          before: dict[str, int]) -> tuple[dict[str, Any], dict[str, int], dict[str, int]]:
+          earlier: dict[str, dict[Path, int]], owners: dict[str, str]
+          ) -> tuple[dict[str, Any], dict[str, int], dict[str, dict[Path, int]]]:
     from harness.dvc_workspace import run
 
-    earlier = files_of(ws)
+    aged = age_index_listing(ws)  # a day passes between two nights
     started = time.perf_counter()
     # As the nightly deployment does (`refresh: [metadata]`): the source is outside DVC's view.
     run(["dvc", "repro", "-f", "-s", "metadata"], ws, timeout=600, env=env)
-    run(["dvc", "repro"], ws, timeout=7200, env=env)
+    run(["dvc", "repro"], ws, timeout=7200, env=env)  # the retain stage last
     repro_s = time.perf_counter() - started
     run(["dvc", "push"], ws, timeout=1800, env=env)
     images = shard_images(ws)
     new = {k: v for k, v in images.items() if k not in held}
-    after = stores(ws)
+    later = files_of(ws)
+    written, gone = changes(earlier, later)
+    dvc_owner(ws, owners)
     shard = json.loads((ws / "metrics/shard.json").read_text())
     register = json.loads((ws / "metrics/register.json").read_text())
     bound_files = model_files(ws)
     row: dict[str, Any] = {
         "images": len(images), "new_images": len(new), "new_image_bytes": sum(new.values()),
         "model_files_bytes": bound_files, "repro_s": round(repro_s, 1),
+        "index_listing_aged": aged,
         "shards_bytes": folder_bytes(ws / "data/shards"),
         "shards_kept": sum(shard[s]["shards_kept"] for s in ("train", "val")),
         "shards_new": sum(shard[s]["shards_new"] for s in ("train", "val")),
@@ -154,16 +208,20 @@ def night(ws: Path, env: dict[str, str], held: dict[str, int],
         "index_bytes": register.get("index_bytes"),
         "index_added_bytes": register.get("index_added_bytes"),
         "version": register["version"], "alias": register["alias"],
-        "totals": after,
-        "added_by_kind": breakdown(ws, {name: paths - earlier.get(name, set())
-                                        for name, paths in files_of(ws).items()}),
+        "retain": retained(ws),
+        "totals": {name: sum(files.values()) for name, files in later.items()},
+        "added_by_kind": breakdown(owners, written),
+        "freed_by_kind": breakdown(owners, gone),
     }
     bound = 2 * row["new_image_bytes"] + bound_files
-    for name, total in after.items():
-        row[f"{name}_added"] = total - before.get(name, 0)
+    for name in STORE_FOLDERS:
+        after = row["totals"].get(name, 0)
+        row[f"{name}_added"] = after - sum(earlier.get(name, {}).values())  # net: written - freed
+        row[f"{name}_written"] = sum(written.get(name, {}).values())
+        row[f"{name}_freed"] = sum(gone.get(name, {}).values())
         row[f"{name}_within_bound"] = row[f"{name}_added"] <= bound
     row["bound_bytes"] = bound
-    return row, images, after
+    return row, images, later
 
 
 def _parse() -> argparse.Namespace:
@@ -171,7 +229,9 @@ def _parse() -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=200, help="images on the first night")
     parser.add_argument("--growth", type=float, default=0.05, help="added each night (share)")
-    parser.add_argument("--nights", type=int, default=4)
+    parser.add_argument("--nights", type=int, default=6)
+    parser.add_argument("--keep-last", type=int, default=1,
+                        help="retention.keep_last in the workspace's params.yaml")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where the workspace goes (default: a temporary folder)")
     parser.add_argument("--out", type=Path, default=record.default_path("storage_growth"))
@@ -180,8 +240,10 @@ def _parse() -> argparse.Namespace:
 
 def main() -> None:
     args = _parse()
-    if args.images < 20 or not 0 < args.growth <= 1 or args.nights < 2:
-        raise SystemExit("expected --images >= 20, 0 < --growth <= 1 and --nights >= 2")
+    if (args.images < 20 or not 0 < args.growth <= 1 or args.nights < 2
+            or args.keep_last < 0):
+        raise SystemExit("expected --images >= 20, 0 < --growth <= 1, --nights >= 2 and "
+                         "--keep-last >= 0")
     from harness.dvc_workspace import make_workspace, tool_env
     from harness.nightly_world import GrowingSource, shape_captions, shape_picture
 
@@ -193,19 +255,21 @@ def main() -> None:
                                      dir=args.workdir) as tmp:
         root = Path(tmp)
         source = GrowingSource(root / "source", capacity=counts[-1], draw=shape_picture)
-        ws = make_workspace(root / "ws", params(source.path))
+        ws = make_workspace(root / "ws", params(source.path, args.keep_last))
         env = {**tool_env(), "MLFLOW_TRACKING_URI": f"sqlite:///{ws}/mlflow.db"}
         nights: list[dict[str, Any]] = []
         held: dict[str, int] = {}
-        before: dict[str, int] = {}
+        before: dict[str, dict[Path, int]] = {}
+        owners: dict[str, str] = {}
         with source.site() as site:
             for number, count in enumerate(counts, start=1):
                 source.write(site, range(count), captions=shape_captions)
-                row, held, before = night(ws, env, held, before)
+                row, held, before = night(ws, env, held, before, owners)
                 nights.append({"night": number, **row})
                 print(json.dumps(nights[-1]), flush=True)
                 recording.write({"images": args.images, "growth": args.growth,
-                                 "nights": nights}, args.out)  # a killed run keeps its nights
+                                 "keep_last": args.keep_last, "nights": nights},
+                                args.out)  # a killed run keeps its nights
     print(f"wrote {record.shown_path(str(args.out))}")
 
 

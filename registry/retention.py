@@ -6,10 +6,12 @@ aliases, the newest `keep_last` versions and every version tagged `keep_tag` are
 every other version, what is heavy leaves:
 
 - the MLflow artifact store: its training checkpoint (`checkpoint/<logged model id>/` in its
-  run), and its logged model's folders: the bundle (`artifacts/`), the search index (`index/`)
-  and the code copy (`code/`); the model's top-level files (MLmodel, its environment, input
-  example) stay. Through the artifact repository's `delete_artifacts` (a local store, an `mlflow
-  server` proxying its artifacts, S3, ...);
+  run), its run's plot pictures (the PNGs under `plots/`, redrawn by each run; the CSVs beside
+  them, the data they draw, stay; not when a kept version shares the run), and its logged
+  model's folders: the bundle (`artifacts/`), the search index (`index/`) and the code copy
+  (`code/`); the model's top-level files (MLmodel, its environment, input example) stay.
+  Through the artifact repository's `delete_artifacts` (a local store, an `mlflow server`
+  proxying its artifacts, S3, ...);
 - the local DVC cache: the objects that only removed versions use, read from the `dvc.lock`
   logged with each version (`lineage/<logged model id>/dvc.lock`, `registry.registration`). An
   object that the current `dvc.lock`, a `.dvc` file of the workspace or a kept version names
@@ -73,6 +75,10 @@ LISTING_FILE = Path("models/index-store-listing.json")
 # largest index over a slow link), shorter than a night, so each night removes what the one before
 # listed. A run sooner (a second `retain` by hand) removes no chunk and keeps the older listing.
 LISTING_MIN_AGE_S = 6 * 3600
+# A run's plots (stages train and evaluate log them there): its pictures are heavy and redrawn by
+# every run, the CSVs beside them are the data they draw and stay.
+PLOTS_ARTIFACT = "plots"
+PICTURE_SUFFIXES = (".png", ".svg", ".jpg", ".jpeg", ".html")
 _NOT_KEPT = ("0", "false", "no")  # keep_tag values that do not keep a version
 
 
@@ -293,16 +299,32 @@ def _size(repo: Any, path: str) -> int | None:
     return total
 
 
-def heavy_artifacts(mlflow_client: Any, version: VersionState) -> list[tuple[str, str, int]]:
-    """(repository URI, path, bytes) of the version's heavy artifacts still in the store."""
+def plot_pictures(repo: Any, folder: str = PLOTS_ARTIFACT) -> list[tuple[str, int]]:
+    """(path, bytes) of the pictures a run logged under `folder` (its sub-folders too)."""
+    found = []
+    for item in repo.list_artifacts(folder):
+        if item.is_dir:
+            found += plot_pictures(repo, item.path)
+        elif Path(item.path).suffix.lower() in PICTURE_SUFFIXES:
+            found.append((item.path, item.file_size or 0))
+    return found
+
+
+def heavy_artifacts(mlflow_client: Any, version: VersionState,
+                    pictures: bool = True) -> list[tuple[str, str, int]]:
+    """(repository URI, path, bytes) of the version's heavy artifacts still in the store;
+    `pictures` False: not its run's plot pictures (a kept version shares the run)."""
     uri = mlflow_client.tracking_uri
     found = []
     if version.run_id and version.model_id:
         run_root = mlflow_client.get_run(version.run_id).info.artifact_uri
+        repo = _repo(run_root, uri)
         where = checkpoint_path(version.model_id)
-        size = _size(_repo(run_root, uri), where)
+        size = _size(repo, where)
         if size is not None:
             found.append((run_root, where, size))
+        if pictures:
+            found += [(run_root, path, size) for path, size in plot_pictures(repo)]
     if version.model_id:  # its folders: the bundle (`artifacts/`), the index, the code copy
         model_root = mlflow_client.get_logged_model(version.model_id).artifact_location
         repo = _repo(model_root, uri)
@@ -590,12 +612,14 @@ def make_plan(mlflow_client: Any, model_name: str, params: RetentionParams, root
     selection = choose(versions, params)
     plan = Plan(model_name, params.model_dump(), selection.keep, selection.remove)
     by_number = {v.number: v for v in versions}
+    kept_runs = {by_number[n].run_id for n in selection.keep if by_number[n].run_id}
     for number, reason in selection.remove.items():
         version = by_number[number]
         if version.tags.get(REMOVED_TAG):
             continue  # done on an earlier run (the tag is set last)
         plan.untagged.append(number)
-        for repo_uri, path, size in heavy_artifacts(mlflow_client, version):
+        for repo_uri, path, size in heavy_artifacts(mlflow_client, version,
+                                                    version.run_id not in kept_runs):
             plan.actions.append(Action("mlflow", repo_uri, path, [number], size, reason))
     plan.actions += index_chunk_actions(mlflow_client, versions, plan, scratch,
                                         read_listings(root / LISTING_FILE), time.time())
@@ -644,8 +668,8 @@ def apply_plan(mlflow_client: Any, plan: Plan, cache: DvcCache | None, plan_file
         freed["mlflow"][1] += action.bytes
     for number in plan.untagged:  # last: a tagged version's artifacts are all gone
         mlflow_client.set_model_version_tag(plan.model_name, str(number), REMOVED_TAG,
-                                            f"checkpoint, bundle and index removed by retention "
-                                            f"({plan.remove[number]})")
+                                            f"checkpoint, bundle, index and plot pictures "
+                                            f"removed by retention ({plan.remove[number]})")
     # After the index folders (a chunk goes only once no reference of the plan can need it), and
     # only chunks still named by no reference now: a `register` since the plan may have logged
     # one naming a chunk it found in the store (it uploads only what the store lacks).
