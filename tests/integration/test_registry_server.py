@@ -264,9 +264,8 @@ def test_versions_registered_from_one_run_keep_their_own_index(workspace: Path,
     import shutil
 
     from clipms.deploy.searchindex import ImageIndex, bundle_digest
-    from harness.tiny_model import export_tiny_bundle
+    from harness.tiny_model import export_tiny_bundle, make_index
     from serving.source import RegistrySource
-    from tests.integration.test_serving_swap import make_index
 
     other = export_tiny_bundle(workspace / "other", seed=1)
     root = prepare_workspace(workspace / "run", bundle, {"i2t_R@5": 0.5, "mAP@10": 0.2},
