@@ -25,8 +25,8 @@ from clipms.train import feed
 from clipms.train.feed import BatchSignature, DeviceQueue, RandomBatches, ShardBatches, SinkFeed
 from clipms.train.loop import Training, _loop
 from clipms.train.recipe import TrainConfig
+from harness.numbered_shards import write_shards
 from harness.tiny_model import MICRO
-from tests.clipms.data.test_dataset import write_shards
 
 BATCH, CTX = 4, 16
 
