@@ -323,7 +323,7 @@ def lock_digest(ws: Path) -> str | None:
 
 def run_night(world: World, number: int, kind: str | None) -> dict[str, Any]:
     """One night: grow (unless planted otherwise), plant, run the flow, record."""
-    from tests.flows.test_pipeline_secrets import run_flow
+    from harness.prefect_server import run_flow
 
     record: dict[str, Any] = {"night": number, "planted": kind}
     record["images_listed_new"] = 0 if kind == "no_new_rows" else world.grow()

@@ -95,3 +95,12 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def server(mlflow_server: MlflowServer) -> MlflowServer:
+    """The module's `mlflow_server`, started again if a test that took it away failed before
+    bringing it back. Assign both to names in a test module."""
+    if mlflow_server.proc is None:  # a test that took it away failed before bringing it back
+        mlflow_server.start()
+    return mlflow_server

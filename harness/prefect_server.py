@@ -255,3 +255,19 @@ def prefect_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectS
     end of `make test`.)"""
     with deployed(tmp_path_factory.mktemp("prefect-stack"), PrefectStack) as stack:
         yield stack
+
+
+def run_flow(stack: PrefectStack, **parameters: Any) -> tuple[Any, str]:
+    """The clip-pipeline flow in this process (cwd = the workspace), against the stack's server;
+    returns its final state and its flow-run id."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    from flows.pipeline import clip_pipeline
+
+    with temporary_settings({PREFECT_API_URL: stack.api_url, PREFECT_HOME: stack.home}):
+        state = clip_pipeline(**parameters, return_state=True)
+        APILogWorker.drain_all(timeout=30)
+        EventsWorker.drain_all(timeout=30)
+    return state, str(state.state_details.flow_run_id)

@@ -17,12 +17,18 @@ from PIL import Image
 import clipms  # noqa: F401  (sets MindSpore's runtime switches before it is imported)
 from clipms.data import webds
 from clipms.data.preprocess import PreprocessConfig
-from clipms.model.architecture import CLIPConfig, get_preset
+from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig, get_preset
 from clipms.text.clip_tokenizer import Tokenizer
 from clipms.utils.jsonio import write_json
 
 CAPTIONS = [f"a {s} {c} {shape} on the {p}" for s in ("small", "large") for c in ("red", "blue")
             for shape in ("circle", "square", "triangle") for p in ("left", "right")]
+# A micro CLIP for training-loop tests: 16-pixel images of 4 patches, an 8-token context.
+MICRO = CLIPConfig(
+    embed_dim=16,
+    vision=VisionConfig(image_size=16, patch_size=8, width=32, layers=1, head_width=16),
+    text=TextConfig(context_length=8, vocab_size=40, width=32, heads=2, layers=1),
+)
 
 
 def tiny_config(vocab_size: int, context_length: int = 16) -> CLIPConfig:
@@ -85,6 +91,20 @@ def jpeg_bytes(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=95)
     return buffer.getvalue()
+
+
+def make_index(bundle: Path, out: Path) -> Path:
+    """The search index of `bundle` over 12 random pictures, as the index stage writes it."""
+    from clipms.deploy.infer import Encoder
+    from clipms.deploy.search import SearchOptions
+    from clipms.deploy.searchindex import Item, build_index, bundle_digest
+
+    images = random_images(12, seed=4)
+    items = [Item(f"s{i:02d}", jpeg_bytes(im), f"picture {i}", "val")
+             for i, im in enumerate(images)]
+    build_index(Encoder(bundle, kernel_fusion=False), items, out, bundle_digest(bundle),
+                SearchOptions(), thumbnail_size=16)
+    return out
 
 
 COLOURS = ["red", "blue", "green"]

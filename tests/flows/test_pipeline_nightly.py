@@ -39,8 +39,7 @@ import pytest
 from harness import prefect_server
 from harness.dvc_workspace import make_workspace
 from harness.nightly_world import GrowingSource, shape_captions, shape_picture
-from harness.prefect_server import PrefectStack
-from tests.flows.test_pipeline_secrets import run_flow
+from harness.prefect_server import PrefectStack, run_flow
 
 pytestmark = pytest.mark.slow
 prefect_stack = prefect_server.prefect_stack  # the module fixture (pytest finds it by name)

@@ -27,10 +27,9 @@ import pytest
 import yaml
 
 from harness.dvc_workspace import PROJECT_ROOT, run, tool_env
-from harness.prefect_server import PrefectStack, WebhookReceiver
+from harness.prefect_server import PrefectStack, WebhookReceiver, run_flow
 from harness.prefect_workers import start_server
 from harness.processes import free_port
-from tests.flows.test_pipeline_secrets import run_flow
 
 pytestmark = pytest.mark.slow  # a Prefect server and a dozen dvc commands a night
 

@@ -24,7 +24,7 @@ from PIL import Image
 
 from harness import prefect_server
 from harness.dvc_workspace import make_workspace, run, tool_env
-from harness.prefect_server import PrefectStack
+from harness.prefect_server import PrefectStack, run_flow
 
 pytestmark = pytest.mark.slow
 prefect_stack = prefect_server.prefect_stack  # the module fixture (pytest finds it by name)
@@ -115,22 +115,6 @@ def site() -> Iterator[SecretSite]:
         yield served
     finally:
         served.stop()
-
-
-def run_flow(stack: PrefectStack, **parameters: Any) -> tuple[Any, str]:
-    """The clip-pipeline flow in this process (cwd = the workspace), against the stack's server;
-    returns its final state and its flow-run id."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
-
-    from flows.pipeline import clip_pipeline
-
-    with temporary_settings({PREFECT_API_URL: stack.api_url, PREFECT_HOME: stack.home}):
-        state = clip_pipeline(**parameters, return_state=True)
-        APILogWorker.drain_all(timeout=30)
-        EventsWorker.drain_all(timeout=30)
-    return state, str(state.state_details.flow_run_id)
 
 
 def everything_in(folder: Path) -> bytes:

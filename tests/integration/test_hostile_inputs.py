@@ -27,11 +27,11 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from harness.hostile_bodies import unclosed_quotes
 from harness.hostile_images import encoded, jpeg_many_scans, png_sliver
 from harness.image_site import Site, images_parquet, run_stage, write_params
 from harness.inprocess_service import InProcessService, tiny_world
 from harness.serving_server import post_json, request
-from tests.serving.test_routes_shape import unclosed_quotes
 
 MAX_ROWS, MAX_CONNECTIONS, MAX_HEADER, HEAD_TIMEOUT, BODY_TIMEOUT = 16, 12, 8192, 1.0, 1.0
 SEND_TIMEOUT = 1.0

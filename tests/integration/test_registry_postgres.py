@@ -25,21 +25,27 @@ from pathlib import Path
 
 import pytest
 
+from harness import register_workspace
 from harness.fault_proxy import FaultProxy, Rule
 from harness.postgres_server import MlflowOnPostgres, PostgresServer
 from harness.prefect_server import PrefectStack
 from harness.prefect_workers import start_server
-from tests.integration import test_registry_server
-from tests.integration.test_registry_server import prepare_workspace, register_in, train_like
-from tests.registry.test_gate import write_pipeline_state
-from tests.registry.test_gate_mlflow import ALIAS, read_run_id, scores
+from harness.register_workspace import (
+    ALIAS,
+    prepare_workspace,
+    read_run_id,
+    register_in,
+    scores,
+    train_like,
+    write_pipeline_state,
+)
 from tracking import run as tracking_run
 from tracking import settings
 from tracking.callback import TrainCallback
 from tracking.files import FILES
 
 pytestmark = pytest.mark.slow
-bundle = test_registry_server.bundle  # module fixture: a real tiny MindIR export bundle
+bundle = register_workspace.bundle  # module fixture: a real tiny MindIR export bundle
 HOLD_S = 20.0  # how long the race's proxies hold an answer back, at most
 
 

@@ -11,50 +11,36 @@ import subprocess
 import sys
 import time
 import urllib.request
-from contextlib import chdir
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from harness import mlflow_server as server_fixtures
+from harness import register_workspace
 from harness.mlflow_server import MlflowServer, http_get
+from harness.register_workspace import (
+    MODEL,
+    prepare_workspace,
+    register_in,
+    train_like,
+    write_pipeline_state,
+)
 from registry import gate
-from tests.registry.test_gate import write_pipeline_state
 from tracking import lineage, settings
 from tracking import run as tracking_run
 from tracking.callback import TrainCallback
 from tracking.files import FILES
 
 pytestmark = pytest.mark.slow
-mlflow_server = server_fixtures.mlflow_server  # the module fixture (pytest finds it by name)
-
-
-@pytest.fixture
-def server(mlflow_server: MlflowServer) -> MlflowServer:
-    if mlflow_server.proc is None:  # a test that took it away failed before bringing it back
-        mlflow_server.start()
-    return mlflow_server
-
-
-@pytest.fixture
-def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, server: MlflowServer) -> Path:
-    """A project-like cwd with dvc.lock + manifest, tracking to the test server."""
-    write_pipeline_state(tmp_path)
-    (tmp_path / "params.yaml").write_text("register:\n  experiment: test-exp\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
-    return tmp_path
+mlflow_server = server_fixtures.mlflow_server  # module fixtures (pytest finds them by name)
+server = server_fixtures.server
+workspace = register_workspace.workspace
+bundle = register_workspace.bundle  # a real export bundle (two MindIR graphs) of a tiny CLIP
 
 
 def journals() -> list[Path]:
     return sorted(FILES.journal_dir.glob("*.json"))
-
-
-def train_like(run: tracking_run.PipelineRun, steps: int, start: int = 1) -> None:
-    callback = TrainCallback(run, flush_every_s=0.0, prefix="")
-    for step in range(start, start + steps):
-        callback.on_step_end(step, {"loss": 2.0 / step, "lr": 1e-3})
 
 
 def test_ui_page_answers(server: MlflowServer) -> None:
@@ -157,57 +143,6 @@ def test_server_going_away_mid_run_loses_nothing(workspace: Path, server: Mlflow
 # ---------------------------------------------------------------------------------------------
 # the model: register stage + gate on real logged models, loading by alias, serving over HTTP
 
-MODEL = "clip-test"
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A real export bundle (two MindIR graphs) of a tiny random-init CLIP."""
-    from harness.tiny_model import export_tiny_bundle
-
-    return export_tiny_bundle(tmp_path_factory.mktemp("export"), seed=0)
-
-
-def prepare_workspace(root: Path, bundle: Path, eval_metrics: dict, model: str = MODEL,
-                      primary_metric: str = "i2t_R@5", val_sha: str = "f" * 64,
-                      train_params: dict | None = None, val_images: int | None = None) -> Path:
-    """A workspace as the stages before register leave it: dvc.lock, manifest, params, the export
-    bundle and the checkpoint it came from, metrics/eval.json, and the pipeline's MLflow run
-    (train opened it, evaluate logged). The val split is a manifest entry only (`val_sha`), or
-    real shards of `val_images` images (harness.tiny_model.make_val_shards)."""
-    import shutil
-
-    from clipms.utils.jsonio import write_json
-    from harness.tiny_model import make_val_shards
-
-    root.mkdir(parents=True)
-    write_pipeline_state(root, val_sha=val_sha)
-    if val_images is not None:
-        make_val_shards(root / "data" / "shards", n_images=val_images)
-    (root / "params.yaml").write_text(
-        f"register:\n  model_name: {model}\n  experiment: test-exp\n"
-        f"  primary_metric: {primary_metric}\n  margin: 0.0\n")
-    shutil.copytree(bundle, root / "models" / "export")
-    for name in ("clip.ckpt", "clip.json", "tokenizer.json"):  # what the bundle was exported from
-        shutil.copy2(bundle.parent / "trained" / name, root / "models" / name)
-    write_json(root / "metrics" / "eval.json", eval_metrics)
-    with chdir(root):
-        tracking_run.PipelineRun.open("train", train_params or {"lr": 1e-3}, FILES).close()
-        tracking_run.log_stage("evaluate", {"batch_size": 16}, FILES, eval_metrics)
-    return root
-
-
-def register_in(root: Path) -> tuple[int, dict | None]:
-    """The real register stage, in-process, in `root`: (exit code, metrics/register.json)."""
-    from clipms.utils.jsonio import read_json
-    from stages import register
-
-    with chdir(root):
-        code = register.main()
-        out = Path("metrics/register.json")
-        return code, read_json(out) if out.exists() else None
-
-
 def pipeline_run(root: Path, bundle: Path, score: float, val_images: int | None = None) -> dict:
     """One pipeline run as the stages leave it, then the real register stage."""
     eval_metrics = {"i2t_R@1": score / 2, "i2t_R@5": score, "mAP@10": score / 3, "images": 10}
@@ -264,9 +199,8 @@ def test_versions_registered_from_one_run_keep_their_own_index(workspace: Path,
     import shutil
 
     from clipms.deploy.searchindex import ImageIndex, bundle_digest
-    from harness.tiny_model import export_tiny_bundle
+    from harness.tiny_model import export_tiny_bundle, make_index
     from serving.source import RegistrySource
-    from tests.integration.test_serving_swap import make_index
 
     other = export_tiny_bundle(workspace / "other", seed=1)
     root = prepare_workspace(workspace / "run", bundle, {"i2t_R@5": 0.5, "mAP@10": 0.2},

@@ -20,7 +20,7 @@ from clipms.utils.jsonio import read_json
 from harness import mlflow_server as server_fixtures
 from harness.dvc_workspace import make_workspace, run, tool_env
 from harness.mlflow_server import MlflowServer, free_port
-from tests.registry.test_gate import write_pipeline_state
+from harness.register_workspace import write_pipeline_state
 from tracking import run as tracking_run
 from tracking import settings
 from tracking.callback import TrainCallback

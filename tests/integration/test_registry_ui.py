@@ -10,18 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from harness import mlflow_screenshots
+from harness import mlflow_screenshots, register_workspace
 from harness import mlflow_server as server_fixtures
 from harness.mlflow_server import MlflowServer
+from harness.register_workspace import prepare_workspace, register_in
 from registry import gate
 from registry.registration import MODEL_DESCRIPTION_START
-from tests.integration import test_registry_server as server_tests
-from tests.integration.test_registry_server import prepare_workspace, register_in
 from tracking import settings
 
 pytestmark = pytest.mark.slow
 mlflow_server = server_fixtures.mlflow_server  # the module fixture (pytest finds it by name)
-bundle = server_tests.bundle  # a real export bundle of a tiny CLIP
+bundle = register_workspace.bundle  # a real export bundle of a tiny CLIP
 MODEL = "clip-ui"
 
 

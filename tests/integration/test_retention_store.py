@@ -34,17 +34,17 @@ import pytest
 import yaml
 
 from harness import mlflow_server as server_fixtures
+from harness import register_workspace
 from harness.dvc_workspace import run, tool_env
 from harness.fault_proxy import FaultProxy, Rule
 from harness.mlflow_server import MlflowServer
 from registry.retention import REMOVED_TAG
-from tests.integration import test_registry_server
 from tracking import settings
 from tracking.files import FILES
 
 pytestmark = pytest.mark.slow
 mlflow_server = server_fixtures.mlflow_server  # session fixtures, found by name
-bundle = test_registry_server.bundle
+bundle = register_workspace.bundle
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 MODEL = "retention-test"
 ALIAS = "/api/2.0/mlflow/registered-models/alias"
@@ -121,7 +121,7 @@ def night(root: Path, number: int, bundle_dir: Path, proxy: FaultProxy) -> None:
         tracking_run.log_stage("evaluate", {"batch_size": 16}, FILES, scores)
     if number in GATE_FAILS:
         proxy.add(Rule("GET", ALIAS, "fail", status=503))
-    code, record = test_registry_server.register_in(root)
+    code, record = register_workspace.register_in(root)
     proxy.clear()
     assert (code, record is None) == ((1, True) if number in GATE_FAILS else (0, False))
 

@@ -20,25 +20,12 @@ import pytest
 from harness import mlflow_server as server_fixtures
 from harness.mlflow_server import MlflowServer
 from harness.serving_server import ServingServer, post_json, request
-from harness.tiny_model import jpeg_bytes, random_images
+from harness.tiny_model import make_index
 
 pytestmark = pytest.mark.slow
 mlflow_server = server_fixtures.mlflow_server  # the module's server, found by name
 MODEL = "clip-swap"
 LOOP_LIMIT_S = 240.0  # the client loop stops by itself after this, whatever happens
-
-
-def make_index(bundle: Path, out: Path) -> Path:
-    from clipms.deploy.infer import Encoder
-    from clipms.deploy.search import SearchOptions
-    from clipms.deploy.searchindex import Item, build_index, bundle_digest
-
-    images = random_images(12, seed=4)
-    items = [Item(f"s{i:02d}", jpeg_bytes(im), f"picture {i}", "val")
-             for i, im in enumerate(images)]
-    build_index(Encoder(bundle, kernel_fusion=False), items, out, bundle_digest(bundle),
-                SearchOptions(), thumbnail_size=16)
-    return out
 
 
 def register(bundle: Path, index: Path | None) -> str:

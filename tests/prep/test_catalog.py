@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from clipms.data import webds
+from harness.input_tars import good, write_tar
 from prep.catalog import (
     CatalogError,
     file_sha256,
@@ -20,7 +21,6 @@ from prep.catalog import (
     write_catalog,
 )
 from prep.shards import ChecksCache, ShardSettings, build_shards
-from tests.prep.test_shards import good, write_tar
 
 SETTINGS = ShardSettings(samples_per_shard=2, workers=1)
 

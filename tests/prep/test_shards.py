@@ -11,43 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import webdataset as wds
 from PIL import Image
 
 from clipms.data import webds
+from harness.input_tars import good, image_bytes, meta, quiet, write_tar
 from pipeline.params import ParamsError, load_section
 from prep.shards import ShardError, ShardSettings, build_shards
 from stages.shard import ShardParams
-
-
-def quiet(_message: str) -> None:
-    pass
-
-
-def image_bytes(size=(64, 64), colour=(200, 40, 40), fmt="JPEG") -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", size, colour).save(out, format=fmt)
-    return out.getvalue()
-
-
-def meta(i: int, split: str | None = "train", captions=None, **extra) -> dict:
-    return {"url": f"http://x/{i}.jpg", "image_key": f"{i:016x}", "split": split,
-            "captions": [f"caption {i}", f"second caption {i}"] if captions is None else captions,
-            "labels": json.dumps({"shape": "circle"}), "key": f"{i:09d}", "status": "success",
-            **extra}
-
-
-def write_tar(path: Path, samples: list[dict]) -> None:
-    """An img2dataset-like webdataset tar."""
-    with wds.TarWriter(str(path)) as sink:
-        for sample in samples:
-            sink.write(sample)
-
-
-def good(i: int, split: str = "train") -> dict:
-    data = meta(i, split)
-    return {"__key__": f"{i:09d}", "jpg": image_bytes(colour=(i * 20 % 255, 80, 80)),
-            "txt": data["captions"][0], "json": json.dumps(data)}
 
 
 def read_output(folder: Path) -> dict[str, dict]:

@@ -14,9 +14,9 @@ import pytest
 from clipms.data import webds
 from clipms.data.dataset import TrainSamples, index_shards, steps_per_epoch
 from clipms.text.clip_tokenizer import Tokenizer
+from harness.input_tars import good, meta, quiet, write_tar
+from harness.numbered_shards import PRE
 from prep.shards import ShardSettings, build_shards
-from tests.clipms.data.test_dataset import PRE
-from tests.prep.test_shards import good, meta, quiet, write_tar
 
 SETTINGS = ShardSettings(samples_per_shard=4, workers=1)
 

@@ -18,16 +18,16 @@ import pytest
 import yaml
 
 from harness import mlflow_server as server_fixtures
+from harness import register_workspace
 from harness.dvc_workspace import PROJECT_ROOT, checkpoint_arrays, tool_env
 from harness.mlflow_server import MlflowServer
+from harness.register_workspace import prepare_workspace, register_in
 from harness.tiny_model import CAPTIONS, make_train_and_val_shards
-from tests.integration import test_registry_server
-from tests.integration.test_registry_server import prepare_workspace, register_in
 from tracking import settings
 
 pytestmark = pytest.mark.slow
 mlflow_server = server_fixtures.mlflow_server  # module fixtures, found by name
-bundle = test_registry_server.bundle
+bundle = register_workspace.bundle
 
 # The tiny architecture of harness/tiny_model.py as train params (vocabulary and context: the
 # tokenizer's, 600 and 16 for the champion's).

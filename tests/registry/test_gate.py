@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
+from harness.register_workspace import write_pipeline_state
 from pipeline import paths
 from registry import gate
 from registry.compare import VersionRow, differing_params, render
@@ -229,33 +229,6 @@ def test_params_are_flattened_and_never_leak_secrets_or_home(monkeypatch) -> Non
                  "X-Amz-Signature=SIGSECRET")
     assert lineage.safe_params({"metadata.path": presigned})["metadata.path"] \
         == "https://bucket.s3.amazonaws.com/m.parquet?<redacted>"
-
-
-def write_pipeline_state(root: Path, shards_md5: str = "1" * 32, val_sha: str = "f" * 64) -> None:
-    """A dvc.lock and shard manifest as the data stages leave them."""
-    lock = {"schema": "2.0", "stages": {
-        "metadata": {"cmd": "python -m stages.metadata",
-                     "params": {"params.yaml": {"metadata": {"source": "synthetic", "seed": 0,
-                                                             "sha256": None}}},
-                     "outs": [{"path": "data/metadata.parquet", "md5": "2" * 32, "size": 10}]},
-        "shard": {"cmd": "python -m stages.shard",
-                  "params": {"params.yaml": {"shard": {"samples_per_shard": 16}}},
-                  "outs": [{"path": "data/shards", "md5": shards_md5 + ".dir", "size": 99}]},
-        "split_outs": {"cmd": "true",  # as dvc.yaml declares the shard outs: one per part
-                       "outs": [{"path": "data/parts/val", "md5": "4" * 32 + ".dir"},
-                                {"path": "data/parts/manifest.json", "md5": "5" * 32}]},
-        "tokenizer": {"cmd": "python -m stages.tokenizer",
-                      "params": {"params.yaml": {"tokenizer.vocab_size": 400}},
-                      "outs": [{"path": "models/tokenizer.json", "md5": "3" * 32, "size": 5}]},
-    }}
-    (root / "dvc.lock").write_text(yaml.safe_dump(lock))
-    manifest = {"samples_per_shard": 16, "splits": {
-        "train": {"samples": 30, "bytes": 1, "shards": [
-            {"name": "train/000000.tar", "samples": 30, "bytes": 1, "sha256": "e" * 64}]},
-        "val": {"samples": 10, "bytes": 1, "shards": [
-            {"name": "val/000000.tar", "samples": 10, "bytes": 1, "sha256": val_sha}]}}}
-    (root / "data" / "shards").mkdir(parents=True, exist_ok=True)
-    (root / "data" / "shards" / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_lineage_reads_git_dvc_lock_and_manifest(tmp_path: Path, monkeypatch) -> None:

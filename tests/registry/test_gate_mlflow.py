@@ -16,21 +16,15 @@ from pathlib import Path
 import pytest
 
 from harness import mlflow_server as server_fixtures
+from harness import register_workspace
 from harness.fault_proxy import FaultProxy, Rule
 from harness.mlflow_server import MlflowServer
-from tests.integration import test_registry_server
-from tests.integration.test_registry_server import prepare_workspace, register_in
+from harness.register_workspace import ALIAS, prepare_workspace, read_run_id, register_in, scores
 from tracking import settings
 
 pytestmark = pytest.mark.slow
-ALIAS = "/api/2.0/mlflow/registered-models/alias"  # GET: the gate's champion lookup; POST: a move
 mlflow_server = server_fixtures.mlflow_server  # module fixtures, found by name
-bundle = test_registry_server.bundle
-
-
-def scores(i2t_r5: float, mean_rank: float = 10.0) -> dict[str, float]:
-    return {"i2t_R@5": i2t_r5, "i2t_mean_rank": mean_rank, "mAP@10": i2t_r5 / 3,
-            "num_images": 10, "chance_i2t_R@5": 0.5}
+bundle = register_workspace.bundle
 
 
 @pytest.fixture
@@ -152,12 +146,6 @@ def start_register(workspace: Path, tracking_uri: str, lock_dir: Path) -> subpro
     env = dict(os.environ, MLFLOW_TRACKING_URI=tracking_uri, CLIPMS_LOCK_DIR=str(lock_dir))
     return subprocess.Popen([sys.executable, "-m", "stages.register"], cwd=workspace, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def read_run_id(workspace: Path) -> str:
-    from clipms.utils.jsonio import read_json
-
-    return str(read_json(workspace / "models" / "mlflow_run.json")["run_id"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness import mlflow_server as server_fixtures
+from harness import register_workspace
 from registry import index_store
-from tests.integration import test_registry_server
 
-mlflow_server = test_registry_server.mlflow_server  # the real MLflow server, the tiny bundle
-server = test_registry_server.server
-workspace = test_registry_server.workspace
-bundle = test_registry_server.bundle
+mlflow_server = server_fixtures.mlflow_server  # the real MLflow server, the tiny bundle
+server = server_fixtures.server
+workspace = register_workspace.workspace
+bundle = register_workspace.bundle
 
 
 def store_bytes(root: Path) -> int:
@@ -127,9 +128,9 @@ def test_two_versions_with_the_same_index_add_its_bytes_once(workspace: Path, bu
     bundle and index, from two pipeline runs: the index's bytes enter the artifact store once,
     and each version is served with its index from MLflow alone."""
     from clipms.deploy.searchindex import EMBEDDINGS, ImageIndex, bundle_digest
+    from harness.register_workspace import prepare_workspace, register_in
+    from harness.tiny_model import make_index
     from serving.source import RegistrySource
-    from tests.integration.test_registry_server import prepare_workspace, register_in
-    from tests.integration.test_serving_swap import make_index
     from tracking import settings
 
     index = make_index(bundle, workspace / "index")

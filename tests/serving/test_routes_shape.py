@@ -7,15 +7,10 @@ from __future__ import annotations
 import pytest
 
 from clipms.deploy.inputs import InputError, RequestLimits
+from harness.hostile_bodies import unclosed_quotes
 from serving.routes import SHAPE_MARGIN, check_shape, scan_shape
 
 MAX_ROWS = 16
-
-
-def unclosed_quotes(size: int, head: bytes = b'{"texts": ["a", "b", "') -> bytes:
-    """A body of `size` bytes whose last string, of escaped quotes and commas, never closes: the
-    string pattern the shape check used read to the end of the body from each of its quotes."""
-    return head + b'\\",' * ((size - len(head)) // 3)
 
 
 # ------------------------------------------------------------------ bodies that slow the check

@@ -1,4 +1,5 @@
-"""Loader: tiny shards written here in the contract format, read through real MindSpore."""
+"""Loader: tiny shards in the contract format (harness.numbered_shards), read through real
+MindSpore."""
 
 from __future__ import annotations
 
@@ -24,62 +25,18 @@ from clipms.data.dataset import (
 )
 from clipms.data.preprocess import PreprocessConfig, preprocess_image
 from clipms.text.clip_tokenizer import Tokenizer
+from harness.numbered_shards import (
+    CAPTIONS,
+    PRE,
+    decode_colour,
+    ids_of,
+    jpeg,
+    run_loader,
+    sample_files,
+    write_shards,
+)
 
-CAPTIONS = 3
-PRE = PreprocessConfig(image_size=16)
 CTX = 16
-
-
-def colour_of(i: int) -> tuple[int, int, int]:
-    """A flat colour that encodes the sample number (coarse steps survive JPEG)."""
-    return (40 * (i % 6) + 20, 40 * (i // 6 % 6) + 20, 40 * (i // 36) + 20)
-
-
-def decode_colour(image: np.ndarray) -> int:
-    """The generator's colour index of an image: training batches are uint8 pixels, evaluation
-    batches normalised floats."""
-    mean, std = np.array(PRE.mean), np.array(PRE.std)
-    rgb = image[:, 8, 8].astype(float) if image.dtype == np.uint8 else (
-        (image[:, 8, 8] * std + mean) * 255)
-    r, g, b = (int(round((v - 20) / 40)) for v in rgb)
-    return r + 6 * g + 36 * b
-
-
-def jpeg(i: int) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (24, 20), colour_of(i)).save(buffer, format="JPEG", quality=95)
-    return buffer.getvalue()
-
-
-def write_shards(root: Path, sizes: dict[str, list[int]]) -> Path:
-    """Shards `root/{split}/00000N.tar` with sizes[split][n] samples each, plus the manifest."""
-    numbers = iter(range(sum(map(sum, sizes.values()))))
-    splits = {}
-    for split, shard_sizes in sizes.items():
-        shards = []
-        for n, count in enumerate(shard_sizes):
-            name = webds.SHARD_NAME.format(split=split, index=n)
-            samples = [sample_files(next(numbers), split) for _ in range(count)]
-            shards.append({"name": name, **webds.write_tar(root / name, samples)})
-        splits[split] = webds.split_summary(shards)
-    webds.write_manifest(root, max(max(v) for v in sizes.values()), splits)
-    return root
-
-
-def sample_files(number: int, split: str) -> webds.SampleFiles:
-    key = f"{number:09d}"
-    captions = [f"sample {number} caption {c}" for c in range(CAPTIONS)]
-    meta = {"captions": captions, "url": f"file:///{key}.jpg", "key": key, "split": split,
-            "labels": {"shape": ["circle", "square"][number % 2]}}
-    return key, {"jpg": jpeg(number), "txt": captions[0].encode(),
-                 "json": json.dumps(meta).encode()}
-
-
-def identify(text_row: np.ndarray, tok: Tokenizer) -> tuple[int, int]:
-    """(sample number, caption number) from tokens of 'sample N caption C' (digits are split)."""
-    words = tok.decode(text_row).split()
-    i = words.index("caption")
-    return int("".join(words[1:i])), int("".join(words[i + 1:]))
 
 
 @pytest.fixture(scope="module")
@@ -90,21 +47,6 @@ def shards(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
     return Tokenizer.openai(context_length=CTX)
-
-
-def run_loader(shards: Path, tok: Tokenizer, batch_size: int, **kw) -> list[tuple]:
-    ds = build_train_dataset(shards, tok, PRE, batch_size, **kw)
-    return [(img, txt) for img, txt in ds.create_tuple_iterator(num_epochs=1, output_numpy=True)]
-
-
-def ids_of(batches: list[tuple], tok: Tokenizer) -> list[list[tuple[int, int]]]:
-    """Per batch, (sample, caption) of each row, checking that image and text belong together."""
-    out = []
-    for images, texts in batches:
-        rows = [identify(t, tok) for t in texts]
-        assert [decode_colour(im) for im in images] == [r[0] for r in rows]
-        out.append(rows)
-    return out
 
 
 def test_counts_shapes_and_drop_remainder(shards: Path, tok: Tokenizer) -> None:

@@ -20,7 +20,7 @@ from clipms.data.sampling import (
     grouped_batches,
 )
 from clipms.text.clip_tokenizer import Tokenizer
-from tests.clipms.data.test_dataset import PRE, ids_of, run_loader, write_shards
+from harness.numbered_shards import PRE, ids_of, run_loader, write_shards
 
 COLOURS = ["red", "green", "blue", "cyan"]
 

@@ -123,7 +123,7 @@ def test_clear_errors(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_tokenizer_stage_with_dvc(tmp_path: Path) -> None:
     from harness.dvc_workspace import make_workspace, run, set_params
-    from tests.clipms.data.test_dataset import CAPTIONS, write_shards
+    from harness.numbered_shards import CAPTIONS, write_shards
 
     ws = make_workspace(tmp_path / "ws", {"tokenizer.min_frequency": 1})
     write_shards(ws / "data/shards", {"train": [6, 5], "val": [3]})

@@ -25,8 +25,8 @@ from clipms.train import feed
 from clipms.train.feed import BatchSignature, DeviceQueue, RandomBatches, ShardBatches, SinkFeed
 from clipms.train.loop import Training, _loop
 from clipms.train.recipe import TrainConfig
-from tests.clipms.data.test_dataset import write_shards
-from tests.clipms.train.test_loop import MICRO
+from harness.numbered_shards import write_shards
+from harness.tiny_model import MICRO
 
 BATCH, CTX = 4, 16
 

@@ -12,19 +12,15 @@ import numpy as np
 import pytest
 from mindspore import Parameter, Tensor, nn
 
-from clipms.model.architecture import CLIPConfig, TextConfig, VisionConfig
+from clipms.model.architecture import CLIPConfig
 from clipms.model.clip import CLIP
 from clipms.runtime import RuntimeConfig
 from clipms.train import checkpoint, schedule
 from clipms.train.feed import HostFeed, sink_dataset
 from clipms.train.loop import NonFiniteLossError, RandomBatches, Training, train
 from clipms.train.recipe import LOSS_INIT, TrainConfig, TrainSettings
+from harness.tiny_model import MICRO
 
-MICRO = CLIPConfig(
-    embed_dim=16,
-    vision=VisionConfig(image_size=16, patch_size=8, width=32, layers=1, head_width=16),
-    text=TextConfig(context_length=8, vocab_size=40, width=32, heads=2, layers=1),
-)
 # SigLIP's loss and initialisation, and patch dropout (2 of the 4 patches kept)
 MICRO_SIGLIP_PD = dataclasses.replace(
     MICRO, vision=dataclasses.replace(MICRO.vision, patch_dropout=0.5), **LOSS_INIT["siglip"])
