@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from clipms.data.loading import LoaderSettings
 from clipms.model.architecture import CLIPConfig
 from clipms.runtime import RuntimeConfig
 from clipms.schema import Section, cadence, weights_view
@@ -94,6 +95,13 @@ class TrainSettings(Section):
         if isinstance(value, str):
             return (value,)
         return value or None
+
+    def loader(self, rank: int = 0, world_size: int = 1, workers: int = 0) -> LoaderSettings:
+        """The training loader's settings for one rank of `world_size`, with `workers` decode
+        workers (`train.workers` resolved in that rank's process)."""
+        return LoaderSettings(seed=self.seed, rank=rank, world_size=world_size, workers=workers,
+                              augment=self.augment, decode=self.decode, group_by=self.group_by,
+                              group_fraction=self.group_fraction)
 
 
 class TrainConfig(TrainSettings):
