@@ -106,7 +106,7 @@ def run(job: TrainJob, callbacks: Sequence[Callback] = (),
              "host, %d cores where the run was launched)", rank, workers, cfg.workers,
              usable_cores(), job.local_ranks, job.launcher_cores)
     source = ShardBatches(job.shards_dir, tokenizer, preprocess, cfg.batch_size,
-                          cfg.loader(rank, group_size, workers))
+                          cfg.loader(rank=rank, world_size=group_size, workers=workers))
     result = train(cfg, source, job.checkpoint_dir, callbacks=callbacks, resume=job.resume,
                    distributed=distributed, preprocess=preprocess)
     if rank == 0:
