@@ -50,6 +50,7 @@ from clipms.data.dataset import (  # noqa: E402
     iter_eval_batches,
     steps_per_epoch,
 )
+from clipms.data.loading import LoaderSettings  # noqa: E402
 from clipms.data.preprocess import PreprocessConfig  # noqa: E402
 from clipms.eval.metrics import retrieval_metrics  # noqa: E402
 from clipms.text.clip_tokenizer import Tokenizer  # noqa: E402
@@ -172,7 +173,7 @@ def main() -> None:
     preprocess = PreprocessConfig(image_size=model.visual.image_size[0])
     epochs = -(-args.steps // steps_per_epoch(args.shards, args.batch_size))
     samples = TrainSamples(index_shards(args.shards, "train"), tokenizer, preprocess,
-                           args.batch_size, epochs=epochs, seed=args.seed)
+                           args.batch_size, LoaderSettings(seed=args.seed), epochs=epochs)
     clock, curve = Clock(), []
 
     def check(step: int) -> None:

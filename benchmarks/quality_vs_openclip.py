@@ -168,6 +168,7 @@ def model_config(args: argparse.Namespace) -> Any:
 def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """clipms's trainer on the shards; (features for scoring, run facts)."""
     from benchmarks.throughput.checks import EvalCopy, QualityChecks
+    from clipms.data.loading import LoaderSettings
     from clipms.data.preprocess import PreprocessConfig
     from clipms.eval import metrics
     from clipms.eval.embed import CellTowers, embed_split
@@ -187,7 +188,8 @@ def train_ours(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]
         config = config.model_copy(update={"init_from": openclip_init(args)})
     preprocess = PreprocessConfig(image_size=cfg.vision.image_size)
     shards = args.work / "data/shards"
-    source = ShardBatches(shards, tokenizer, preprocess, args.batch_size, seed=args.seed)
+    source = ShardBatches(shards, tokenizer, preprocess, args.batch_size,
+                          LoaderSettings(seed=args.seed))
     copy = EvalCopy(cfg)
 
     def score(model: Any) -> dict[str, float]:

@@ -17,6 +17,7 @@ from PIL import Image
 
 from clipms.data import webds
 from clipms.data.dataset import build_train_dataset
+from clipms.data.loading import LoaderSettings
 from clipms.data.preprocess import PreprocessConfig
 from clipms.text.clip_tokenizer import Tokenizer
 
@@ -77,7 +78,9 @@ def identify(text_row: np.ndarray, tok: Tokenizer) -> tuple[int, int]:
 
 
 def run_loader(shards: Path, tok: Tokenizer, batch_size: int, **kw) -> list[tuple]:
-    ds = build_train_dataset(shards, tok, PRE, batch_size, **kw)
+    """The loader's batches; `kw` holds LoaderSettings fields and the per-call steps."""
+    settings = {k: kw.pop(k) for k in list(kw) if k in LoaderSettings.__dataclass_fields__}
+    ds = build_train_dataset(shards, tok, PRE, batch_size, LoaderSettings(**settings), **kw)
     return [(img, txt) for img, txt in ds.create_tuple_iterator(num_epochs=1, output_numpy=True)]
 
 

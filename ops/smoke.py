@@ -342,7 +342,7 @@ def _dp_train(root: Path, distributed: bool) -> list[dict[str, float]]:
                       warmup_steps=0, max_steps=DP_STEPS, seed=plan.seed,
                       runtime=RuntimeConfig(**plan.runtime))
     # the same global batches either way: RandomBatches draws batch x group rows per index
-    source = RandomBatches(model, batch, DP_STEPS, seed=plan.seed, rank=rank, group_size=size)
+    source = RandomBatches(model, batch, DP_STEPS, seed=plan.seed, rank=rank, world_size=size)
     result = train(cfg, source, distributed=distributed)
     return [{"loss": row["loss"], "grad_norm": row["grad_norm"]} for row in result.history]
 

@@ -168,7 +168,8 @@ def lineage_tags(carried: Any) -> dict[str, str]:
     return {**tags, **(carried.lineage("init") if carried is not None else {})}
 
 
-def _check_grouping(params: TrainParams, tokenizer: Any, image_size: int, workers: int) -> None:
+def _check_grouping(params: TrainParams, tokenizer: Any, image_size: int,
+                    world_size: int) -> None:
     """train.group_by must name labels every train sample has, at a fraction its groups can fill:
     the loader's own check (a DataError naming the field), run here before anything compiles."""
     if not params.group_by:
@@ -177,9 +178,8 @@ def _check_grouping(params: TrainParams, tokenizer: Any, image_size: int, worker
     from clipms.data.preprocess import PreprocessConfig
 
     TrainSamples(index_shards(paths.SHARDS, "train"), tokenizer,
-                 PreprocessConfig(image_size=image_size), params.batch_size, epochs=1,
-                 world_size=workers, group_by=params.group_by,
-                 group_fraction=params.group_fraction)
+                 PreprocessConfig(image_size=image_size), params.batch_size,
+                 params.loader(world_size=world_size), epochs=1)
 
 
 def main() -> int:

@@ -112,6 +112,7 @@ def run_loader(args: argparse.Namespace) -> dict[str, Any]:
     import psutil  # a MindSpore dependency
 
     from clipms.data.dataset import build_train_dataset, steps_per_epoch
+    from clipms.data.loading import LoaderSettings
     from clipms.data.preprocess import PreprocessConfig
     from clipms.text.clip_tokenizer import Tokenizer
 
@@ -123,8 +124,9 @@ def run_loader(args: argparse.Namespace) -> dict[str, Any]:
         epochs = -(-wanted // steps_per_epoch(shards, args.batch_size, split=args.split))
         load_before, started = os.getloadavg()[0], time.perf_counter()
         dataset = build_train_dataset(shards, tokenizer, PreprocessConfig(args.image_size),
-                                      args.batch_size, epochs=epochs, workers=args.workers,
-                                      augment=args.augment, split=args.split)
+                                      args.batch_size,
+                                      LoaderSettings(workers=args.workers, augment=args.augment),
+                                      epochs=epochs, split=args.split)
         build_s = time.perf_counter() - started
         cpu_before, batch_ms = _tree_cpu_s(psutil.Process()), []
         tick = time.perf_counter()

@@ -9,10 +9,10 @@ that `clipms.data.webds` owns (key rule, key format, manifest).
 Training
   `steps_per_epoch(shards_dir, batch_size, world_size=1, split="train") -> int`
       = manifest samples // (batch_size * world_size): every epoch drops the remainder.
-  `build_train_dataset(shards_dir, tokenizer, preprocess, batch_size, *, epochs=1, start_step=0,
-                       seed=0, rank=0, world_size=1, workers=2, augment=False, split="train",
-                       shuffle_window_shards=0, decode="pil", group_by=None,
-                       group_fraction=0.0, stop_step=None) -> mindspore.dataset.Dataset`
+  `build_train_dataset(shards_dir, tokenizer, preprocess, batch_size, loader=LoaderSettings(), *,
+                       epochs=1, start_step=0, stop_step=None, split="train")
+      -> mindspore.dataset.Dataset`, `loader` the run's `clipms.data.loading.LoaderSettings`
+      (seed, rank, world size, workers, augment, decode, shuffle window, grouping)
       Yields (image uint8 (B, 3, S, S), text int32 (B, context_length)) for the global steps
       start_step .. (stop_step or epochs * steps_per_epoch) - 1 in order (so `start_step` resumes mid-run and the
       batches are the ones an uninterrupted run would have seen). Iterate it once:
@@ -24,9 +24,9 @@ Training
         negatives). A DataError names the field when a sample's labels lack it.
       - One caption per image per epoch, drawn uniformly with a generator seeded by
         (seed, epoch, crc32(key)): independent of rank, world size and worker count.
-      - `augment=True`: open_clip's training crop (RandomResizedCrop scale 0.9-1.0, ratio 3/4-4/3,
+      - `loader.augment`: open_clip's training crop (RandomResizedCrop scale 0.9-1.0, ratio 3/4-4/3,
         same interpolation); otherwise the evaluation transform of `clipms.data.preprocess`.
-      - Decoding runs in `workers` processes (GeneratorDataset over random access, which measured
+      - Decoding runs in `loader.workers` processes (GeneratorDataset over random access, which measured
         faster than an iterable), the order stays deterministic.
   `TrainSamples`: the random-access source behind it (`sample_ids(step)` tells which samples a
       rank's batch holds, without decoding anything).
@@ -62,7 +62,8 @@ import numpy as np
 from PIL import Image
 
 from clipms.data import webds
-from clipms.data.decode import DECODERS, DEVICE_DECODE_FORMATS, device_transforms
+from clipms.data.decode import DEVICE_DECODE_FORMATS, device_transforms
+from clipms.data.loading import DEFAULT_LOADER, LoaderSettings
 from clipms.data.preprocess import (
     INTERPOLATIONS,
     PreprocessConfig,
@@ -247,28 +248,22 @@ class TrainSamples:
     """Random-access training samples for one rank: item i = sample `within` of step `step`."""
 
     def __init__(self, index: ShardIndex, tokenizer: Tokenizer, preprocess: PreprocessConfig,
-                 batch_size: int, *, epochs: int, start_step: int = 0, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, augment: bool = False,
-                 shuffle_window_shards: int = 0, group_by: Sequence[str] | None = None,
-                 group_fraction: float = 0.0, stop_step: int | None = None) -> None:
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} out of range for world size {world_size}")
+                 batch_size: int, loader: LoaderSettings = DEFAULT_LOADER, *, epochs: int,
+                 start_step: int = 0, stop_step: int | None = None) -> None:
         if batch_size < 1 or epochs < 1:
             raise DataError(f"batch_size and epochs must be >= 1, got {batch_size}, {epochs}")
         self.index, self.tokenizer, self.preprocess = index, tokenizer, preprocess
-        self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
-        self.augment = augment
+        self.batch_size, self.loader = batch_size, loader
         try:
+            group_by = loader.group_by
             groups = group_ids(split_labels(index), index.keys, group_by) if group_by else None
-            self.order = BatchOrder(index, batch_size, seed=seed, rank=rank,
-                                    world_size=world_size, window_shards=shuffle_window_shards,
-                                    groups=groups, group_fraction=group_fraction)
+            self.order = BatchOrder(index, batch_size, loader, groups)
         except SamplingError as err:
             raise DataError(str(err)) from err
         self.steps_per_epoch = self.order.steps_per_epoch
         if self.steps_per_epoch == 0:
             raise DataError(f"{len(index)} samples cannot fill one global batch of "
-                            f"{batch_size} x {world_size} ranks")
+                            f"{batch_size} x {loader.world_size} ranks")
         self.start_step, self.end_step = start_step, epochs * self.steps_per_epoch
         if stop_step is not None:  # a run that ends mid-epoch: nothing decoded past its end
             if not start_step <= stop_step <= self.end_step:
@@ -290,7 +285,7 @@ class TrainSamples:
         return self.order.sample_ids(step)
 
     def caption(self, sample: int, epoch: int, captions: list[str]) -> str:
-        rng = sample_rng(self.seed, epoch, self.index.keys[sample])
+        rng = sample_rng(self.loader.seed, epoch, self.index.keys[sample])
         return captions[int(rng.integers(len(captions)))]
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -311,8 +306,8 @@ class TrainSamples:
         try:
             cfg = self.preprocess
             rgb = decode_image(image_bytes, key, cfg.max_pixels)
-            if self.augment:
-                rng = sample_rng(self.seed + 1, epoch, key)  # independent of the caption draw
+            if self.loader.augment:
+                rng = sample_rng(self.loader.seed + 1, epoch, key)  # independent of the caption draw
                 crop = random_resized_crop(rgb, cfg.image_size, cfg.interpolation, rng)
             else:
                 resized = resize_shorter_side(rgb, cfg.image_size, cfg.interpolation)
@@ -348,40 +343,36 @@ class EncodedTrainSamples(TrainSamples):
 
 
 def build_train_dataset(shards_dir: Path | str, tokenizer: Tokenizer, preprocess: PreprocessConfig,
-                        batch_size: int, *, epochs: int = 1, start_step: int = 0, seed: int = 0,
-                        rank: int = 0, world_size: int = 1, workers: int = 2,
-                        augment: bool = False, split: str = "train",
-                        shuffle_window_shards: int = 0, decode: str = "pil",
-                        group_by: Sequence[str] | None = None, group_fraction: float = 0.0,
-                        stop_step: int | None = None) -> Any:
+                        batch_size: int, loader: LoaderSettings = DEFAULT_LOADER, *,
+                        epochs: int = 1, start_step: int = 0, stop_step: int | None = None,
+                        split: str = "train") -> Any:
     """The mindspore.dataset pipeline of (image, text) batches; see the module docstring.
-    `decode` is one of DECODERS; "cpu"/"ascend" decode in `workers` C++ threads of the dataset
-    (no Python worker processes, no shared memory) and do not augment."""
-    import mindspore.dataset as ds  # heavy: only the training path needs it
-
-    if decode not in DECODERS:
-        raise DataError(f"decode = {decode!r}: expected one of {DECODERS}")
-    if decode != "pil" and augment:
-        raise DataError(f"decode = {decode!r} does not augment: use decode 'pil' with augment")
+    `loader.decode` "cpu"/"ascend" decode in `loader.workers` C++ threads of the dataset (no
+    Python worker processes, no shared memory) and do not augment."""
     # Decode workers are forked after the tokenizer may have used its Rust thread pool, which does
     # not survive a fork; one caption per call needs no parallelism anyway.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    kind = TrainSamples if decode == "pil" else EncodedTrainSamples
-    source = kind(index_shards(shards_dir, split), tokenizer, preprocess, batch_size,
-                  epochs=epochs, start_step=start_step, seed=seed, rank=rank,
-                  world_size=world_size, augment=augment,
-                  shuffle_window_shards=shuffle_window_shards, group_by=group_by,
-                  group_fraction=group_fraction, stop_step=stop_step)
-    if decode == "pil":
-        dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
-                                      num_parallel_workers=max(1, workers),
-                                      python_multiprocessing=workers > 1)
-    else:  # reading encoded bytes is cheap: one reader, the decode fans out in C++
-        dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
-                                      num_parallel_workers=1, python_multiprocessing=False)
-        dataset = dataset.map(device_transforms(preprocess, decode), input_columns=["image"],
-                              num_parallel_workers=max(1, workers))
-    return dataset.batch(batch_size, drop_remainder=True)
+    kind = TrainSamples if loader.decode == "pil" else EncodedTrainSamples
+    source = kind(index_shards(shards_dir, split), tokenizer, preprocess, batch_size, loader,
+                  epochs=epochs, start_step=start_step, stop_step=stop_step)
+    return decoded_batches(source, loader).batch(batch_size, drop_remainder=True)
+
+
+def decoded_batches(source: TrainSamples, loader: LoaderSettings) -> Any:
+    """`source` as a mindspore.dataset of (image, text) rows decoded in `loader.workers`: Python
+    processes for "pil", the dataset's C++ threads for the device decoders."""
+    import mindspore.dataset as ds  # heavy: only the training path needs it
+
+    workers = loader.workers
+    if loader.decode == "pil":
+        return ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
+                                   num_parallel_workers=max(1, workers),
+                                   python_multiprocessing=workers > 1)
+    # reading encoded bytes is cheap: one reader, the decode fans out in C++
+    dataset = ds.GeneratorDataset(source, column_names=["image", "text"], shuffle=False,
+                                  num_parallel_workers=1, python_multiprocessing=False)
+    return dataset.map(device_transforms(source.preprocess, loader.decode),
+                       input_columns=["image"], num_parallel_workers=max(1, workers))
 
 
 # --- evaluation -----------------------------------------------------------------------------------

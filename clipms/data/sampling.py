@@ -26,9 +26,12 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from clipms.data.loading import LoaderSettings
 
 _GROUPING_STREAM = 1  # the grouping's draws: a stream apart from the epoch order's [seed, epoch]
 
@@ -127,12 +130,15 @@ def _blocks(ids: np.ndarray, size: int) -> list[np.ndarray]:
 class BatchOrder:
     """The sample ids of one rank's batch at each global step (see the module docstring)."""
 
-    def __init__(self, index: SplitLayout, batch_size: int, *, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, window_shards: int = 0, groups: np.ndarray | None = None,
-                 group_fraction: float = 0.0) -> None:
-        self.index, self.batch_size, self.seed = index, batch_size, seed
-        self.rank, self.world_size, self.window = rank, world_size, window_shards
-        self.steps_per_epoch = len(index) // (batch_size * world_size)
+    def __init__(self, index: SplitLayout, batch_size: int, loader: LoaderSettings,
+                 groups: np.ndarray | None = None) -> None:
+        """`loader` gives the seed, this rank and the world size, the shuffle window and the
+        grouped share; `groups` each sample's group (`group_ids`), None: no grouping."""
+        self.index, self.batch_size, self.seed = index, batch_size, loader.seed
+        self.rank, self.world_size = loader.rank, loader.world_size
+        self.window = loader.shuffle_window_shards
+        self.steps_per_epoch = len(index) // (batch_size * self.world_size)
+        group_fraction = loader.group_fraction
         if not 0.0 <= group_fraction <= 1.0:
             raise SamplingError(f"train.group_fraction {group_fraction}: expected 0 to 1")
         self.groups = groups

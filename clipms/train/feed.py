@@ -5,13 +5,14 @@ normalises them on the device (`clipms.train.step.PixelNormalize`)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from clipms.data.loading import DEFAULT_LOADER, LoaderSettings
 from clipms.model.architecture import CLIPConfig
 
 
@@ -31,13 +32,13 @@ class RandomBatches:
     and tests. Tokens end in the highest id (EOT) like real captions."""
 
     def __init__(self, cfg: CLIPConfig, batch_size: int, batches_per_epoch: int, seed: int = 0,
-                 rank: int = 0, group_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1) -> None:
         self.cfg, self.batch_size, self.batches_per_epoch = cfg, batch_size, batches_per_epoch
-        self.seed, self.rank, self.group_size = seed, rank, group_size
+        self.seed, self.rank, self.world_size = seed, rank, world_size
 
     def global_batch(self, epoch: int, index: int) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng([self.seed, epoch, index])
-        n, v, t = self.batch_size * self.group_size, self.cfg.vision, self.cfg.text
+        n, v, t = self.batch_size * self.world_size, self.cfg.vision, self.cfg.text
         images = rng.integers(0, 256, (n, 3, v.image_size, v.image_size), dtype=np.uint8)
         tokens = rng.integers(1, t.vocab_size - 1, (n, t.context_length), dtype=np.int32)
         lengths = rng.integers(2, t.context_length + 1, n)
@@ -54,32 +55,31 @@ class RandomBatches:
 
 
 class ShardBatches:
-    """The webdataset shards through `clipms.data.dataset.build_train_dataset` as a BatchSource."""
+    """The webdataset shards through `clipms.data.dataset.build_train_dataset` as a BatchSource,
+    drawn and decoded as `loader` says (this rank's `clipms.data.loading.LoaderSettings`)."""
 
     def __init__(self, shards_dir: Path | str, tokenizer: Any, preprocess: Any, batch_size: int,
-                 seed: int = 0, rank: int = 0, group_size: int = 1, workers: int = 2,
-                 augment: bool = False, decode: str = "pil",
-                 group_by: Sequence[str] | None = None, group_fraction: float = 0.0) -> None:
+                 loader: LoaderSettings = DEFAULT_LOADER) -> None:
         from clipms.data import dataset as shard_dataset
 
         self.shards_dir, self.tokenizer, self.preprocess = shards_dir, tokenizer, preprocess
-        self.batch_size, self.seed, self.rank, self.group_size = batch_size, seed, rank, group_size
-        self.workers, self.augment, self.decode = workers, augment, decode
-        self.group_by, self.group_fraction = group_by, group_fraction
-        self.batches_per_epoch = shard_dataset.steps_per_epoch(shards_dir, batch_size, group_size)
+        self.batch_size, self.loader = batch_size, loader
+        self.batches_per_epoch = shard_dataset.steps_per_epoch(shards_dir, batch_size,
+                                                               loader.world_size)
+
+    @property
+    def workers(self) -> int:
+        """This rank's decode workers (the loop's loader report names them)."""
+        return self.loader.workers
 
     def dataset(self, start: int, stop: int) -> Any:
         """Batches start..stop-1 as the MindSpore pipeline itself (what a sunk run sends to the
         device): built once, ending after batch stop-1."""
         from clipms.data import dataset as shard_dataset
 
-        dataset = shard_dataset.build_train_dataset(
-            self.shards_dir, self.tokenizer, self.preprocess, self.batch_size,
-            epochs=-(-stop // self.batches_per_epoch), start_step=start, seed=self.seed,
-            rank=self.rank, world_size=self.group_size, workers=self.workers,
-            augment=self.augment, decode=self.decode, group_by=self.group_by,
-            group_fraction=self.group_fraction, stop_step=stop)
-        return dataset
+        return shard_dataset.build_train_dataset(
+            self.shards_dir, self.tokenizer, self.preprocess, self.batch_size, self.loader,
+            epochs=-(-stop // self.batches_per_epoch), start_step=start, stop_step=stop)
 
     def stream(self, start: int, stop: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         if start >= stop:

@@ -105,10 +105,8 @@ def run(job: TrainJob, callbacks: Sequence[Callback] = (),
     log.info("rank %d: %d loader workers (train.workers: %s; %d usable cores, %d ranks on this "
              "host, %d cores where the run was launched)", rank, workers, cfg.workers,
              usable_cores(), job.local_ranks, job.launcher_cores)
-    source = ShardBatches(job.shards_dir, tokenizer, preprocess, cfg.batch_size, seed=cfg.seed,
-                          rank=rank, group_size=group_size, workers=workers,
-                          augment=cfg.augment, decode=cfg.decode, group_by=cfg.group_by,
-                          group_fraction=cfg.group_fraction)
+    source = ShardBatches(job.shards_dir, tokenizer, preprocess, cfg.batch_size,
+                          cfg.loader(rank=rank, world_size=group_size, workers=workers))
     result = train(cfg, source, job.checkpoint_dir, callbacks=callbacks, resume=job.resume,
                    distributed=distributed, preprocess=preprocess)
     if rank == 0:

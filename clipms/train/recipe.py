@@ -15,13 +15,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from clipms.model.architecture import CLIPConfig
 from clipms.runtime import RuntimeConfig
 from clipms.schema import Section, cadence, weights_view
+
+if TYPE_CHECKING:  # the loader's modules read images: not loaded to validate params
+    from clipms.data.loading import LoaderSettings
 
 # The model initialisation each `train.loss` trains from (open_clip_train's main.py: `--siglip`
 # sets init_logit_scale log(10) and init_logit_bias -10; CLIP keeps the model's own, no bias).
@@ -94,6 +97,15 @@ class TrainSettings(Section):
         if isinstance(value, str):
             return (value,)
         return value or None
+
+    def loader(self, rank: int = 0, world_size: int = 1, workers: int = 0) -> LoaderSettings:
+        """The training loader's settings for one rank of `world_size`, with `workers` decode
+        workers (`train.workers` resolved in that rank's process)."""
+        from clipms.data.loading import LoaderSettings
+
+        return LoaderSettings(seed=self.seed, rank=rank, world_size=world_size, workers=workers,
+                              augment=self.augment, decode=self.decode, group_by=self.group_by,
+                              group_fraction=self.group_fraction)
 
 
 class TrainConfig(TrainSettings):

@@ -13,6 +13,7 @@ import pytest
 
 from clipms.data import webds
 from clipms.data.dataset import TrainSamples, index_shards, steps_per_epoch
+from clipms.data.loading import LoaderSettings
 from clipms.text.clip_tokenizer import Tokenizer
 from harness.input_tars import good, meta, quiet, write_tar
 from harness.numbered_shards import PRE
@@ -155,7 +156,8 @@ def test_training_order_on_grown_shards_is_seeded_and_resumes(tmp_path):
     tok = Tokenizer.openai(context_length=16)
 
     def keys_by_step(seed: int, steps: int = 12) -> list[list[str]]:
-        samples = TrainSamples(index_shards(out, "train"), tok, PRE, 4, epochs=2, seed=seed)
+        samples = TrainSamples(index_shards(out, "train"), tok, PRE, 4, LoaderSettings(seed=seed),
+                               epochs=2)
         return [[samples.index.keys[i] for i in samples.sample_ids(s)] for s in range(steps)]
 
     order = keys_by_step(0)
@@ -165,9 +167,8 @@ def test_training_order_on_grown_shards_is_seeded_and_resumes(tmp_path):
     epoch = [k for batch in order[:7] for k in batch]
     assert len(epoch) == len(set(epoch)) == 28 and set(epoch) <= wanted  # 29 live, B=4
     # resumed at step 5, the batches decode to what an uninterrupted run's step 5 held
-    whole = TrainSamples(index_shards(out, "train"), tok, PRE, 4, epochs=2, seed=0)
-    resumed = TrainSamples(index_shards(out, "train"), tok, PRE, 4, epochs=2, seed=0,
-                           start_step=5)
+    whole = TrainSamples(index_shards(out, "train"), tok, PRE, 4, epochs=2)
+    resumed = TrainSamples(index_shards(out, "train"), tok, PRE, 4, epochs=2, start_step=5)
     for i in range(4):
         for a, b in zip(whole[5 * 4 + i], resumed[i], strict=True):
             np.testing.assert_array_equal(a, b)

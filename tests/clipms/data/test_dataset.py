@@ -23,6 +23,7 @@ from clipms.data.dataset import (
     steps_per_epoch,
     webds,
 )
+from clipms.data.loading import LoaderSettings
 from clipms.data.preprocess import PreprocessConfig, preprocess_image
 from clipms.text.clip_tokenizer import Tokenizer
 from harness.numbered_shards import (
@@ -51,7 +52,7 @@ def tok() -> Tokenizer:
 
 def test_counts_shapes_and_drop_remainder(shards: Path, tok: Tokenizer) -> None:
     assert steps_per_epoch(shards, 4) == 6 and steps_per_epoch(shards, 4, world_size=2) == 3
-    ds = build_train_dataset(shards, tok, PRE, 4, epochs=2, workers=1)
+    ds = build_train_dataset(shards, tok, PRE, 4, LoaderSettings(workers=1), epochs=2)
     assert ds.get_dataset_size() == 12
     batches = run_loader(shards, tok, 4, epochs=2, workers=1)
     assert len(batches) == 12  # 25 samples, batch 4: 6 full batches an epoch, 1 sample dropped
@@ -109,11 +110,9 @@ def test_augmentation_keeps_pairs_and_shapes(shards: Path, tok: Tokenizer) -> No
 
 
 def test_sample_ids_without_decoding(shards: Path, tok: Tokenizer) -> None:
-    source = TrainSamples(index_shards(shards, "train"), tok, PRE, 4, epochs=1, world_size=2,
-                          rank=1)
+    source = TrainSamples(index_shards(shards, "train"), tok, PRE, 4,
+                          LoaderSettings(rank=1, world_size=2), epochs=1)
     assert len(source) == 12 and len(source.sample_ids(0)) == 4
-    with pytest.raises(DataError, match="rank 2 out of range"):
-        TrainSamples(index_shards(shards, "train"), tok, PRE, 4, epochs=1, world_size=2, rank=2)
     with pytest.raises(DataError, match="epochs must be >= 1, got 4, 0"):
         TrainSamples(index_shards(shards, "train"), tok, PRE, 4, epochs=0)
     with pytest.raises(DataError, match="cannot fill one global batch"):

@@ -149,11 +149,12 @@ def shards(tmp_path_factory):
 
 def _batches(shards, decode, **kw):
     from clipms.data.dataset import build_train_dataset
+    from clipms.data.loading import LoaderSettings
     from clipms.data.preprocess import PreprocessConfig
     from clipms.text.clip_tokenizer import Tokenizer
 
     dataset = build_train_dataset(shards, Tokenizer.openai(16), PreprocessConfig(64), 8,
-                                  epochs=1, workers=2, decode=decode, **kw)
+                                  LoaderSettings(workers=2, decode=decode, **kw), epochs=1)
     return list(dataset.create_tuple_iterator(num_epochs=1, output_numpy=True))
 
 

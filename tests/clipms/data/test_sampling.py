@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from clipms.data.dataset import DataError, TrainSamples, index_shards
+from clipms.data.loading import LoaderSettings
 from clipms.data.sampling import (
     BatchOrder,
     SamplingError,
@@ -54,7 +55,8 @@ def one_group(batch: np.ndarray, groups: np.ndarray) -> bool:
 @pytest.mark.parametrize(("fraction", "asked"), [(0.25, 13), (0.5, 25), (0.9, 45)])
 def test_grouped_batches_share_the_label_as_many_as_asked(fraction, asked):
     groups = colour_groups(800)  # 200 a colour: 12 one-colour batches of 16 each, 48 in all
-    order = BatchOrder(Layout(800, 100), 16, seed=3, groups=groups, group_fraction=fraction)
+    order = BatchOrder(Layout(800, 100), 16, LoaderSettings(seed=3, group_fraction=fraction),
+                       groups)
     assert order.steps_per_epoch == 50
     for epoch in (0, 1):
         batches = [order.sample_ids(epoch * 50 + s) for s in range(50)]
@@ -71,8 +73,8 @@ def test_grouped_batches_share_the_label_as_many_as_asked(fraction, asked):
 
 def test_without_grouping_the_order_is_the_epoch_order():
     layout, groups = Layout(100, 30), colour_groups(100)
-    for kw in ({}, {"groups": groups, "group_fraction": 0.0}, {"group_fraction": 0.5}):
-        order = BatchOrder(layout, 8, seed=5, **kw)
+    for grouped, fraction in ((None, 0.0), (groups, 0.0), (None, 0.5)):
+        order = BatchOrder(layout, 8, LoaderSettings(seed=5, group_fraction=fraction), grouped)
         expected = epoch_order(layout, 5, 1)
         assert np.array_equal(np.concatenate([order.sample_ids(12 + s) for s in range(12)]),
                               expected[:96])
@@ -80,19 +82,20 @@ def test_without_grouping_the_order_is_the_epoch_order():
 
 def test_order_is_deterministic_and_a_fresh_process_resumes_it():
     layout, groups = Layout(300, 64), colour_groups(300)
-    run = BatchOrder(layout, 10, seed=7, groups=groups, group_fraction=0.5)
+    loader = LoaderSettings(seed=7, group_fraction=0.5)
+    run = BatchOrder(layout, 10, loader, groups)
     uninterrupted = [run.sample_ids(s).tolist() for s in range(90)]
-    resumed = BatchOrder(layout, 10, seed=7, groups=groups, group_fraction=0.5)
+    resumed = BatchOrder(layout, 10, loader, groups)
     assert [resumed.sample_ids(s).tolist() for s in range(47, 90)] == uninterrupted[47:]
-    other = BatchOrder(layout, 10, seed=8, groups=groups, group_fraction=0.5)
+    other = BatchOrder(layout, 10, LoaderSettings(seed=8, group_fraction=0.5), groups)
     assert [other.sample_ids(s).tolist() for s in range(30)] != uninterrupted[:30]
 
 
 def test_ranks_take_disjoint_shares_of_the_same_grouped_global_batches():
     layout, groups = Layout(480, 100), colour_groups(480)
-    single = BatchOrder(layout, 12, seed=2, groups=groups, group_fraction=0.5)
-    ranks = [BatchOrder(layout, 4, seed=2, rank=r, world_size=3, groups=groups,
-                        group_fraction=0.5) for r in range(3)]
+    single = BatchOrder(layout, 12, LoaderSettings(seed=2, group_fraction=0.5), groups)
+    ranks = [BatchOrder(layout, 4, LoaderSettings(seed=2, rank=r, world_size=3,
+                                                  group_fraction=0.5), groups) for r in range(3)]
     assert single.steps_per_epoch == ranks[0].steps_per_epoch == 40
     for step in range(80):
         shares = [set(r.sample_ids(step).tolist()) for r in ranks]
@@ -108,9 +111,9 @@ def test_ranks_take_disjoint_shares_of_the_same_grouped_global_batches():
 def test_a_fraction_the_groups_cannot_fill_is_refused_with_the_maximum():
     groups = colour_groups(800)  # 12 full batches of 16 per colour -> at most 48 of 50
     with pytest.raises(SamplingError, match=r"50 of the epoch's 50 .* fill only 48 .* 0\.960"):
-        BatchOrder(Layout(800, 100), 16, groups=groups, group_fraction=1.0)
+        BatchOrder(Layout(800, 100), 16, LoaderSettings(group_fraction=1.0), groups)
     with pytest.raises(SamplingError, match="expected 0 to 1"):
-        BatchOrder(Layout(800, 100), 16, groups=groups, group_fraction=1.5)
+        BatchOrder(Layout(800, 100), 16, LoaderSettings(group_fraction=1.5), groups)
 
 
 def test_a_missing_label_names_the_field_and_the_fields_there_are():
@@ -151,7 +154,8 @@ def test_the_loader_groups_by_the_shards_labels_and_resumes(shards: Path, tok: T
 def test_the_loader_names_a_field_the_shards_lack(shards: Path, tok: Tokenizer) -> None:
     with pytest.raises(DataError, match=r"no label 'colour'; the split's samples have label "
                        r"fields \['shape'\]"):
-        TrainSamples(index_shards(shards, "train"), tok, PRE, 4, epochs=1, group_by=["colour"])
+        TrainSamples(index_shards(shards, "train"), tok, PRE, 4,
+                     LoaderSettings(group_by=("colour",)), epochs=1)
 
 
 # ---- the param ------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ SCRIPT = textwrap.dedent("""
     per_rank = 4 if distributed else 8
     cfg = TrainConfig(model=micro, batch_size=per_rank, max_steps=2, lr=1e-3, warmup_steps=1,
                       loss=loss)
-    source = RandomBatches(micro, per_rank, 4, seed=5, rank=rank, group_size=size)
+    source = RandomBatches(micro, per_rank, 4, seed=5, rank=rank, world_size=size)
     # rank 0 writes checkpoints; in "split" the ranks see different folders, as hosts without a
     # shared filesystem would: rank 0 the finished dp run's, the others an empty one
     ckpt = {"single": None, "split": f"{out}/ckpt-dp" if rank == 0 else f"{out}/ckpt-empty"}.get(

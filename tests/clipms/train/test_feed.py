@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from clipms.data import dataset as shard_dataset
+from clipms.data.loading import LoaderSettings
 from clipms.data.preprocess import PreprocessConfig
 from clipms.text.clip_tokenizer import Tokenizer
 from clipms.train import feed
@@ -75,7 +76,7 @@ class CpuEndQueue(DeviceQueue):
 def shard_source(shards) -> ShardBatches:
     # one decode worker: decoding runs in this process, where the samples are counted
     return ShardBatches(shards, Tokenizer.openai(context_length=CTX),
-                        PreprocessConfig(image_size=16), BATCH, seed=1, workers=1)
+                        PreprocessConfig(image_size=16), BATCH, LoaderSettings(seed=1, workers=1))
 
 
 def test_a_sunk_run_sends_its_training_pipeline_once_and_nothing_decodes_after_its_end(
