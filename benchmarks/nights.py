@@ -51,6 +51,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import record  # noqa: E402 - benchmarks/record.py
 
 KINDS = ("broken_source", "no_new_rows", "diverging", "sigkill", "registry_outage", "disk_full")
 DEFAULT_PLAN = {4: "broken_source", 7: "no_new_rows", 10: "diverging", 13: "sigkill",
@@ -402,13 +406,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="training steps a night")
     parser.add_argument("--plant", default=",".join(f"{n}:{k}" for n, k in DEFAULT_PLAN.items()),
                         help="NIGHT:KIND,... with KIND one of " + ", ".join(KINDS))
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/nights.json"))
+    parser.add_argument("--out", type=Path, default=record.default_path("nights"))
     parser.add_argument("--keep", type=Path, default=None,
                         help="run in this folder and keep it (default: a temporary one)")
     args = parser.parse_args(argv)
     if args.nights < 1 or not 0 < args.growth < 1:
         parser.error("--nights must be >= 1 and --growth in (0, 1)")
     plan = parse_plan(args.plant)
+    recording = record.Recording("nights", record.shown_command(record.with_placeholders(
+        [sys.executable, *(sys.argv if argv is None else ["benchmarks/nights.py", *argv])],
+        {"--keep": "WORKDIR"})))
     root = args.keep or Path(tempfile.mkdtemp(prefix="clipms-nights-"))
     root.mkdir(parents=True, exist_ok=True)
 
@@ -422,9 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {record.shown_path(str(recording.write(result, args.out)))}")
     return 0
 
 

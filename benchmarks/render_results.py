@@ -481,6 +481,33 @@ def warm_start(record: Record) -> str:
                   "val images"], rows, right=10)
 
 
+def nights(record: Record) -> str:
+    """Per night: what was planted, what the night decided or which notice it sent, its wall
+    time (train's share), each store's size, and what retention freed."""
+    mib = 1024 * 1024
+
+    def notice(night: dict[str, Any]) -> str:
+        return ", ".join(f"{n['kind']} at {n['stage']}" for n in night["notices"]) or "-"
+
+    def freed(night: dict[str, Any]) -> str:
+        retain = night.get("retention") or {}
+        total = (retain.get("dvc_cache_bytes") or 0) + (retain.get("mlflow_bytes") or 0)
+        return f"{total / mib:.1f}" if retain else "-"
+
+    rows = [[n["night"], n["planted"] or "-", n["images_listed_new"], n["decision"], notice(n),
+             n["wall_s"], n["stage_seconds"].get("train", "-"),
+             *[f"{n['storage_bytes'][store] / mib:.1f}" for store in NIGHT_STORES], freed(n)]
+            for n in record["results"]["nights"]]
+    return table(["night", "planted", "new images", "decision", "notices", "wall s", "train s",
+                  *[f"{label} MiB" for label in NIGHT_STORES.values()], "retention freed MiB"],
+                 rows, right=8)
+
+
+NIGHT_STORES = {"dvc_cache": "DVC cache", "dvc_remote": "DVC remote",
+                "mlflow_artifacts": "MLflow artifacts", "download_store": "download store",
+                "mlflow_db": "mlflow.db"}
+
+
 RENDERERS: dict[str, Callable[[Record], str]] = {
     "speed_vs_openclip": speed_vs_openclip, "loader": loader, "retrieval": retrieval,
     "data_dedupe": data_dedupe, "data_shard": data_shard, "data_download": data_download,
@@ -493,7 +520,7 @@ RENDERERS: dict[str, Callable[[Record], str]] = {
     "quality_vs_openclip_levers": quality_vs_openclip,
     "rehearsal": rehearsal, "search_at_size": search_at_size,
     "incremental_download": incremental_download, "warm_start": warm_start,
-    "storage_growth": storage_growth,
+    "storage_growth": storage_growth, "nights": nights,
 }
 SIZE_SUFFIX = re.compile(r"-\d+$")  # rehearsal-2000, rehearsal-123287: one renderer per benchmark
 

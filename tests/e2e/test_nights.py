@@ -28,7 +28,7 @@ def test_five_nights_with_a_broken_source_and_a_diverging_training(tmp_path: Pat
     out = tmp_path / "nights.json"
     assert main(["--nights", "5", "--plant", "3:broken_source,4:diverging", "--steps", "4",
                  "--out", str(out), "--keep", str(tmp_path / "world")]) == 0
-    nights = json.loads(out.read_text())["nights"]
+    nights = json.loads(out.read_text())["results"]["nights"]  # benchmarks/record.py's envelope
     assert [n["planted"] for n in nights] == [None, None, "broken_source", "diverging", None]
 
     first, grown, broken, diverging, after = nights
