@@ -13,10 +13,11 @@ artifacts in `mlartifacts/`), its DVC remote a folder, and `retention.keep_last`
 `--keep-last` in its params.yaml. Each night runs `dvc repro -f -s metadata` (the nightly
 deployment's refresh of the source, which DVC cannot see change), `dvc repro` (every stage: data,
 train, evaluate, export, index, register and the project's own `retain` stage) and `dvc push`.
-Before each night after the first, the search-index store's listing that the last `retain`
-recorded (`models/index-store-listing.json`) is made a day older: nights here are minutes apart,
-and `retain` removes unreferenced index chunks only from a listing at least
-`registry.retention.LISTING_MIN_AGE_S` old, which a real night's gap always is. Then it measures:
+Before each night after the first, the search-index store's marks that the last `retain`
+recorded (`models/index-store-listing.json`: the chunks no reference named then) are made a day
+older: nights here are minutes apart, and `retain` removes an unreferenced index chunk only when
+marks at least `registry.retention.LISTING_MIN_AGE_S` old name it, which a real night's gap always
+is. Then it measures:
 
 - the night's new image bytes: the JPEG bytes of the samples the shards hold tonight and did not
   hold last night;
@@ -123,7 +124,7 @@ def changes(earlier: dict[str, dict[Path, int]], later: dict[str, dict[Path, int
 
 
 def age_index_listing(ws: Path, seconds: float = 24 * 3600) -> bool:
-    """Make the search-index store's listing that `retain` recorded `seconds` older, as if the
+    """Make the search-index store's marks that `retain` recorded `seconds` older, as if the
     next night came a day later (False when none was recorded)."""
     from registry.retention import LISTING_FILE
 

@@ -184,14 +184,24 @@ def held_chunks(mlflow_client: Any, run_id: str) -> dict[str, int]:
 
 
 def collectable(held: Mapping[str, int], referenced: Iterable[str],
-                listed_before: Iterable[str]) -> dict[str, int]:
+                marked: Iterable[str]) -> dict[str, int]:
     """The chunks a clean-up of the store may remove, {sha256: bytes}: held, named by no
-    remaining reference (`referenced`), and already held when an earlier clean-up listed the
-    store (`listed_before`, taken long enough ago). The last rule is what makes a concurrent
-    `store_index` safe: its chunks are uploaded before the version's reference is logged, so a
-    chunk no reference names yet may be one a reference is about to name; one already listed
-    by an earlier clean-up, longer ago than any upload lasts, whose reference still does not
-    exist, belongs to no version."""
-    keep, before = set(referenced), set(listed_before)
+    remaining reference now (`referenced`, read just before the removal), and marked: named by
+    none already when an earlier clean-up, long enough ago, marked the store (`marked`).
+
+    Mark and sweep across clean-ups, because a `store_index` (a `register`) may be running
+    meanwhile: it uploads only the chunks the store lacks and re-uses the others, and its
+    reference is logged after them. A chunk no reference names yet may be one a reference is
+    about to name, old or new: being listed long ago is not enough (a `register` re-using an old
+    chunk while the version that named it is removed). The one assumption: a `register` logs its
+    reference within the wait between mark and sweep of reading the store
+    (`registry.retention.LISTING_MIN_AGE_S`). Then a chunk it uploads after the mark is not
+    marked, and one it re-uses or uploads before the mark is named by the time of the sweep.
+
+    Its limit: a `register` that reads the store after the mark and is still running at the sweep
+    can re-use a chunk that was already named by no reference at the mark (an index the same as
+    one removed earlier, registered again); such a chunk can go before its reference is logged.
+    """
+    keep, before = set(referenced), set(marked)
     return {digest: size for digest, size in sorted(held.items())
             if digest not in keep and digest in before}

@@ -20,13 +20,18 @@ every other version, what is heavy leaves:
   folder DVC names. When a DVC remote is configured, `dvc push` runs first (and the removed
   versions' objects are pushed too, when no earlier night did), and only objects the remote then
   holds are removed: a failed push removes nothing from the cache;
-- the search-index store (`registry.index_store`): the chunks that no remaining index reference
-  names (the references of every logged model of the experiment whose `index/` folder stays:
-  kept versions, versions not yet removed, models of other registered names or not registered
-  yet) and that an earlier retention run already listed in the store at least
-  LISTING_MIN_AGE_S before (`index_store.collectable` says why that makes a concurrent
-  `register` safe). Each applied run records the store's listing for the next one; the
-  references are read again just before the chunks go.
+- the search-index store (`registry.index_store`), by mark and sweep across runs: a chunk goes
+  only when no remaining index reference names it now (the references of every logged model of
+  the experiment whose `index/` folder stays: kept versions, versions not yet removed, models of
+  other registered names or not registered yet; read again just before the chunks go) AND an
+  earlier applied retention run, at least LISTING_MIN_AGE_S before, already found it named by
+  none (its mark). Each applied run records its marks, the store's unreferenced chunks, for the
+  next one (LISTING_FILE). Being merely old is not enough: a `register` may be re-using an old
+  chunk right now (it is in the store, so it is not uploaded again) whose reference is not
+  logged yet, while the version that named it is removed. The one assumption: a `register`
+  finishes (logs its reference) within LISTING_MIN_AGE_S of reading the store. Then a chunk it
+  re-uses or uploads is either named at the mark (not marked), or named by the time the sweep,
+  hours later, reads the references. `index_store.collectable` states the rule and its limit.
 
 Never removed: a version's registry entry, its run, params, metrics, tags and lineage (the
 logged model's MLmodel, the logged `dvc.lock`), so `python -m registry compare` and the MLflow
@@ -67,13 +72,16 @@ LOCK_NAME = "dvc.lock"
 # retain stage and `python -m registry retain` share it, so either finishes the other's. Not a DVC
 # out (DVC would delete it before the stage runs).
 PLAN_FILE = Path("models/retention-plan.json")
-# The search-index store's chunk listing, {store run id: {"listed_at", "chunks"}}, written by each
-# applied run (never a dry run) beside the plan: the next run removes only chunks it names.
+# The search-index store's marks, {store run id: {"listed_at", "unreferenced"}}: the chunks the
+# store held and no remaining reference named when an applied run (never a dry run) listed it,
+# written beside the plan. The next run removes only marked chunks still named by no reference.
+# A record without "unreferenced" (written before marks, {"listed_at", "chunks"}) has no marks:
+# that run removes no chunk and records its own.
 LISTING_FILE = Path("models/index-store-listing.json")
-# How old that listing must be before its unreferenced chunks go: longer than any `register`
-# takes from its first chunk upload to logging the reference (minutes; an hour or two for the
-# largest index over a slow link), shorter than a night, so each night removes what the one before
-# listed. A run sooner (a second `retain` by hand) removes no chunk and keeps the older listing.
+# How old the marks must be before marked chunks go: longer than any `register` takes from
+# reading the store to logging its reference (minutes; an hour or two for the largest index over
+# a slow link), shorter than a night, so each night removes what the one before marked. A run
+# sooner (a second `retain` by hand) removes no chunk and keeps the older marks.
 LISTING_MIN_AGE_S = 6 * 3600
 # A run's plots (stages train and evaluate log them there): its pictures are heavy and redrawn by
 # every run, the CSVs beside them are the data they draw and stay.
@@ -225,7 +233,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     remote: str | None = None  # the DVC remote pushed to before the cache actions
     untagged: list[int] = field(default_factory=list)  # removed versions not tagged so yet
-    # the index store's listings this run records once applied (LISTING_FILE)
+    # the index store's marks this run records once applied (LISTING_FILE)
     listings: dict[str, dict[str, Any]] = field(default_factory=dict)
     store_experiments: list[str] = field(default_factory=list)  # whose store runs were read
     created: float = field(default_factory=time.time)
@@ -353,8 +361,8 @@ def version_lock(mlflow_client: Any, version: VersionState, scratch: Path) -> st
 
 
 def read_listings(path: Path) -> dict[str, Any]:
-    """The listings an earlier run recorded ({} when none, or unreadable: then no chunk goes
-    this time, and this run's listing replaces it)."""
+    """The marks an earlier run recorded ({} when none, or unreadable: then no chunk goes this
+    time, and this run's marks replace them)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -364,27 +372,60 @@ def read_listings(path: Path) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class EarlierListing:
-    chunks: set[str] | None  # None: no chunk of the store run goes this time
-    about: str  # where the listing comes from, or why no chunk goes
-    young: bool = False  # too young to use: it stays the listing the next run reads
+    chunks: set[str] | None  # the chunks marked unreferenced; None: no chunk goes this time
+    about: str  # which run marked them, or why no chunk goes
+    young: bool = False  # too young to use: they stay the marks the next run reads
 
 
 def earlier_listing(listings: Mapping[str, Any], run_id: str, now: float) -> EarlierListing:
-    """The chunks an earlier run listed in the store run, when that listing is old enough
-    (LISTING_MIN_AGE_S)."""
+    """The chunks an earlier run marked unreferenced in the store run, when that run is old
+    enough (LISTING_MIN_AGE_S). A record of the store's listing without marks (written before
+    them) marks nothing."""
     entry = listings.get(run_id)
     try:
-        listed_at, chunks = float(entry["listed_at"]), {str(c) for c in entry["chunks"]}
+        listed_at = float(entry["listed_at"])
+        marked = {str(c) for c in entry["unreferenced"]}
     except (TypeError, KeyError, ValueError):
-        return EarlierListing(None, "no earlier retention run listed the search-index store: "
-                                    "its unreferenced chunks go from the next run on")
+        old = isinstance(entry, dict) and "chunks" in entry and "unreferenced" not in entry
+        return EarlierListing(None, "no search-index chunk removed: "
+                              + ("the earlier retention run recorded the store's listing "
+                                 "without marks (unreferenced chunks)" if old else
+                                 "no earlier retention run marked the search-index store's "
+                                 "unreferenced chunks")
+                              + ": this run marks them, they go from the next run on")
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(listed_at))
     if now - listed_at < LISTING_MIN_AGE_S:
-        return EarlierListing(None, f"no search-index chunk removed: the store's listing by the "
-                              f"retention run of {stamp} is under "
+        return EarlierListing(None, f"no search-index chunk removed: the store's marks by the "
+                              f"retention run of {stamp} are under "
                               f"{LISTING_MIN_AGE_S / 3600:.0f} h old (a `register` may still "
-                              "be uploading chunks it lists); a later run removes them", True)
-    return EarlierListing(chunks, f"listed by the retention run of {stamp}")
+                              "be logging a reference to a chunk they mark); a later run "
+                              "removes them", True)
+    return EarlierListing(marked, f"unreferenced at the retention run of {stamp} too")
+
+
+@dataclass(frozen=True)
+class ChunkSweep:
+    removable: dict[str, int]  # {sha256: bytes} this run removes
+    record: dict[str, Any] | None  # the marks this run leaves; None: the earlier ones stay
+    about: str  # why they go, or why none does
+    swept: bool = True  # False: no usable earlier marks, no chunk goes (`about` says why)
+
+
+def sweep_chunks(held: Mapping[str, int], referenced: Iterable[str],
+                 listings: Mapping[str, Any], run_id: str, now: float) -> ChunkSweep:
+    """One store run's mark and sweep: of the chunks `held`, those to remove now (named by no
+    remaining reference, `referenced`, and marked by an earlier run old enough) and this run's
+    marks (stamped `now`: take it once the references are read)."""
+    from registry import index_store
+
+    named = set(referenced)
+    earlier = earlier_listing(listings, run_id, now)
+    record = None if earlier.young else {
+        "listed_at": now, "unreferenced": sorted(d for d in held if d not in named)}
+    if earlier.chunks is None:
+        return ChunkSweep({}, record, earlier.about, swept=False)
+    return ChunkSweep(index_store.collectable(held, named, earlier.chunks), record,
+                      earlier.about)
 
 
 def _read_ref(path: Path) -> set[str] | None:
@@ -428,11 +469,12 @@ def index_references(mlflow_client: Any, experiment_id: str,
 
 
 def index_chunk_actions(mlflow_client: Any, versions: Sequence[VersionState], plan: Plan,
-                        scratch: Path, listings: Mapping[str, Any], now: float) -> list[Action]:
-    """The search-index chunks to remove (`index_store.collectable`): in the store run of each
-    experiment the versions were logged in, those no logged model's reference names once the
-    plan's index folders are gone, and that the earlier listing already held. Records in
-    `plan.listings` the listing this run leaves (unless the earlier one is too young to use)."""
+                        scratch: Path, listings: Mapping[str, Any]) -> list[Action]:
+    """The search-index chunks to remove (`sweep_chunks`, `index_store.collectable`): in the store
+    run of each experiment the versions were logged in, those no logged model's reference names
+    once the plan's index folders are gone, and that the earlier run's marks hold. Records in
+    `plan.listings` this run's marks (unless the earlier ones are too young to use, or a
+    reference cannot be read)."""
     from registry import index_store
     from registry.index_store import INDEX_ARTIFACT
 
@@ -447,30 +489,30 @@ def index_chunk_actions(mlflow_client: Any, versions: Sequence[VersionState], pl
         if run_id is None:
             continue
         held = index_store.held_chunks(mlflow_client, run_id)
-        earlier = earlier_listing(listings, run_id, now)
-        if not earlier.young:  # stamped once listed: what it holds was there by then
-            plan.listings[run_id] = {"listed_at": time.time(), "chunks": sorted(held)}
         plan.store_experiments.append(experiment_id)
         refs = index_references(mlflow_client, experiment_id, scratch)
         unreadable = sorted(m for m, chunks in refs.items() if chunks is None)
-        if unreadable:
+        if unreadable:  # which chunks it names is unknown: no marks, nothing removed
             plan.notes.append(f"no search-index chunk removed: the index reference of logged "
                               f"model {unreadable[0]} cannot be read, so which chunks it needs "
                               "is unknown")
             continue
-        if earlier.chunks is None:
-            plan.notes.append(earlier.about)
-            continue
         referenced = {d for m, chunks in refs.items() if m not in going for d in chunks or ()}
+        # stamped once the references are read: a reference logged later marks its chunks
+        sweep = sweep_chunks(held, referenced, listings, run_id, time.time())
+        if sweep.record is not None:
+            plan.listings[run_id] = sweep.record
+        if not sweep.swept:
+            plan.notes.append(sweep.about)
         users: dict[str, list[int]] = {}
         for model_id, number in going.items():
             for digest in refs.get(model_id) or ():
                 users.setdefault(digest, []).append(number)
         root = mlflow_client.get_run(run_id).info.artifact_uri
-        for digest, size in index_store.collectable(held, referenced, earlier.chunks).items():
+        for digest, size in sweep.removable.items():
             actions.append(Action("index-chunk", root, f"{index_store.CHUNKS}/{digest}",
                                   sorted(users.get(digest, [])), size,
-                                  f"named by no remaining index reference, {earlier.about}"))
+                                  f"named by no remaining index reference, {sweep.about}"))
     return actions
 
 
@@ -491,7 +533,7 @@ def _named_now(mlflow_client: Any, plan: Plan) -> set[str] | None:
 
 
 def _save_listings(path: Path, listings: Mapping[str, Any]) -> None:
-    """This run's listings of the index store over the earlier ones (for the next run)."""
+    """This run's marks of the index store over the earlier ones (for the next run)."""
     from clipms.utils.atomic import write_text
 
     if listings:
@@ -622,7 +664,7 @@ def make_plan(mlflow_client: Any, model_name: str, params: RetentionParams, root
                                                     version.run_id not in kept_runs):
             plan.actions.append(Action("mlflow", repo_uri, path, [number], size, reason))
     plan.actions += index_chunk_actions(mlflow_client, versions, plan, scratch,
-                                        read_listings(root / LISTING_FILE), time.time())
+                                        read_listings(root / LISTING_FILE))
     locks = {v.number: version_lock(mlflow_client, v, scratch) for v in versions}
     unknown = sorted(n for n in selection.remove if not locks[n])
     if unknown:
@@ -652,7 +694,7 @@ def apply_plan(mlflow_client: Any, plan: Plan, cache: DvcCache | None, plan_file
                on_line: Callable[[str], None] = print,
                listing_file: Path | None = None) -> dict[str, Any]:
     """Remove what the plan says (each action recorded as done), tag the versions done, record
-    the index store's listing (in `listing_file`, default LISTING_FILE beside the plan file); the
+    the index store's marks (in `listing_file`, default LISTING_FILE beside the plan file); the
     plan file is removed at the end. Returns the counts of what went."""
     from clipms.utils.atomic import write_text
 

@@ -54,16 +54,16 @@ def test_freed_files_are_named_by_the_output_an_earlier_night_held(tmp_path: Pat
                      "mlflow_artifacts": {"plots": 9}}
 
 
-def test_a_day_passes_for_the_index_store_listing_between_nights(tmp_path: Path) -> None:
+def test_a_day_passes_for_the_index_store_marks_between_nights(tmp_path: Path) -> None:
     assert not age_index_listing(tmp_path)  # no retain ran yet
     path = tmp_path / LISTING_FILE
     path.parent.mkdir(parents=True)
     now = time.time()
-    path.write_text(json.dumps({"run1": {"listed_at": now - 60, "chunks": ["c1"]}}))
+    path.write_text(json.dumps({"run1": {"listed_at": now - 60, "unreferenced": ["c1"]}}))
     assert earlier_listing(json.loads(path.read_text()), "run1", now).chunks is None  # too young
     assert age_index_listing(tmp_path)
     listing = json.loads(path.read_text())
-    assert listing["run1"]["chunks"] == ["c1"]
+    assert listing["run1"]["unreferenced"] == ["c1"]
     assert earlier_listing(listing, "run1", now).chunks == {"c1"}  # old enough to use
 
 

@@ -233,7 +233,7 @@ def test_a_dry_run_lists_what_would_go_and_why_and_removes_nothing(
                 "challenger, not tagged keep)") in out
     assert "MLflow checkpoint/" in out and "DVC cache " in out
     assert out.rstrip().endswith("dry run: nothing was removed")
-    assert "no earlier retention run listed the search-index store" in out
+    assert "no earlier retention run marked the search-index store" in out
     assert snapshot(root) == before
     assert not (root / "models" / "retention-plan.json").exists()
     assert not (root / "models" / "index-store-listing.json").exists()  # a dry run records none
@@ -324,7 +324,7 @@ def store_chunks() -> set[str]:
 
 
 def age_listing(root: Path) -> dict:
-    """The index store's listing recorded by the last applied run, made a day older (as if the
+    """The index store's marks recorded by the last applied run, made a day older (as if the
     next run were the next night's)."""
     path = root / "models" / "index-store-listing.json"
     listings = json.loads(path.read_text())
@@ -336,10 +336,11 @@ def age_listing(root: Path) -> dict:
 
 def test_index_chunks_only_removed_versions_used_leave_the_store(
         nights: tuple[Path, FaultProxy], tmp_path: Path) -> None:
-    """The run above removed v3-v5's index references and listed the store. A register then
-    uploads a chunk and has not logged its reference yet; the next night's retention removes the
-    chunks only v3-v5 named, keeps the kept versions' (the champion's index still
-    materializes) and the late upload; a night later, still named by no reference, it goes."""
+    """The run above removed v3-v5's index references and marked the store's chunks no
+    remaining reference names. A register then uploads a chunk and has not logged its reference
+    yet; the next night's retention removes the chunks only v3-v5 named, keeps the kept
+    versions' (the champion's index still materializes) and the late upload (not marked); a
+    night later, still named by no reference (marked by the night between), it goes."""
     import mlflow
 
     from registry import index_store
@@ -360,13 +361,14 @@ def test_index_chunks_only_removed_versions_used_leave_the_store(
     late = index_store.store_index(client, experiment, late_index)["files"]["embeddings.bin"]
     late_chunk = late["chunks"][0]
     listings = age_listing(root)
-    assert all(late_chunk not in entry["chunks"] for entry in listings.values())
+    marked = {c for entry in listings.values() for c in entry["unreferenced"]}
+    assert only_removed <= marked and not marked & by_kept and late_chunk not in marked
 
     dry = run([sys.executable, "-m", "registry", "retain", "--dry-run"], root,
               env=env(proxy.url)).stdout
     for digest in only_removed:
         assert (f"index store chunks/{digest}, 0.01 MB, of no remaining version: named by no "
-                "remaining index reference, listed by the retention run of") in dry, dry
+                "remaining index reference, unreferenced at the retention run of") in dry, dry
     assert late_chunk not in dry and not any(d in dry for d in by_kept)
     assert only_removed | by_kept | {late_chunk} <= store_chunks()
 

@@ -139,32 +139,79 @@ def test_outs_dvc_does_not_cache_are_no_objects_nor_unknown_folders() -> None:
     assert found == {("1" * 32, False): "models/clip.ckpt"} and unreadable == []
 
 
-def test_index_chunks_go_only_unreferenced_and_listed_by_an_earlier_run() -> None:
+def test_index_chunks_go_only_unreferenced_now_and_marked_by_an_earlier_run() -> None:
     """A chunk leaves the index store when no remaining reference names it and an earlier run
-    already listed it: one a kept version names stays, and so does one uploaded after that
-    listing (a `register` whose reference is not logged yet)."""
+    already marked it (named by none then): one a kept version names stays, and so does one
+    uploaded after that mark (a `register` whose reference is not logged yet)."""
     from registry.index_store import collectable
 
     held = {"kept": 10, "removed-only": 20, "uploaded-since": 30, "orphan": 40}
     found = collectable(held, referenced={"kept"},
-                        listed_before={"kept", "removed-only", "orphan", "gone-already"})
+                        marked={"kept", "removed-only", "orphan", "gone-already"})
     assert found == {"orphan": 40, "removed-only": 20}
 
 
-def test_an_index_listing_is_used_only_when_old_enough() -> None:
+def test_an_index_mark_is_used_only_when_old_enough() -> None:
     from registry.retention import LISTING_MIN_AGE_S, earlier_listing
 
-    listings = {"run": {"listed_at": 1_000_000.0, "chunks": ["a", "b"]}}
+    listings = {"run": {"listed_at": 1_000_000.0, "unreferenced": ["a", "b"]}}
     old = earlier_listing(listings, "run", 1_000_000.0 + LISTING_MIN_AGE_S)
     assert old.chunks == {"a", "b"} and not old.young
-    assert old.about == "listed by the retention run of 1970-01-12 13:46 UTC"
+    assert old.about == "unreferenced at the retention run of 1970-01-12 13:46 UTC too"
     young = earlier_listing(listings, "run", 1_000_000.0 + LISTING_MIN_AGE_S - 1)
-    assert young.chunks is None and young.young  # kept as the listing the next run reads
+    assert young.chunks is None and young.young  # kept as the marks the next run reads
     assert "under 6 h old" in young.about and "a later run removes them" in young.about
-    for state in ({}, {"run": {"chunks": ["a"]}}, {"run": "garbage"}):
+    for state in ({}, {"run": {"unreferenced": ["a"]}}, {"run": "garbage"},
+                  {"run": {"listed_at": "x", "unreferenced": ["a"]}}):
         none = earlier_listing(state, "run", 2e9)
-        assert none.chunks is None and not none.young  # replaced by this run's listing
+        assert none.chunks is None and not none.young  # replaced by this run's marks
         assert "go from the next run on" in none.about
+
+
+def test_a_chunk_named_at_the_earlier_run_is_not_removed_while_a_register_re_uses_it() -> None:
+    """The re-use window: a chunk in the store for long, named by an old version at the earlier
+    run. Now that version is removed and a `register` re-using the chunk (in the store, so not
+    uploaded again) has not logged its reference yet: named by no reference now, old, yet it
+    stays. Named by none at two runs LISTING_MIN_AGE_S apart, it goes."""
+    from registry.retention import LISTING_MIN_AGE_S, sweep_chunks
+
+    held = {"re-used": 10, "orphan": 20}
+    t0 = 1_000_000.0
+    first = sweep_chunks(held, {"re-used"}, {}, "run", t0)  # the old version names it
+    assert first.removable == {} and not first.swept
+    assert first.record == {"listed_at": t0, "unreferenced": ["orphan"]}
+
+    t1 = t0 + LISTING_MIN_AGE_S
+    second = sweep_chunks(held, set(), {"run": first.record}, "run", t1)  # the window
+    assert second.removable == {"orphan": 20} and second.swept  # "re-used" stays
+    assert second.record == {"listed_at": t1, "unreferenced": ["orphan", "re-used"]}
+
+    third = sweep_chunks(held, set(), {"run": second.record}, "run", t1 + LISTING_MIN_AGE_S)
+    assert third.removable == {"orphan": 20, "re-used": 10}  # named by none at both runs
+    logged = sweep_chunks(held, {"re-used"}, {"run": second.record}, "run", t1 + 7 * 3600)
+    assert logged.removable == {"orphan": 20}  # the register logged its reference meanwhile
+
+
+def test_marks_too_young_remove_nothing_and_stay_for_the_next_run() -> None:
+    from registry.retention import LISTING_MIN_AGE_S, sweep_chunks
+
+    record = {"listed_at": 1_000_000.0, "unreferenced": ["orphan"]}
+    sooner = sweep_chunks({"orphan": 20}, set(), {"run": record}, "run",
+                          1_000_000.0 + LISTING_MIN_AGE_S - 60)
+    assert sooner.removable == {} and sooner.record is None and not sooner.swept
+
+
+def test_a_listing_recorded_before_marks_removes_nothing_and_is_replaced_by_marks() -> None:
+    """A record of the earlier format, the store's listing ({"listed_at", "chunks"}), says
+    nothing of what was named then: no chunk goes this run, and its marks are recorded."""
+    from registry.retention import sweep_chunks
+
+    old = {"run": {"listed_at": 1_000_000.0, "chunks": ["named", "orphan"]}}
+    held = {"named": 10, "orphan": 20}
+    found = sweep_chunks(held, set(), old, "run", 2e9)
+    assert found.removable == {} and not found.swept
+    assert "recorded the store's listing without marks" in found.about
+    assert found.record == {"listed_at": 2e9, "unreferenced": ["named", "orphan"]}
 
 
 def test_the_dry_run_names_each_index_chunk_its_bytes_and_reason() -> None:
