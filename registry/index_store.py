@@ -198,9 +198,12 @@ def collectable(held: Mapping[str, int], referenced: Iterable[str],
     (`registry.retention.LISTING_MIN_AGE_S`). Then a chunk it uploads after the mark is not
     marked, and one it re-uses or uploads before the mark is named by the time of the sweep.
 
-    Its limit: a `register` that reads the store after the mark and is still running at the sweep
-    can re-use a chunk that was already named by no reference at the mark (an index the same as
-    one removed earlier, registered again); such a chunk can go before its reference is logged.
+    What the rule leaves, `register` closes: one that reads the store after the mark and is still
+    running at the sweep can re-use a chunk already named by no reference at the mark (an index
+    the same as one removed earlier, registered again), and that chunk can go before its
+    reference is logged. So `registry.registration.log_index` stores the index again once its
+    reference is logged, uploading whatever the store no longer holds; a sweep that reads the
+    references after that sees the chunk named.
     """
     keep, before = set(referenced), set(marked)
     return {digest: size for digest, size in sorted(held.items())

@@ -153,7 +153,12 @@ def log_index(mlflow_client: Any, run_id: str, model_id: str,
     with tempfile.TemporaryDirectory(prefix="clipms-index-ref-") as tmp:
         index_store.write_ref(ref, Path(tmp))
         mlflow_client.log_model_artifacts(model_id, tmp, index_store.INDEX_ARTIFACT)
-    return {"index_bytes": ref["total_bytes"], "index_added_bytes": ref["added_bytes"]}
+    # A retention sweep that read the references before this one was logged may have removed a
+    # chunk this index re-used; now that the reference is visible to every later sweep, store
+    # again whatever the store no longer holds.
+    again = index_store.store_index(mlflow_client, experiment_id, index_dir)
+    return {"index_bytes": ref["total_bytes"],
+            "index_added_bytes": ref["added_bytes"] + again["added_bytes"]}
 
 
 def describe_model(mlflow_client: Any, params: RegisterParams) -> None:

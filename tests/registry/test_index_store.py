@@ -99,6 +99,47 @@ def test_a_grown_index_adds_its_new_chunks_and_a_lost_chunk_is_named(store, tmp_
         index_store.materialize(served, mlflow_client.tracking_uri)
 
 
+class SweptBeforeTheReference:
+    """The MLflow client, except that a retention sweep removes a chunk of the store just before
+    the version's reference is logged: the sweep read the references a moment earlier and found
+    the chunk named by none (the version that named it was removed), while this `register`
+    re-used it."""
+
+    def __init__(self, client, artifacts: Path, chunk: str) -> None:
+        self._client, self._artifacts, self._chunk = client, artifacts, chunk
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self._client, name)
+
+    def log_model_artifacts(self, *args, **kwargs) -> None:
+        next(self._artifacts.rglob(self._chunk)).unlink()
+        self._client.log_model_artifacts(*args, **kwargs)
+
+
+@pytest.mark.slow  # a SQLite MLflow store made: over the fast tier's CPU budget
+def test_a_chunk_swept_while_register_re_used_it_is_stored_again(store, tmp_path):
+    from registry.registration import log_index
+
+    mlflow_client, experiment, artifacts = store
+    index = an_index(tmp_path / "index", rows=50)
+    ref = index_store.store_index(mlflow_client, experiment, index)  # an earlier version's
+    run_id = mlflow_client.create_run(experiment).info.run_id
+    model_id = mlflow_client.create_logged_model(experiment, source_run_id=run_id).model_id
+    lost = ref["files"]["thumbnails.bin"]["chunks"][0]
+    swept = SweptBeforeTheReference(mlflow_client, artifacts, lost)
+
+    cost = log_index(swept, run_id, model_id, index)
+    assert cost["index_added_bytes"] == (index / "thumbnails.bin").stat().st_size  # one chunk
+
+    import mlflow
+
+    location = mlflow_client.get_logged_model(model_id).artifact_location
+    served = Path(mlflow.artifacts.download_artifacts(
+        artifact_uri=f"{location}/{index_store.INDEX_ARTIFACT}", dst_path=str(tmp_path / "got")))
+    assert index_store.materialize(served, mlflow_client.tracking_uri)
+    assert (served / "thumbnails.bin").read_bytes() == (index / "thumbnails.bin").read_bytes()
+
+
 def test_a_folder_without_a_reference_is_served_as_it_is(tmp_path):
     whole = an_index(tmp_path / "whole", rows=3)
     copy = shutil.copytree(whole, tmp_path / "copy")
