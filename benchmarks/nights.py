@@ -108,6 +108,14 @@ def size_of(path: Path) -> int:
     return total
 
 
+def tmpfs_bytes(path: Path) -> int:
+    """What the files under `path` take on a tmpfs: each file whole pages (4 KiB), so a cache of
+    many small files needs more than their byte count."""
+    page = 4096
+    return sum(math.ceil(f.stat().st_size / page) * page
+               for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
 @dataclass
 class World:
     """The growing source, its site, the checkout, the Prefect server and the notice receiver."""
@@ -286,7 +294,7 @@ def _full_disk(world: World, record: dict[str, Any]) -> Iterator[None]:
     """The DVC cache on a file system with DISK_SPARE_BYTES to spare; RLIMIT_FSIZE without root."""
     cache = world.ws / ".dvc" / "cache"
     real = cache.with_name("cache.real")
-    need = size_of(cache) + DISK_SPARE_BYTES
+    need = tmpfs_bytes(cache) + DISK_SPARE_BYTES
     cache.rename(real)
     cache.mkdir()
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={need}", "tmpfs", str(cache)],
@@ -419,10 +427,14 @@ def main(argv: list[str] | None = None) -> int:
     root = args.keep or Path(tempfile.mkdtemp(prefix="clipms-nights-"))
     root.mkdir(parents=True, exist_ok=True)
 
-    def show(record: dict[str, Any]) -> None:
-        print(f"night {record['night']:>3} {record['planted'] or '':<16} {record['decision']:<32}"
-              f" {record['wall_s']:>7.1f} s  cache {record['storage_bytes']['dvc_cache']:>12,} B",
+    done: list[dict[str, Any]] = []
+
+    def show(night: dict[str, Any]) -> None:
+        print(f"night {night['night']:>3} {night['planted'] or '':<16} {night['decision']:<32}"
+              f" {night['wall_s']:>7.1f} s  cache {night['storage_bytes']['dvc_cache']:>12,} B",
               flush=True)
+        done.append(night)  # written night by night: a month is not lost to its last night
+        recording.write({"nights": done, "unfinished": True}, args.out)
 
     try:
         result = run_nights(root, args.nights, plan, args.growth, args.start, args.steps, show)

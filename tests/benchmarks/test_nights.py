@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.nights import DEFAULT_PLAN, KINDS, parse_plan, size_of
+from benchmarks.nights import DEFAULT_PLAN, KINDS, parse_plan, size_of, tmpfs_bytes
 
 
 def test_a_plan_names_nights_and_known_kinds_only() -> None:
@@ -28,3 +28,12 @@ def test_storage_counts_a_hard_linked_file_once(tmp_path: Path) -> None:
     (store / "small").write_bytes(b"y" * 10)
     assert size_of(store) == 1010
     assert size_of(store / "small") == 10 and size_of(tmp_path / "absent") == 0
+
+
+def test_a_full_disk_is_sized_in_whole_pages_per_file(tmp_path: Path) -> None:
+    """A DVC cache is many small files; a tmpfs sized to their byte count cannot hold them."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "small").write_bytes(b"x" * 10)
+    (tmp_path / "big").write_bytes(b"y" * 5000)
+    (tmp_path / "empty").write_bytes(b"")
+    assert tmpfs_bytes(tmp_path) == 4096 + 2 * 4096  # an empty file takes no page
