@@ -21,6 +21,10 @@ Planted nights (`--plant NIGHT:KIND,...`; the default plants each kind once, fro
                    system); without root, the night runs with RLIMIT_FSIZE of 256 KB instead (a
                    write past it fails with EFBIG: the closest real thing, and the record says so)
 
+Nights here are minutes apart, so before each night the search-index store's marks that the
+last `retain` recorded are made a day older, as a real night's gap does (retention removes a
+chunk only when a run at least 6 hours earlier found it unreferenced too).
+
 Per night it records: the outcome and decision (metrics/register.json written tonight), the
 champion before and after, the notices sent, wall time by stage (Prefect's task runs), storage by
 store (DVC cache, DVC remote, MLflow artifacts, download store, mlflow.db, in bytes) and what
@@ -55,6 +59,7 @@ if str(ROOT / "benchmarks") not in sys.path:
     sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import record  # noqa: E402 - benchmarks/record.py
+from storage_growth import age_index_listing  # noqa: E402 - benchmarks/storage_growth.py
 
 KINDS = ("broken_source", "no_new_rows", "diverging", "sigkill", "registry_outage", "disk_full")
 DEFAULT_PLAN = {4: "broken_source", 7: "no_new_rows", 10: "diverging", 13: "sigkill",
@@ -342,6 +347,7 @@ def run_night(world: World, number: int, kind: str | None) -> dict[str, Any]:
     if kind == "no_new_rows":
         world.write()
     record["champion_before"], record["lock_before"] = world.champion(), lock_digest(world.ws)
+    age_index_listing(world.ws)  # a day passes between two nights (retention's 6 h rule)
     notices = len(world.hook.received)
     started = time.time() - 1.0
     began = time.monotonic()
