@@ -252,6 +252,8 @@ def main() -> None:
         record.with_placeholders([sys.executable, *sys.argv], {"--workdir": "WORKDIR"})))
     step = max(1, round(args.images * args.growth))
     counts = [args.images + n * step for n in range(args.nights)]
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="clipms-storage-",
                                      dir=args.workdir) as tmp:
         root = Path(tmp)
