@@ -26,12 +26,12 @@ class Item:
 
 
 def test_modules_go_longest_first_then_slow_then_fast_each_module_together():
-    atomic, mindir = "clipms/utils/test_atomic.py", "clipms/train/test_checkpoint.py"
+    atomic, checkpoint = "clipms/utils/test_atomic.py", "clipms/train/test_checkpoint.py"
     index = "clipms/deploy/test_searchindex.py"
-    items = [Item(atomic, "a1"), Item(mindir, "e1"), Item(mindir, "e2", slow=True),
+    items = [Item(atomic, "a1"), Item(checkpoint, "e1"), Item(checkpoint, "e2", slow=True),
              Item("e2e/test_kill_recovery.py", "k", True), Item(atomic, "a2"),
              Item("flows/test_pipeline_nightly.py", "n", True), Item(index, "i1", slow=True),
-             Item(index, "i2", slow=True), Item(mindir, "e3")]
+             Item(index, "i2", slow=True), Item(checkpoint, "e3")]
     conftest.pytest_collection_modifyitems(None, items)
     # the listed longest in their order; then most slow tests first (index: 2, checkpoint: 1)
     assert [i.name for i in items] == ["n", "k", "i1", "i2", "e1", "e2", "e3", "a1", "a2"]
