@@ -10,7 +10,7 @@ tiny model) runs the `clip-pipeline` flow as the nightly deployment does (`refre
 `train_without_new_data: false`), in this process, against a Prefect server of its own; MLflow is
 the checkout's `mlflow.db`; a failure webhook on loopback counts the notices.
 
-Planted nights (`--plant NIGHT:KIND,...`; the default plants each kind once, from night 4):
+Planted nights (`--plant NIGHT:KIND,...`; the default plants each failure once, from night 4):
   broken_source    the export is truncated: not a parquet file any more
   no_new_rows      the export is not grown
   diverging        train.lr and train.warm_start.lr set to 1e30 for the night (normalised
@@ -20,15 +20,21 @@ Planted nights (`--plant NIGHT:KIND,...`; the default plants each kind once, fro
   disk_full        the DVC cache moves to a tmpfs with 256 KB to spare (root: a real small file
                    system); without root, the night runs with RLIMIT_FSIZE of 256 KB instead (a
                    write past it fails with EFBIG: the closest real thing, and the record says so)
+  poisoned         the export lists as many new pictures as it held, their captions shuffled
+                   among them: every check of the data passes, and only the gate (on one
+                   evaluation set, by `--margin`) can keep the model trained on it out
 
 Nights here are minutes apart, so before each night the search-index store's marks that the
 last `retain` recorded are made a day older, as a real night's gap does (retention removes a
 chunk only when a run at least 6 hours earlier found it unreferenced too).
 
-Per night it records: the outcome and decision (metrics/register.json written tonight), the
-champion before and after, the notices sent, wall time by stage (Prefect's task runs), storage by
-store (DVC cache, DVC remote, MLflow artifacts, download store, mlflow.db, in bytes) and what
-retention removed (metrics/retain.json written tonight, when the project has retention).
+Per night it records: the outcome and decision (metrics/register.json written tonight, with the
+two values compared and where each came from), the flow's headline, the champion before and
+after, the pictures the site was asked for (and how many of them an earlier night had listed),
+what `download` counted new and reused, the training steps, the notices sent, wall time by stage
+(Prefect's task runs), storage by store (DVC cache, DVC remote, MLflow artifacts, download store,
+mlflow.db, in bytes) and what retention removed (metrics/retain.json written tonight, when the
+project has retention).
 """
 
 from __future__ import annotations
@@ -61,7 +67,8 @@ if str(ROOT / "benchmarks") not in sys.path:
 import record  # noqa: E402 - benchmarks/record.py
 from storage_growth import age_index_listing  # noqa: E402 - benchmarks/storage_growth.py
 
-KINDS = ("broken_source", "no_new_rows", "diverging", "sigkill", "registry_outage", "disk_full")
+FAILURES = ("broken_source", "no_new_rows", "diverging", "sigkill", "registry_outage", "disk_full")
+KINDS = (*FAILURES, "poisoned")  # a poisoned night does not fail: the gate must hold
 DEFAULT_PLAN = {4: "broken_source", 7: "no_new_rows", 10: "diverging", 13: "sigkill",
                 16: "registry_outage", 19: "disk_full"}
 MODEL = "clip-nights"
@@ -70,6 +77,13 @@ DIVERGING_LR = 1.0e30
 DISK_SPARE_BYTES = 256 * 1024
 STORES = {"dvc_cache": ".dvc/cache", "mlflow_artifacts": "mlartifacts",
           "download_store": "data/download", "mlflow_db": "mlflow.db"}
+
+
+def grown(listed: int, start: int, growth: float, poisoned: bool = False) -> int:
+    """How many pictures a night adds to the `listed` ones."""
+    if not listed:
+        return start
+    return listed if poisoned else max(1, math.ceil(listed * growth))
 
 
 def parse_plan(text: str) -> dict[int, str]:
@@ -83,18 +97,19 @@ def parse_plan(text: str) -> dict[int, str]:
     return plan
 
 
-def world_params(source: Path, steps: int) -> dict[str, Any]:
-    """The checkout's params: the local growing export, warm starts from the champion."""
+def world_params(source: Path, steps: int, first_steps: int, margin: float) -> dict[str, Any]:
+    """The checkout's params: the local growing export, a cold first night of `first_steps`,
+    then warm starts of `steps` from the champion, which a challenger must beat by `margin`."""
     champion = f"models:/{MODEL}@champion"
     return {
         "metadata.source": "local", "metadata.path": str(source),
         "download.allow_private_addresses": True, "download.samples_per_shard": 16,
         "evaluate.zeroshot.source": "none", "changes.min_new": 4,
         "tokenizer.pin": champion, "train.init_from": champion,
-        "train.max_steps": steps, "train.checkpoint_every": 100,
+        "train.max_steps": first_steps, "train.checkpoint_every": 100,
         "train.warm_start": {"max_steps": steps, "lr": 1.0e-3, "warmup_steps": 1},
         "export.batch_sizes": [1, 8], "register.model_name": MODEL,
-        "register.primary_metric": "i2t_R@5", "register.margin": 0.0,
+        "register.primary_metric": "i2t_R@5", "register.margin": margin,
     }
 
 
@@ -127,10 +142,13 @@ class World:
 
     root: Path
     steps: int
+    first_steps: int
+    margin: float
     start: int
     growth: float
     capacity: int
     listed: int = 0
+    captions: Callable[[int], list[str]] | None = None  # None: each picture's own
     notes: list[str] = field(default_factory=list)
     stack: Any = None
     site: Any = None
@@ -148,7 +166,8 @@ class World:
 
         self.source = GrowingSource(self.root / "source", self.capacity, draw=shape_picture)
         self.site = self.exits.enter_context(self.source.site())
-        self.ws = make_workspace(self.root / "ws", world_params(self.source.path, self.steps))
+        self.ws = make_workspace(self.root / "ws", world_params(
+            self.source.path, self.steps, self.first_steps, self.margin))
         self.remote = self.root / "dvc-remote"
         run([sys.executable, "-m", "dvc", "remote", "add", "-d", "nightly", str(self.remote)],
             self.ws)
@@ -165,20 +184,23 @@ class World:
     def close(self) -> None:
         self.exits.close()
 
-    def grow(self) -> int:
-        """List a few percent more pictures (the first night: `start`); the number new."""
-        from harness.nightly_world import shape_captions
+    def grow(self, poisoned: bool = False) -> int:
+        """List a few percent more pictures (the first night: `start`; poisoned: as many as were
+        listed, their captions shuffled among them); the number new."""
+        from harness.nightly_world import poisoned_captions
 
-        new = self.start if not self.listed else max(1, math.ceil(self.listed * self.growth))
-        new = min(new, self.capacity - self.listed)
+        new = min(grown(self.listed, self.start, self.growth, poisoned),
+                  self.capacity - self.listed)
         self.listed += new
-        self.write(shape_captions)
+        if poisoned:  # the export keeps listing them so from now on
+            self.captions = poisoned_captions(range(self.listed - new, self.listed))
+        self.write()
         return new
 
-    def write(self, captions: Callable[[int], list[str]] | None = None) -> None:
+    def write(self) -> None:
         from harness.nightly_world import shape_captions
 
-        self.source.write(self.site, range(self.listed), captions=captions or shape_captions)
+        self.source.write(self.site, range(self.listed), captions=self.captions or shape_captions)
 
     def storage(self) -> dict[str, int]:
         sizes = {name: size_of(self.ws / rel) for name, rel in STORES.items()}
@@ -343,9 +365,12 @@ def run_night(world: World, number: int, kind: str | None) -> dict[str, Any]:
     from harness.prefect_server import run_flow
 
     record: dict[str, Any] = {"night": number, "planted": kind}
-    record["images_listed_new"] = 0 if kind == "no_new_rows" else world.grow()
+    listed_before = world.listed
+    record["images_listed_new"] = (0 if kind == "no_new_rows"
+                                   else world.grow(poisoned=kind == "poisoned"))
     if kind == "no_new_rows":
         world.write()
+    world.site.requests.clear()
     record["champion_before"], record["lock_before"] = world.champion(), lock_digest(world.ws)
     age_index_listing(world.ws)  # a day passes between two nights (retention's 6 h rule)
     notices = len(world.hook.received)
@@ -363,6 +388,8 @@ def run_night(world: World, number: int, kind: str | None) -> dict[str, Any]:
     if kind == "broken_source":
         world.write()  # the next night's export is whole again
     record["state"] = state.type.value
+    record["headline"], record["stage_outcomes"] = _summary(state)
+    record["asked"] = asked_pictures(world.site.requests, listed_before)
     record["notices"] = [{k: n.get(k) for k in ("stage", "kind", "reason")}
                          for n in world.hook.received[notices:]]
     record["stage_seconds"] = {t["name"]: round(float(t.get("total_run_time") or 0.0), 1)
@@ -371,17 +398,37 @@ def run_night(world: World, number: int, kind: str | None) -> dict[str, Any]:
     register = tonight(world.ws / "metrics/register.json", started)
     record["decision"] = (f"v{register.get('version')} {register.get('alias')}" if register
                           else _outcome(record))
-    record["compared"] = ({k: register.get(k) for k in ("new_value", "champion_value",
-                                                        "eval_set", "champion_source")}
-                          if register else None)
+    record["compared"] = ({k: register.get(k) for k in COMPARED} if register else None)
+    download = tonight(world.ws / "metrics/download.json", started) or {}
+    record["download"] = {k: download.get(k) for k in ("new_images", "reused_images", "fetched")}
+    record["train_steps"] = (tonight(world.ws / "metrics/train.json", started) or {}).get("steps")
     record["champion_after"], record["lock_after"] = world.champion(), lock_digest(world.ws)
     record["storage_bytes"] = world.storage()
     record["retention"] = tonight(world.ws / "metrics/retain.json", started)
     return record
 
 
+# what metrics/register.json says of the comparison: both values, where each came from, the set
+COMPARED = ("compared", "new_value", "new_source", "champion_value", "champion_version",
+            "champion_source", "champion_recorded_set", "eval_set")
 STAGE_NAMES = ("metadata", "dedupe", "download", "shard", "tokenizer", "changes", "train",
                "evaluate", "export", "index", "register")
+
+
+def _summary(state: Any) -> tuple[str | None, dict[str, str]]:
+    """The flow's one-line summary and each stage's outcome (its result); none when it failed."""
+    try:
+        result = state.result()
+    except Exception:  # noqa: BLE001 - a failed flow's result raises its error
+        return None, {}
+    return result.get("headline"), {s["stage"]: s["outcome"] for s in result.get("stages", [])}
+
+
+def asked_pictures(requests: list[str], listed_before: int) -> dict[str, int]:
+    """The pictures the site was asked for tonight, and how many of them were listed on an
+    earlier night (a download that fetches only what is new asks for none of those)."""
+    indices = {int(Path(path).stem) for path in requests if path.startswith("/img/")}
+    return {"pictures": len(indices), "listed_before": sum(i < listed_before for i in indices)}
 
 
 def _outcome(record: dict[str, Any]) -> str:
@@ -393,22 +440,47 @@ def _outcome(record: dict[str, Any]) -> str:
     return record["state"].lower()
 
 
-def run_nights(root: Path, nights: int, plan: dict[int, str], growth: float = 0.05,
-               start: int = 48, steps: int = 4,
+@dataclass(frozen=True)
+class Schedule:
+    """The month to run: how many nights, which are planted, how the world grows, how long each
+    night trains (the first one cold, the rest warm from the champion) and the gate's margin."""
+
+    nights: int
+    plan: dict[int, str]
+    growth: float = 0.05
+    start: int = 48
+    steps: int = 4
+    first_steps: int = 4
+    margin: float = 0.0
+
+    def capacity(self) -> int:
+        """The pictures listed by the last night."""
+        listed = 0
+        for number in range(1, self.nights + 1):
+            if self.plan.get(number) != "no_new_rows":
+                listed += grown(listed, self.start, self.growth,
+                                self.plan.get(number) == "poisoned")
+        return listed
+
+
+def run_nights(root: Path, schedule: Schedule,
                on_night: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Run the nights in `root`; the whole record (also passed night by night to `on_night`)."""
-    capacity = math.ceil(start * (1 + growth) ** nights) + nights + 1
-    world = World(root, steps=steps, start=start, growth=growth, capacity=capacity).open()
+    world = World(root, steps=schedule.steps, first_steps=schedule.first_steps,
+                  margin=schedule.margin, start=schedule.start, growth=schedule.growth,
+                  capacity=schedule.capacity()).open()
     records = []
     try:
-        for number in range(1, nights + 1):
-            records.append(run_night(world, number, plan.get(number)))
+        for number in range(1, schedule.nights + 1):
+            records.append(run_night(world, number, schedule.plan.get(number)))
             if on_night:
                 on_night(records[-1])
     finally:
         world.close()
-    return {"nights": records, "growth": growth, "start_images": start, "steps": steps,
-            "plan": {str(k): v for k, v in sorted(plan.items())}, "notes": world.notes}
+    return {"nights": records, "growth": schedule.growth, "start_images": schedule.start,
+            "steps": schedule.steps, "first_steps": schedule.first_steps,
+            "margin": schedule.margin,
+            "plan": {str(k): v for k, v in sorted(schedule.plan.items())}, "notes": world.notes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -418,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--growth", type=float, default=0.05, help="new pictures a night, share")
     parser.add_argument("--start", type=int, default=48, help="pictures on the first night")
     parser.add_argument("--steps", type=int, default=4, help="training steps a night")
+    parser.add_argument("--first-steps", type=int, default=None,
+                        help="training steps of the first night, cold (default: --steps)")
+    parser.add_argument("--margin", type=float, default=0.0,
+                        help="register.margin: how much better a challenger must be")
     parser.add_argument("--plant", default=",".join(f"{n}:{k}" for n, k in DEFAULT_PLAN.items()),
                         help="NIGHT:KIND,... with KIND one of " + ", ".join(KINDS))
     parser.add_argument("--out", type=Path, default=record.default_path("nights"))
@@ -443,7 +519,9 @@ def main(argv: list[str] | None = None) -> int:
         recording.write({"nights": done, "unfinished": True}, args.out)
 
     try:
-        result = run_nights(root, args.nights, plan, args.growth, args.start, args.steps, show)
+        schedule = Schedule(args.nights, plan, args.growth, args.start, args.steps,
+                            args.first_steps or args.steps, args.margin)
+        result = run_nights(root, schedule, show)
     finally:
         if args.keep is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import colorsys
 import hashlib
 import io
+import random
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,23 @@ def shape_picture(index: int) -> bytes:
 def shape_captions(index: int) -> list[str]:
     colour, shape = drawn_class(index)
     return [f"a {colour} {shape} number {index}", f"picture {index} shows a {shape} in {colour}"]
+
+
+def derangement(indices: range, seed: int = 0) -> dict[int, int]:
+    """A random permutation of `indices` that moves every one (Sattolo's algorithm: one cycle)."""
+    order = list(indices)
+    rng = random.Random(seed)
+    for i in range(len(order) - 1, 0, -1):
+        j = rng.randrange(i)
+        order[i], order[j] = order[j], order[i]
+    return dict(zip(indices, order, strict=True))
+
+
+def poisoned_captions(new: range) -> Callable[[int], list[str]]:
+    """Captions where the pictures of `new` carry each other's (none keeps its own), the rest
+    their own: a poisoned batch that no count, length or vocabulary check can see."""
+    swapped = derangement(new)
+    return lambda index: shape_captions(swapped.get(index, index))
 
 
 def captions_for(index: int) -> list[str]:

@@ -87,7 +87,7 @@ def mode(request):
 # modules with slow tests, most slow tests first (the best guess of their length there is before
 # they run), then the rest; pytest_configure below makes xdist keep this order.
 LONGEST_MODULES = (
-    "e2e/test_nights.py", "flows/test_pipeline_nightly.py", "flows/test_deploy.py",
+    "e2e/test_nights.py", "flows/test_deploy.py",
     "ops/test_smoke.py", "integration/test_retention_store.py", "registry/test_gate_mlflow.py",
     "flows/test_pipeline_nights.py", "integration/test_registry_server.py",
     "e2e/test_kill_recovery.py", "clipms/train/test_loop.py", "clipms/parallel/test_launch.py",

@@ -30,7 +30,7 @@ def test_modules_go_longest_first_then_slow_then_fast_each_module_together():
     index = "clipms/deploy/test_searchindex.py"
     items = [Item(atomic, "a1"), Item(checkpoint, "e1"), Item(checkpoint, "e2", slow=True),
              Item("e2e/test_kill_recovery.py", "k", True), Item(atomic, "a2"),
-             Item("flows/test_pipeline_nightly.py", "n", True), Item(index, "i1", slow=True),
+             Item("flows/test_deploy.py", "n", True), Item(index, "i1", slow=True),
              Item(index, "i2", slow=True), Item(checkpoint, "e3")]
     conftest.pytest_collection_modifyitems(None, items)
     # the listed longest in their order; then most slow tests first (index: 2, checkpoint: 1)
