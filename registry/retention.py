@@ -26,8 +26,10 @@ every other version, what is heavy leaves:
   (removed from it by this run or an earlier one; one the cache still holds, its push having
   failed, stays on the remote too). Beyond the cache's rules, an object that the `dvc.lock` or a
   `.dvc` file of a git branch head or tag names stays (a teammate's branch, a tagged release:
-  what `git checkout` + `dvc pull` of a ref needs), and nothing goes when a kept version has no
-  logged `dvc.lock` (what it uses is unknown) or a ref's file or folder listing cannot be read.
+  what `git checkout` + `dvc pull` of a ref needs; a ref's folder whose file list is neither in
+  the cache nor on the remote cannot be pulled from it anyway: only its listing is spared), and
+  nothing goes when a kept version has no logged `dvc.lock` (what it uses is unknown) or git
+  cannot be read. Folder listings are read from the cache, else from the remote.
   Older commits of the history are not spared: a team that commits `dvc.lock` nightly names
   every version there, and sparing them would keep the remote growing with the nights; a git tag
   on a commit keeps it pullable. A pruned version is rebuilt by `git checkout` + `dvc repro`,
@@ -578,6 +580,7 @@ class DvcCache:
         self.remote: str | None = self.repo.config["core"].get("remote") or None
         pipeline = root / "dvc.yaml"  # today's declaration of which outs are not cached
         self.uncached = uncached_outs(pipeline.read_text()) if pipeline.is_file() else set()
+        self._remote_listings: dict[tuple[str, bool], list[tuple[str, str]] | None] = {}
 
     def odb(self, legacy: bool) -> Any:
         return self.repo.cache.legacy if legacy else self.repo.cache.local
@@ -654,12 +657,15 @@ class DvcCache:
         found = self.listing(md5, legacy)
         if found is not None or not self.remote:
             return found
-        odb = self.remote_odb(legacy)
-        try:
-            entries = json.loads(odb.fs.cat_file(odb.oid_to_path(md5)))
-            return [(e["relpath"], e["md5"]) for e in entries]
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        if (md5, legacy) not in self._remote_listings:  # refs and versions share folders
+            odb = self.remote_odb(legacy)
+            try:
+                entries = json.loads(odb.fs.cat_file(odb.oid_to_path(md5)))
+                found = [(e["relpath"], e["md5"]) for e in entries]
+            except (OSError, ValueError, KeyError, TypeError):
+                found = None
+            self._remote_listings[(md5, legacy)] = found
+        return self._remote_listings[(md5, legacy)]
 
     def ref_files(self) -> list[str] | None:
         """The texts of the `dvc.lock` and `.dvc` files at every git branch head (local and
@@ -760,13 +766,26 @@ def remote_actions(locks: Mapping[int, str | None], selection: Selection, cache:
         return nothing("the dvc.lock and .dvc files of the git branches and tags cannot be read")
     try:
         protecting = [*cache.workspace_files(),
-                      *(t for v, t in locks.items() if v in selection.keep and t), *refs]
+                      *(t for v, t in locks.items() if v in selection.keep and t)]
         exclusive, unreadable = exclusive_objects(locks, selection, protecting,
                                                   cache.any_listing, cache.uncached)
         if unreadable:
-            return nothing(f"the file list of {unreadable} (a folder the workspace, a kept "
-                           "version or a git branch or tag uses) is neither in the cache nor on "
-                           "the remote, so which objects it uses is unknown")
+            return nothing(f"the file list of {unreadable} (a folder the workspace or a kept "
+                           "version uses) is neither in the cache nor on the remote, so which "
+                           "objects it uses is unknown")
+        # What a ref's `git checkout` + `dvc pull` needs. A folder whose file list is on neither
+        # cannot be pulled from the remote whatever goes: only its listing object is spared.
+        unlisted: list[str] = []
+        for text in refs:
+            found, missing = objects(text, cache.any_listing, cache.uncached)
+            unlisted += missing
+            for oid in found:
+                exclusive.pop(oid, None)
+        if unlisted:
+            notes.append(f"{len(unlisted)} folder(s) a git branch or tag names ({unlisted[0]}, "
+                         "...) have their file list neither in the DVC cache nor on remote "
+                         f"'{cache.remote}': they cannot be pulled from it, only their listing "
+                         "objects are spared")
         sizes = cache.remote_sizes(exclusive)
     except Exception as err:  # unreachable, version-aware (no objects by hash): prune nothing
         return nothing(f"it cannot be read ({type(err).__name__}: {str(err).strip()[:200]})")

@@ -305,3 +305,24 @@ def test_prune_remote_without_a_remote_says_so(world: World) -> None:
     dvc("remote", "remove", "store", cwd=world.root)
     report = world.retain(prune_remote=True)
     assert any("no default DVC remote is configured" in n for n in report["notes"])
+
+
+def test_a_branch_whose_folder_is_listed_nowhere_spares_only_that_listing(world: World) -> None:
+    """A teammate's branch names a shards folder that was never pushed: it cannot be pulled from
+    the remote whatever goes, so it does not stop pruning; what it names that the remote holds
+    (v4's checkpoint) stays."""
+    root = world.root
+    lock = yaml.safe_load((root / "dvc.lock").read_text())
+    for out in lock["stages"]["make"]["outs"]:
+        out["md5"] = {"data/shards": "f" * 32 + ".dir",
+                      "models/clip.ckpt": world.objects[4]["models/clip.ckpt"]}[out["path"]]
+    run([*GIT, "checkout", "-q", "-b", "teammate"], root)
+    (root / "dvc.lock").write_text(yaml.safe_dump(lock, sort_keys=False))
+    run([*GIT, "commit", "-qam", "a teammate's night"], root)
+    run([*GIT, "checkout", "-q", "main"], root)
+    before = world.remote_objects()
+    report = world.retain(prune_remote=True)
+    gone = set(before) - set(world.remote_objects())
+    assert gone == exclusive(world) - {world.objects[4]["models/clip.ckpt"]}
+    assert any("1 folder(s) a git branch or tag names (data/shards, ...)" in n
+               for n in report["notes"]), report["notes"]
