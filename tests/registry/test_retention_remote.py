@@ -5,13 +5,14 @@ with its logged dvc.lock, and the policy applied by `registry.retention.retain` 
 runs the real `dvc push`).
 
 Six nights, keep_last 1: v1 champion, v2 tagged keep, v6 challenger and newest stay whole; v3, v4
-and v5 are removed. Each night's `data/shards` holds a file all nights share and a part two
-nights share (1 and 2, 3 and 4, 5 and 6), and `models/clip.ckpt` is the night's own. Night 5's
-commit carries the git tag `pinned`. So on the remote: v3's and v4's checkpoints, their shared
-part and their shards folder's listing are used only by removed versions and named by no git
-branch or tag (night 3's and 4's commits are history, not refs): exactly those four go. v5's
-checkpoint stays (the tag names it), as does the part v5 shares with v6 and what every night
-shares.
+and v5 are removed. Each night's `data/shards` holds a file all nights share, a part two nights
+share (1 and 2, 3 and 4, 5 and 6) and an old part of its own except on night 4, whose old part is
+night 1's; `models/clip.ckpt` is the night's own. Night 5's commit carries the git tag `pinned`.
+So on the remote: v3's and v4's checkpoints and shards listings, their shared part and v3's old
+part are used only by removed versions and named by no git branch or tag (night 3's and 4's
+commits are history, not refs): exactly those six go. v4's old part stays (the champion, v1, uses
+it, and neither the workspace nor a ref names it), v5's objects stay (the tag names them), as
+do the part v5 shares with v6 and what every night shares.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ shards = pathlib.Path("data/shards")
 shards.mkdir(parents=True, exist_ok=True)
 (shards / "common.tar").write_bytes(b"every night" * 1000)
 (shards / "part.tar").write_bytes(b"part %d" % ((night + 1) // 2) * 1000)
+(shards / "old.tar").write_bytes(b"old %d" % (1 if night == 4 else night) * 1000)
 pathlib.Path("models").mkdir(exist_ok=True)
 pathlib.Path("models/clip.ckpt").write_bytes(b"weights of night %d" % night * 1000)
 """
@@ -169,10 +171,11 @@ def exclusive(world: World) -> set[str]:
 def test_the_nights_share_objects_as_the_module_says(world: World) -> None:
     objects = world.objects
     assert objects[3]["data/shards/part.tar"] == objects[4]["data/shards/part.tar"]
-    assert objects[3]["data/shards"] == objects[4]["data/shards"]  # one listing for both
     assert objects[5]["data/shards/part.tar"] == objects[6]["data/shards/part.tar"]
+    assert objects[4]["data/shards/old.tar"] == objects[1]["data/shards/old.tar"]
     assert len({objects[n]["models/clip.ckpt"] for n in NIGHTS}) == 6
-    assert len(exclusive(world)) == 4
+    assert len({objects[n]["data/shards"] for n in NIGHTS}) == 6
+    assert len(exclusive(world)) == 6
     assert world.used(NIGHTS) <= set(world.remote_objects())  # pushed every night
 
 
@@ -187,7 +190,7 @@ def test_without_prune_remote_the_remote_keeps_every_object(world: World) -> Non
     assert world.remote_objects() == before
     only_removed = world.used(REMOVED) - world.used(KEPT)
     assert not only_removed & set(world.cache_objects())
-    assert report["dvc_cache_objects"] == len(only_removed) == 5
+    assert report["dvc_cache_objects"] == len(only_removed) == 9
     assert report["dvc_remote_objects"] == 0 and report["dvc_remote_bytes"] == 0
     assert "DVC remote '" not in lines[0]
 
@@ -203,7 +206,8 @@ def test_prune_remote_takes_exactly_the_removed_versions_exclusive_objects(world
     assert world.used(KEPT) <= set(after)  # the champion's, the tagged one's, the newest's
     assert world.objects[5]["models/clip.ckpt"] in after  # named by the git tag `pinned`
     assert world.objects[5]["data/shards/part.tar"] in after  # shared with v6
-    assert report["dvc_remote_objects"] == 4
+    assert world.objects[4]["data/shards/old.tar"] in after  # shared with v1, the champion
+    assert report["dvc_remote_objects"] == 6
     assert report["dvc_remote_bytes"] == sum(before[md5] for md5 in gone)
     assert not (world.used(REMOVED) - world.used(KEPT)) & set(world.cache_objects())
     for md5 in gone:
@@ -280,7 +284,7 @@ def test_a_run_killed_while_pruning_is_finished_by_the_next(
     assert not calls[0].endswith(".dir")  # a folder's listing goes after its files
     monkeypatch.setattr(DvcCache, "remove_from_remote", remove)
     report = world.retain(prune_remote=True)
-    assert report["resumed"] is True and report["dvc_remote_objects"] == 3
+    assert report["resumed"] is True and report["dvc_remote_objects"] == 5
     assert set(before) - set(world.remote_objects()) == exclusive(world)
     assert not (world.root / "models" / "retention-plan.json").exists()
 
