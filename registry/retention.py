@@ -25,11 +25,12 @@ every other version, what is heavy leaves:
   the same objects, those only removed versions use, once the local cache no longer holds them
   (removed from it by this run or an earlier one; one the cache still holds, its push having
   failed, stays on the remote too). Beyond the cache's rules, an object that the `dvc.lock` or a
-  `.dvc` file of a git branch head or tag names stays (a teammate's branch, a tagged release:
-  what `git checkout` + `dvc pull` of a ref needs; a ref's folder whose file list is neither in
-  the cache nor on the remote cannot be pulled from it anyway: only its listing is spared), and
-  nothing goes when a kept version has no logged `dvc.lock` (what it uses is unknown) or git
-  cannot be read. Folder listings are read from the cache, else from the remote.
+  `.dvc` file of a git branch head, tag or saved DVC experiment names stays (a teammate's branch,
+  a tagged release, an overrides run saved by `dvc exp save` until `dvc exp remove`: what
+  `git checkout` (`dvc exp apply`) + `dvc pull` of a ref needs; a ref's folder whose file list
+  is neither in the cache nor on the remote cannot be pulled from it anyway: only its listing is
+  spared), and nothing goes when a kept version has no logged `dvc.lock` (what it uses is
+  unknown) or git cannot be read. Folder listings are read from the cache, else the remote.
   Older commits of the history are not spared: a team that commits `dvc.lock` nightly names
   every version there, and sparing them would keep the remote growing with the nights; a git tag
   on a commit keeps it pullable. A pruned version is rebuilt by `git checkout` + `dvc repro`,
@@ -669,7 +670,8 @@ class DvcCache:
 
     def ref_files(self) -> list[str] | None:
         """The texts of the `dvc.lock` and `.dvc` files at every git branch head (local and
-        remote-tracking) and tag; [] outside a git repository, None when git fails."""
+        remote-tracking), tag and saved DVC experiment (`refs/exps`, `dvc exp save`: what a flow
+        run with overrides records); [] outside a git repository, None when git fails."""
         def git(*args: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run(["git", *args], cwd=self.root, capture_output=True,
                                   text=True, timeout=300)
@@ -677,7 +679,7 @@ class DvcCache:
         if git("rev-parse", "--git-dir").returncode != 0:
             return []
         refs = git("for-each-ref", "--format=%(*objectname) %(objectname)", "refs/heads",
-                   "refs/remotes", "refs/tags")
+                   "refs/remotes", "refs/tags", "refs/exps")
         if refs.returncode != 0:
             return None
         commits = sorted({line.split()[0] for line in refs.stdout.splitlines() if line.strip()})
@@ -744,7 +746,7 @@ def cache_actions(locks: Mapping[int, str | None], selection: Selection, cache: 
 
 
 REMOTE_REASON = ("used only by removed versions: by no kept version, not by the workspace nor a "
-                 "git branch or tag (retention.prune_remote)")
+                 "git branch, tag or saved experiment (retention.prune_remote)")
 
 
 def remote_actions(locks: Mapping[int, str | None], selection: Selection, cache: DvcCache,
@@ -782,7 +784,7 @@ def remote_actions(locks: Mapping[int, str | None], selection: Selection, cache:
             for oid in found:
                 exclusive.pop(oid, None)
         if unlisted:
-            notes.append(f"{len(unlisted)} folder(s) a git branch or tag names ({unlisted[0]}, "
+            notes.append(f"{len(unlisted)} folder(s) git refs name ({unlisted[0]}, "
                          "...) have their file list neither in the DVC cache nor on remote "
                          f"'{cache.remote}': they cannot be pulled from it, only their listing "
                          "objects are spared")

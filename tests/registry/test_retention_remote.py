@@ -328,5 +328,18 @@ def test_a_branch_whose_folder_is_listed_nowhere_spares_only_that_listing(world:
     report = world.retain(prune_remote=True)
     gone = set(before) - set(world.remote_objects())
     assert gone == exclusive(world) - {world.objects[4]["models/clip.ckpt"]}
-    assert any("1 folder(s) a git branch or tag names (data/shards, ...)" in n
+    assert any("1 folder(s) git refs name (data/shards, ...)" in n
                for n in report["notes"]), report["notes"]
+
+
+def test_a_saved_experiment_spares_what_it_names(world: World) -> None:
+    """An overrides run is saved by `dvc exp save` as a git ref under refs/exps (here one made
+    by git, at night 3's commit): `dvc exp apply` + `dvc pull` of it needs v3's objects."""
+    root = world.root
+    night3 = run(["git", "log", "--format=%H", "--grep", "^night 3$"], root).stdout.split()[0]
+    run(["git", "update-ref", "refs/exps/ab/cdef/clip-overrides", night3], root)
+    before = world.remote_objects()
+    world.retain(prune_remote=True)
+    gone = set(before) - set(world.remote_objects())
+    assert gone == exclusive(world) - world.used((3,))
+    assert gone == {world.objects[4]["models/clip.ckpt"], world.objects[4]["data/shards"]}
