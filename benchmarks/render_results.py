@@ -520,7 +520,8 @@ RENDERERS: dict[str, Callable[[Record], str]] = {
     "quality_vs_openclip_levers": quality_vs_openclip,
     "rehearsal": rehearsal, "search_at_size": search_at_size,
     "incremental_download": incremental_download, "warm_start": warm_start,
-    "storage_growth": storage_growth, "nights": nights,
+    "storage_growth": storage_growth, "storage_growth_prune_remote": storage_growth,
+    "nights": nights,
 }
 SIZE_SUFFIX = re.compile(r"-\d+$")  # rehearsal-2000, rehearsal-123287: one renderer per benchmark
 

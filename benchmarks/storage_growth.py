@@ -1,7 +1,7 @@
 """What a night adds to each store on a world that grows a few percent a night, with retention on.
 
     python benchmarks/storage_growth.py [--images 200 --growth 0.05 --nights 6 --keep-last 1
-                                         --workdir WORKDIR
+                                         --prune-remote --workdir WORKDIR
                                          --out benchmarks/results/storage_growth.json]
 
 The world: `--images` learnable pictures (harness/nightly_world.py: a coloured square, circle or
@@ -10,9 +10,10 @@ by a `metadata.source: local` parquet that grows by `--growth` of the images eac
 workspace is a copy of the project in its own git repo (harness/dvc_workspace.py: the tiny model of
 the test suite, a few training steps a night), its registry a local MLflow store (`mlflow.db`,
 artifacts in `mlartifacts/`), its DVC remote a folder, and `retention.keep_last` set to
-`--keep-last` in its params.yaml. Each night runs `dvc repro -f -s metadata` (the nightly
-deployment's refresh of the source, which DVC cannot see change), `dvc repro` (every stage: data,
-train, evaluate, export, index, register and the project's own `retain` stage) and `dvc push`.
+`--keep-last` in its params.yaml (`retention.prune_remote` to true with `--prune-remote`). Each
+night runs `dvc repro -f -s metadata` (the nightly deployment's refresh of the source, which DVC
+cannot see change), `dvc repro` (every stage: data, train, evaluate, export, index, register and
+the project's own `retain` stage) and `dvc push`.
 Before each night after the first, the search-index store's marks that the last `retain`
 recorded (`models/index-store-listing.json`: the chunks no reference named then) are made a day
 older: nights here are minutes apart, and `retain` removes an unreferenced index chunk only when
@@ -34,7 +35,9 @@ is. Then it measures:
   plots).
 
 The DVC remote is the backup retention relies on (an object leaves the local cache only once the
-remote holds it), so nothing is ever removed from it: it keeps every version and grows with them.
+remote holds it), so by default nothing is removed from it: it keeps every version and grows with
+them. With `--prune-remote` retention also removes from it what it removed from the cache
+(`retention.prune_remote`), and the run is written to storage_growth_prune_remote.json.
 
 The JSON (benchmarks/record.py's envelope) holds every night; benchmarks/RESULTS.md renders it
 ("Storage per night").
@@ -61,7 +64,8 @@ import record  # noqa: E402 - benchmarks/record.py
 MODEL = "clip-growth"
 
 
-def params(source_path: Path, keep_last: int = 1) -> dict[str, Any]:
+def params(source_path: Path, keep_last: int = 1, prune_remote: bool = False
+           ) -> dict[str, Any]:
     """The overrides of the test suite's tiny params (harness/dvc_workspace.py) for a nightly
     world."""
     return {
@@ -72,6 +76,7 @@ def params(source_path: Path, keep_last: int = 1) -> dict[str, Any]:
         "train.max_steps": 4, "train.checkpoint_every": 100, "export.batch_sizes": [1, 8],
         "register.model_name": MODEL, "register.primary_metric": "i2t_R@5",
         "retention.enabled": True, "retention.keep_last": keep_last,
+        "retention.prune_remote": prune_remote,
     }
 
 
@@ -175,7 +180,7 @@ def retained(ws: Path) -> dict[str, Any]:
     report = json.loads(path.read_text()) if path.exists() else {}
     return {"kept": sorted(report.get("kept", {})), "removed": sorted(report.get("removed", {})),
             **{key: report.get(key, 0) for key in ("mlflow_bytes", "index_chunk_bytes",
-                                                   "dvc_cache_bytes")}}
+                                                   "dvc_cache_bytes", "dvc_remote_bytes")}}
 
 
 def night(ws: Path, env: dict[str, str], held: dict[str, int],
@@ -233,10 +238,21 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--nights", type=int, default=6)
     parser.add_argument("--keep-last", type=int, default=1,
                         help="retention.keep_last in the workspace's params.yaml")
+    parser.add_argument("--prune-remote", action="store_true",
+                        help="retention.prune_remote: true (written to "
+                        "storage_growth_prune_remote.json by default)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where the workspace goes (default: a temporary folder)")
-    parser.add_argument("--out", type=Path, default=record.default_path("storage_growth"))
-    return parser.parse_args()
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.out is None:
+        args.out = record.default_path(name(args.prune_remote))
+    return args
+
+
+def name(prune_remote: bool) -> str:
+    """The result's name: one file per retention setting of the remote."""
+    return "storage_growth_prune_remote" if prune_remote else "storage_growth"
 
 
 def main() -> None:
@@ -248,7 +264,7 @@ def main() -> None:
     from harness.dvc_workspace import make_workspace, tool_env
     from harness.nightly_world import GrowingSource, shape_captions, shape_picture
 
-    recording = record.Recording("storage_growth", record.shown_command(
+    recording = record.Recording(name(args.prune_remote), record.shown_command(
         record.with_placeholders([sys.executable, *sys.argv], {"--workdir": "WORKDIR"})))
     step = max(1, round(args.images * args.growth))
     counts = [args.images + n * step for n in range(args.nights)]
@@ -258,7 +274,7 @@ def main() -> None:
                                      dir=args.workdir) as tmp:
         root = Path(tmp)
         source = GrowingSource(root / "source", capacity=counts[-1], draw=shape_picture)
-        ws = make_workspace(root / "ws", params(source.path, args.keep_last))
+        ws = make_workspace(root / "ws", params(source.path, args.keep_last, args.prune_remote))
         env = {**tool_env(), "MLFLOW_TRACKING_URI": f"sqlite:///{ws}/mlflow.db"}
         nights: list[dict[str, Any]] = []
         held: dict[str, int] = {}
@@ -271,7 +287,8 @@ def main() -> None:
                 nights.append({"night": number, **row})
                 print(json.dumps(nights[-1]), flush=True)
                 recording.write({"images": args.images, "growth": args.growth,
-                                 "keep_last": args.keep_last, "nights": nights},
+                                 "keep_last": args.keep_last,
+                                 "prune_remote": args.prune_remote, "nights": nights},
                                 args.out)  # a killed run keeps its nights
     print(f"wrote {record.shown_path(str(args.out))}")
 

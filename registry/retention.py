@@ -20,6 +20,24 @@ every other version, what is heavy leaves:
   folder DVC names. When a DVC remote is configured, `dvc push` runs first (and the removed
   versions' objects are pushed too, when no earlier night did), and only objects the remote then
   holds are removed: a failed push removes nothing from the cache;
+- the default DVC remote, only with `retention.prune_remote` (off by default: the remote keeps
+  every version, the copy `dvc pull` rebuilds a removed version from): after the cache actions,
+  the same objects, those only removed versions use, once the local cache no longer holds them
+  (removed from it by this run or an earlier one; one the cache still holds, its push having
+  failed, stays on the remote too). Beyond the cache's rules, an object that the `dvc.lock` or a
+  `.dvc` file of a git branch head, tag or saved DVC experiment names stays (a teammate's branch,
+  a tagged release, an overrides run saved by `dvc exp save` until `dvc exp remove`: what
+  `git checkout` (`dvc exp apply`) + `dvc pull` of a ref needs; a ref's folder whose file list
+  is neither in the cache nor on the remote cannot be pulled from it anyway: only its listing is
+  spared), and nothing goes when a kept version has no logged `dvc.lock` (what it uses is
+  unknown) or git cannot be read. Folder listings are read from the cache, else the remote.
+  Older commits of the history are not spared: a team that commits `dvc.lock` nightly names
+  every version there, and sparing them would keep the remote growing with the nights; a git tag
+  on a commit keeps it pullable. A pruned version is rebuilt by `git checkout` + `dvc repro`,
+  no longer by `dvc pull`. Through the remote's object database (`repo.cloud`): DVC has no
+  command that removes chosen objects (`dvc gc --cloud` keeps only what git revisions use). The
+  remote is taken to be this project's: what another project or another registered model
+  pushes to it is not seen;
 - the search-index store (`registry.index_store`), by mark and sweep across runs: a chunk goes
   only when no remaining index reference names it now (the references of every logged model of
   the experiment whose `index/` folder stays: kept versions, versions not yet removed, models of
@@ -35,7 +53,8 @@ every other version, what is heavy leaves:
 
 Never removed: a version's registry entry, its run, params, metrics, tags and lineage (the
 logged model's MLmodel, the logged `dvc.lock`), so `python -m registry compare` and the MLflow
-UI still compare it and `git checkout` + `dvc pull` (or `dvc repro`) rebuilds it. A removed
+UI still compare it and `git checkout` + `dvc pull` (or `dvc repro`; only `dvc repro` once
+`prune_remote` took its objects from the remote) rebuilds it. A removed
 version is tagged `retention.removed` (what went and why).
 
 Killed midway is safe: the plan is written first, each action is recorded once done, and every
@@ -97,6 +116,9 @@ class RetentionParams(Section):
     keep_last: int = Field(3, ge=0)  # the newest N versions are kept whole
     keep_tag: str = Field("keep", pattern=r"^[A-Za-z0-9_.-]+$")  # a version tag that keeps it
     dry_run: bool = False  # true: plan and report, remove nothing
+    # true: the removed versions' DVC objects leave the default DVC remote too (after the cache);
+    # such a version is then rebuilt only by `dvc repro`. Strict: an exact true or false.
+    prune_remote: bool = Field(False, strict=True)
 
 
 def retention_params(params_file: Path | str) -> RetentionParams:
@@ -209,10 +231,12 @@ def objects(lock_text: str, listing: Listing, uncached: Iterable[str] = (),
 
 @dataclass
 class Action:
-    kind: str  # "mlflow" | "index-chunk" | "dvc-cache"
-    # mlflow, index-chunk: the artifact repository URI; dvc-cache: "md5" or "md5 (legacy)"
+    kind: str  # "mlflow" | "index-chunk" | "dvc-cache" | "dvc-remote"
+    # mlflow, index-chunk: the artifact repository URI; dvc-cache, dvc-remote: "md5" or
+    # "md5 (legacy)"
     target: str
-    # mlflow, index-chunk: the artifact path removed; dvc-cache: a path of a removed version
+    # mlflow, index-chunk: the artifact path removed; dvc-cache, dvc-remote: a path of a removed
+    # version
     path: str
     versions: list[int]
     bytes: int
@@ -220,7 +244,8 @@ class Action:
 
     @property
     def key(self) -> str:
-        return f"{self.kind} {self.target} {'' if self.kind == 'dvc-cache' else self.path}".strip()
+        dvc = self.kind in ("dvc-cache", "dvc-remote")
+        return f"{self.kind} {self.target} {'' if dvc else self.path}".strip()
 
 
 @dataclass
@@ -257,7 +282,8 @@ def render(plan: Plan, dry_run: bool) -> str:
     lines.append(f"{verb} {len(plan.actions)} item(s), {total / 1e6:.1f} MB:")
     for action in plan.actions:
         where = {"mlflow": f"MLflow {action.path}",
-                 "index-chunk": f"index store {action.path}"}.get(
+                 "index-chunk": f"index store {action.path}",
+                 "dvc-remote": f"DVC remote '{plan.remote}' {action.target} ({action.path})"}.get(
                      action.kind, f"DVC cache {action.target} ({action.path})")
         users = ", ".join(f"v{v}" for v in action.versions) or "no remaining version"
         lines.append(f"  {where}, {action.bytes / 1e6:.2f} MB, of {users}: {action.reason}")
@@ -555,6 +581,7 @@ class DvcCache:
         self.remote: str | None = self.repo.config["core"].get("remote") or None
         pipeline = root / "dvc.yaml"  # today's declaration of which outs are not cached
         self.uncached = uncached_outs(pipeline.read_text()) if pipeline.is_file() else set()
+        self._remote_listings: dict[tuple[str, bool], list[tuple[str, str]] | None] = {}
 
     def odb(self, legacy: bool) -> Any:
         return self.repo.cache.legacy if legacy else self.repo.cache.local
@@ -597,50 +624,177 @@ class DvcCache:
         if infos:
             self.repo.cloud.push(infos, remote=self.remote)
 
+    def remote_odb(self, legacy: bool) -> Any:
+        """The default remote's object database (DVC 3's or DVC 2's layout)."""
+        return self.repo.cloud.get_remote_odb(self.remote, "push",
+                                              hash_name="md5-dos2unix" if legacy else "md5")
+
     def on_remote(self, oids: Iterable[tuple[str, bool]]) -> set[tuple[str, bool]]:
         present: set[tuple[str, bool]] = set()
         for legacy in (False, True):
             chosen = [md5 for md5, leg in oids if leg == legacy]
             if chosen:
-                odb = self.repo.cloud.get_remote_odb(
-                    self.remote, "push", hash_name="md5-dos2unix" if legacy else "md5")
+                odb = self.remote_odb(legacy)
                 present |= {(md5, legacy) for md5 in odb.oids_exist(chosen)}
         return present
+
+    def remote_sizes(self, oids: Iterable[tuple[str, bool]]) -> dict[tuple[str, bool], int]:
+        """The bytes of each of these objects the default remote holds."""
+        sizes = {}
+        for md5, legacy in sorted(self.on_remote(list(oids))):
+            odb = self.remote_odb(legacy)
+            sizes[(md5, legacy)] = int(odb.fs.size(odb.oid_to_path(md5)))
+        return sizes
+
+    def remove_from_remote(self, md5: str, legacy: bool) -> None:
+        """Delete one object from the default remote (nothing when it is gone already)."""
+        odb = self.remote_odb(legacy)
+        if odb.exists(md5):
+            odb.delete(md5)
+
+    def any_listing(self, md5: str, legacy: bool) -> list[tuple[str, str]] | None:
+        """A folder's file list from the local cache, else from the default remote (a folder
+        whose `.dir` object left the cache: a removed version's, a teammate's branch's)."""
+        found = self.listing(md5, legacy)
+        if found is not None or not self.remote:
+            return found
+        if (md5, legacy) not in self._remote_listings:  # refs and versions share folders
+            odb = self.remote_odb(legacy)
+            try:
+                entries = json.loads(odb.fs.cat_file(odb.oid_to_path(md5)))
+                found = [(e["relpath"], e["md5"]) for e in entries]
+            except (OSError, ValueError, KeyError, TypeError):
+                found = None
+            self._remote_listings[(md5, legacy)] = found
+        return self._remote_listings[(md5, legacy)]
+
+    def ref_files(self) -> list[str] | None:
+        """The texts of the `dvc.lock` and `.dvc` files at every git branch head (local and
+        remote-tracking), tag and saved DVC experiment (`refs/exps`, `dvc exp save`: what a flow
+        run with overrides records); [] outside a git repository, None when git fails."""
+        def git(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(["git", *args], cwd=self.root, capture_output=True,
+                                  text=True, timeout=300)
+
+        if git("rev-parse", "--git-dir").returncode != 0:
+            return []
+        refs = git("for-each-ref", "--format=%(*objectname) %(objectname)", "refs/heads",
+                   "refs/remotes", "refs/tags", "refs/exps")
+        if refs.returncode != 0:
+            return None
+        commits = sorted({line.split()[0] for line in refs.stdout.splitlines() if line.strip()})
+        texts = []
+        for commit in commits:
+            tree = git("ls-tree", "-r", "-z", "--name-only", commit)
+            if tree.returncode != 0:
+                return None
+            for name in tree.stdout.split("\0"):
+                if Path(name).name == LOCK_NAME or name.endswith(".dvc"):
+                    shown = git("show", f"{commit}:{name}")
+                    if shown.returncode != 0:
+                        return None
+                    texts.append(shown.stdout)
+        return texts
+
+
+def exclusive_objects(locks: Mapping[int, str | None], selection: Selection,
+                      protecting: Iterable[str], listing: Listing, uncached: Iterable[str],
+                      ) -> tuple[dict[tuple[str, bool], tuple[list[int], str]], str | None]:
+    """The objects the removed versions' locks name and no protecting text (a lock, a .dvc
+    file) does: {(md5, legacy): (the removed versions using it, a path of one)}; or ({}, the
+    path of a protecting folder whose file list `listing` cannot read: which objects it uses is
+    unknown, so none is exclusive)."""
+    protected: set[tuple[str, bool]] = set()
+    for text in protecting:
+        found, unreadable = objects(text, listing, uncached)
+        if unreadable:
+            return {}, unreadable[0]
+        protected |= set(found)
+    exclusive: dict[tuple[str, bool], tuple[list[int], str]] = {}
+    for number in sorted(selection.remove):
+        text = locks.get(number)
+        if not text:
+            continue
+        found, _ = objects(text, listing, uncached)
+        for oid, path in found.items():
+            if oid not in protected:
+                exclusive.setdefault(oid, ([], path))[0].append(number)
+    return exclusive, None
 
 
 def cache_actions(locks: Mapping[int, str | None], selection: Selection, cache: DvcCache,
                   notes: list[str]) -> list[Action]:
     """The DVC cache objects only removed versions use and the local cache holds. Nothing when a
     folder a kept version or the workspace uses cannot be listed (its files are unknown)."""
-    protected: set[tuple[str, bool]] = set()
-    for text in [*cache.workspace_files(),
-                 *(t for v, t in locks.items() if v in selection.keep and t)]:
-        found, unreadable = objects(text, cache.listing, cache.uncached)
-        if unreadable:
-            notes.append(f"nothing removed from the DVC cache: the file list of {unreadable[0]} "
-                         "(a folder the workspace or a kept version uses) is not in the cache, "
-                         "so which objects it uses is unknown (`dvc fetch` restores it)")
-            return []
-        protected |= set(found)
-    users: dict[tuple[str, bool], list[int]] = {}
-    where: dict[tuple[str, bool], str] = {}
-    for number in sorted(selection.remove):
-        text = locks.get(number)
-        if not text:
-            continue
-        found, _ = objects(text, cache.listing, cache.uncached)
-        for oid, path in found.items():
-            if oid not in protected:
-                users.setdefault(oid, []).append(number)
-                where.setdefault(oid, path)
+    protecting = [*cache.workspace_files(),
+                  *(t for v, t in locks.items() if v in selection.keep and t)]
+    exclusive, unreadable = exclusive_objects(locks, selection, protecting, cache.listing,
+                                              cache.uncached)
+    if unreadable:
+        notes.append(f"nothing removed from the DVC cache: the file list of {unreadable} "
+                     "(a folder the workspace or a kept version uses) is not in the cache, "
+                     "so which objects it uses is unknown (`dvc fetch` restores it)")
+        return []
     actions = []
-    for (md5, legacy), numbers in sorted(users.items()):
+    for (md5, legacy), (numbers, where) in sorted(exclusive.items()):
         path = cache.path(md5, legacy)
         if path.is_file():
             actions.append(Action("dvc-cache", md5 + (" (legacy)" if legacy else ""),
-                                  where[(md5, legacy)], numbers, path.stat().st_size,
+                                  where, numbers, path.stat().st_size,
                                   "used by no kept version and not by the workspace"))
     return actions
+
+
+REMOTE_REASON = ("used only by removed versions: by no kept version, not by the workspace nor a "
+                 "git branch, tag or saved experiment (retention.prune_remote)")
+
+
+def remote_actions(locks: Mapping[int, str | None], selection: Selection, cache: DvcCache,
+                   notes: list[str]) -> list[Action]:
+    """With `prune_remote`: the objects of the default DVC remote only removed versions use
+    (the cache's rule, and no git branch head or tag names them), folders' `.dir` objects last
+    (a run killed midway still finds a removed folder's file list). Nothing when what a kept
+    version, the workspace or a ref uses is unknown."""
+    def nothing(why: str) -> list[Action]:
+        notes.append(f"nothing removed from DVC remote '{cache.remote}': {why}")
+        return []
+
+    unknown = sorted(n for n in selection.keep if not locks.get(n))
+    if unknown:
+        return nothing(f"v{unknown[0]}, kept, has no dvc.lock logged with it (registered before "
+                       "retention), so which objects it uses is unknown")
+    refs = cache.ref_files()
+    if refs is None:
+        return nothing("the dvc.lock and .dvc files of the git branches and tags cannot be read")
+    try:
+        protecting = [*cache.workspace_files(),
+                      *(t for v, t in locks.items() if v in selection.keep and t)]
+        exclusive, unreadable = exclusive_objects(locks, selection, protecting,
+                                                  cache.any_listing, cache.uncached)
+        if unreadable:
+            return nothing(f"the file list of {unreadable} (a folder the workspace or a kept "
+                           "version uses) is neither in the cache nor on the remote, so which "
+                           "objects it uses is unknown")
+        # What a ref's `git checkout` + `dvc pull` needs. A folder whose file list is on neither
+        # cannot be pulled from the remote whatever goes: only its listing object is spared.
+        unlisted: list[str] = []
+        for text in refs:
+            found, missing = objects(text, cache.any_listing, cache.uncached)
+            unlisted += missing
+            for oid in found:
+                exclusive.pop(oid, None)
+        if unlisted:
+            notes.append(f"{len(unlisted)} folder(s) git refs name ({unlisted[0]}, "
+                         "...) have their file list neither in the DVC cache nor on remote "
+                         f"'{cache.remote}': they cannot be pulled from it, only their listing "
+                         "objects are spared")
+        sizes = cache.remote_sizes(exclusive)
+    except Exception as err:  # unreachable, version-aware (no objects by hash): prune nothing
+        return nothing(f"it cannot be read ({type(err).__name__}: {str(err).strip()[:200]})")
+    order = sorted(sizes, key=lambda oid: (oid[0].endswith(".dir"), oid))
+    return [Action("dvc-remote", md5 + (" (legacy)" if legacy else ""),
+                   exclusive[(md5, legacy)][1], exclusive[(md5, legacy)][0],
+                   sizes[(md5, legacy)], REMOTE_REASON) for md5, legacy in order]
 
 
 # ---------------------------------------------------------------- planning and applying
@@ -680,6 +834,14 @@ def make_plan(mlflow_client: Any, model_name: str, params: RetentionParams, root
     if plan.remote:
         plan.notes.append(f"DVC cache objects are removed only after `dvc push` to remote "
                           f"'{plan.remote}' succeeds, and only those the remote holds")
+    if params.prune_remote and not plan.remote:
+        plan.notes.append("retention.prune_remote is true but no default DVC remote is "
+                          "configured: no remote to prune")
+    elif params.prune_remote:
+        plan.actions += remote_actions(locks, selection, cache, plan.notes)
+        plan.notes.append(f"DVC remote objects are removed only once the local cache no longer "
+                          f"holds them (retention.prune_remote): a version they leave "
+                          f"'{plan.remote}' with is rebuilt by `dvc repro`, not `dvc pull`")
     return plan, cache
 
 
@@ -731,11 +893,14 @@ def apply_plan(mlflow_client: Any, plan: Plan, cache: DvcCache | None, plan_file
     _save_listings(listing_file or plan_file.with_name(LISTING_FILE.name), plan.listings)
     cache_done = _apply_cache(plan, cache, progress, done, on_line)
     freed["dvc-cache"] = cache_done
+    freed["dvc-remote"] = _apply_remote(plan, cache, progress, done, on_line)
     plan_file.unlink(missing_ok=True)
     progress.unlink(missing_ok=True)
     return {"mlflow_artifacts": freed["mlflow"][0], "mlflow_bytes": freed["mlflow"][1],
             "index_chunks": freed["index-chunk"][0], "index_chunk_bytes": freed["index-chunk"][1],
-            "dvc_cache_objects": freed["dvc-cache"][0], "dvc_cache_bytes": freed["dvc-cache"][1]}
+            "dvc_cache_objects": freed["dvc-cache"][0], "dvc_cache_bytes": freed["dvc-cache"][1],
+            "dvc_remote_objects": freed["dvc-remote"][0],
+            "dvc_remote_bytes": freed["dvc-remote"][1]}
 
 
 def _apply_cache(plan: Plan, cache: DvcCache | None, progress: Path, done: set[str],
@@ -774,6 +939,30 @@ def _apply_cache(plan: Plan, cache: DvcCache | None, progress: Path, done: set[s
     return [count, size]
 
 
+def _apply_remote(plan: Plan, cache: DvcCache | None, progress: Path, done: set[str],
+                  on_line: Callable[[str], None]) -> list[int]:
+    """After the cache actions: delete from the remote the planned objects the local cache no
+    longer holds (one still there, its push failed or the remote lacked it, stays on both)."""
+    actions = [a for a in plan.actions if a.kind == "dvc-remote"]
+    if not actions or cache is None:
+        return [0, 0]
+    count, size, kept = 0, 0, 0
+    for action in actions:
+        oid = (action.target.split()[0], action.target.endswith("(legacy)"))
+        if action.key not in done:
+            if cache.path(*oid).is_file():
+                kept += 1
+                continue
+            cache.remove_from_remote(*oid)
+            _record_done(progress, action.key)
+        count, size = count + 1, size + action.bytes
+    if kept:
+        plan.notes.append(f"{kept} object(s) of removed versions are still in the local DVC "
+                          f"cache and stay on remote '{cache.remote}' too")
+        on_line(f"retain: {plan.notes[-1]}")
+    return [count, size]
+
+
 def retain(mlflow_client: Any, model_name: str, params: RetentionParams, root: Path,
            dry_run: bool | None = None, dvc_cache: bool = True,
            on_line: Callable[[str], None] = print) -> dict[str, Any]:
@@ -786,7 +975,7 @@ def retain(mlflow_client: Any, model_name: str, params: RetentionParams, root: P
 
     dry = params.dry_run if dry_run is None else dry_run
     report: dict[str, Any] = {"model_name": model_name, "enabled": params.enabled,
-                              "dry_run": dry}
+                              "dry_run": dry, "prune_remote": params.prune_remote}
     if not params.enabled:
         on_line("retain: retention.enabled is false: nothing removed")
         return report

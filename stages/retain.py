@@ -1,9 +1,9 @@
 """Stage `retain`: apply the retention policy (`retention` in params.yaml, `registry.retention`)
 at the end of every night, after the gate: older versions' checkpoint, bundle, index and plot
 pictures leave the MLflow artifact store, and the DVC cache objects only they use leave the local
-cache (after `dvc push` when a remote is configured). The champion, the challenger, the newest
-versions and those tagged to keep stay whole; no version's registry entry, run, metrics or
-lineage is removed.
+cache (after `dvc push` when a remote is configured), and, with `retention.prune_remote`, the
+default DVC remote too. The champion, the challenger, the newest versions and those tagged to keep
+stay whole; no version's registry entry, run, metrics or lineage is removed.
 
 Writes `metrics/retain.json`: what was kept and removed, why, and how many bytes it freed.
 `python -m registry retain --dry-run` shows the same plan without removing anything.

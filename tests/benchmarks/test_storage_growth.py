@@ -8,6 +8,7 @@ import json
 import time
 from pathlib import Path
 
+from benchmarks.render_results import renderer
 from benchmarks.render_results import storage_growth as render
 from benchmarks.storage_growth import (
     STORE_FOLDERS,
@@ -15,6 +16,7 @@ from benchmarks.storage_growth import (
     breakdown,
     changes,
     files_of,
+    name,
     params,
 )
 from registry.retention import LISTING_FILE, RetentionParams, earlier_listing
@@ -72,6 +74,14 @@ def test_the_workspace_runs_retention_with_the_window_asked_for(tmp_path: Path) 
     section = {key.split(".", 1)[1]: value for key, value in overrides.items()
                if key.startswith("retention.")}
     assert RetentionParams(**section) == RetentionParams(enabled=True, keep_last=2)
+    assert section["prune_remote"] is False  # the remote keeps every version by default
+
+
+def test_prune_remote_runs_retention_on_the_remote_and_records_apart(tmp_path: Path) -> None:
+    overrides = params(tmp_path / "source.parquet", keep_last=1, prune_remote=True)
+    assert overrides["retention.prune_remote"] is True
+    assert name(True) == "storage_growth_prune_remote" and name(False) == "storage_growth"
+    assert renderer(name(True)) is render
 
 
 def night(number: int, added: int, freed: int, bound: int) -> dict:

@@ -61,7 +61,10 @@ def test_no_versions_plan_nothing() -> None:
     ("keep_tag: 'not a tag'", "retention.keep_tag = 'not a tag': String should match pattern"),
     ("enabled: maybe", "retention.enabled = 'maybe'"),
     ("keep: 3", "retention.keep: unknown key (allowed keys here: dry_run, enabled, keep_last, "
-                "keep_tag)"),
+                "keep_tag, prune_remote)"),
+    ("prune_remote: maybe", "retention.prune_remote = 'maybe': Input should be a valid boolean"),
+    ("prune_remote: 1", "retention.prune_remote = 1: Input should be a valid boolean"),
+    ("prune_remote: 'true'", "retention.prune_remote = 'true': Input should be a valid boolean"),
 ])
 def test_bad_params_name_the_key_the_value_and_what_is_allowed(tmp_path: Path, text: str,
                                                                named: str) -> None:
@@ -75,6 +78,15 @@ def test_bad_params_name_the_key_the_value_and_what_is_allowed(tmp_path: Path, t
 def test_the_project_params_are_valid_and_keep_a_small_window() -> None:
     params = retention_params(Path(__file__).resolve().parents[2] / "params.yaml")
     assert params.enabled and not params.dry_run and 1 <= params.keep_last <= 5
+    assert params.prune_remote is False  # opt-in: the remote keeps every version unless told
+
+
+def test_prune_remote_is_off_unless_set_to_exactly_true(tmp_path: Path) -> None:
+    path = tmp_path / "params.yaml"
+    path.write_text("retention:\n  keep_last: 2\n")
+    assert retention_params(path).prune_remote is False
+    path.write_text("retention:\n  prune_remote: true\n")
+    assert retention_params(path).prune_remote is True
 
 
 def lock(*outs: dict) -> str:
