@@ -87,14 +87,14 @@ def mode(request):
 # modules with slow tests, most slow tests first (the best guess of their length there is before
 # they run), then the rest; pytest_configure below makes xdist keep this order.
 LONGEST_MODULES = (
-    "e2e/test_nights.py", "flows/test_deploy.py",
-    "ops/test_smoke.py", "integration/test_retention_store.py", "registry/test_gate_mlflow.py",
-    "flows/test_pipeline_nights.py", "integration/test_registry_server.py",
-    "e2e/test_kill_recovery.py", "clipms/train/test_loop.py", "clipms/parallel/test_launch.py",
-    "flows/test_pipeline_secrets.py", "benchmarks/test_rehearsal.py", "prep/test_engines.py",
-    "clipms/deploy/test_mindir.py", "clipms/train/test_step.py",
-    "integration/test_registry_training.py", "integration/test_registry_postgres.py",
-    "stages/test_train.py",
+    "e2e/test_nights.py", "ops/test_smoke.py", "flows/test_deploy.py",
+    "integration/test_registry_server.py", "registry/test_gate_mlflow.py",
+    "clipms/deploy/test_mindir.py", "flows/test_pipeline_nights.py",
+    "integration/test_retention_store.py", "e2e/test_kill_recovery.py", "clipms/train/test_loop.py",
+    "benchmarks/test_rehearsal.py", "flows/test_pipeline_secrets.py",
+    "clipms/parallel/test_launch.py", "clipms/train/test_step.py", "registry/test_carryover.py",
+    "prep/test_engines.py", "integration/test_registry_training.py", "stages/test_train.py",
+    "integration/test_registry_postgres.py",
 )
 TESTS = Path(__file__).resolve().parent
 
