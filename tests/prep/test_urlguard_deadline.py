@@ -130,6 +130,7 @@ def test_a_connection_gets_the_fetchs_deadline_or_none(pair, monkeypatch) -> Non
     import prep.urlguard as urlguard
 
     ours, _ = pair
+    ours.settimeout(5.0)  # a deadline not taken from the fetch ends as a plain timeout, in 5 s
     connection = http.client.HTTPConnection("127.0.0.1")
     connection.sock = ours
     _with_deadline(connection, None)
@@ -139,3 +140,29 @@ def test_a_connection_gets_the_fetchs_deadline_or_none(pair, monkeypatch) -> Non
     assert isinstance(connection.sock, _DeadlineSocket)
     with pytest.raises(DeadlinePassed, match="deadline of 60 s"):
         connection.sock.recv_into(bytearray(4))  # the fetch's deadline, not 60 s from now
+
+
+def test_a_connection_outside_a_fetch_gets_a_deadline_of_its_own(pair, monkeypatch) -> None:
+    """A connection made with no fetch in progress (no opener set one) still ends its reads
+    `seconds` after it was wrapped: not at once, not never (x__with_deadline__mutmut_3/_11)."""
+    import prep.urlguard as urlguard
+
+    ours, _ = pair
+    monkeypatch.setattr(urlguard._FETCH, "deadline", None, raising=False)
+    connection = http.client.HTTPConnection("127.0.0.1")
+    connection.sock = ours
+    started = time.monotonic()
+    _with_deadline(connection, 0.3)
+    assert isinstance(connection.sock, _DeadlineSocket) and ours.fileno() != -1
+    with pytest.raises(DeadlinePassed, match="deadline of 0.3 s passed"):
+        connection.sock.recv_into(bytearray(4))
+    assert 0.25 <= time.monotonic() - started < 2.0
+
+
+def test_a_wrapped_socket_makes_text_files_by_default_as_a_socket_does(pair) -> None:
+    """makefile() without a mode is a text file, as socket.makefile() is
+    (xǁ_DeadlineSocketǁmakefile__mutmut_1/2: a wrong default mode)."""
+    ours, peer = pair
+    peer.sendall(b"a line\n")
+    with wrapped(ours, 5.0).makefile() as text:
+        assert text.readline() == "a line\n"
