@@ -708,7 +708,7 @@ def read_for(response, seconds: float) -> None:
     """Read `response` to its end, or give up after `seconds` (a test must not wait on a server
     that drips for minutes when the deadline it checks is missing)."""
     until = time.monotonic() + seconds
-    while time.monotonic() < until and response.read(64):
+    while time.monotonic() < until and response.read(1):  # a byte: a read waits for no more
         pass
 
 
@@ -721,8 +721,8 @@ def test_an_http_fetch_ends_at_its_deadline_in_the_headers_or_the_body(limit_sit
     for path in ("/drip.jpg", "/stall/2.jpg"):
         started = time.monotonic()
         with pytest.raises(DeadlinePassed, match="download deadline of 0.5 s passed"), \
-                opener.open(limit_site.base + path, timeout=3) as response:
-            read_for(response, 3)
+                opener.open(limit_site.base + path, timeout=2) as response:
+            read_for(response, 2)
         assert 0.4 < time.monotonic() - started < 2.5, path
     with opener.open(limit_site.base + "/limit.bin", timeout=3) as response:
         assert len(response.read()) == LIMIT  # the expired deadline was the last fetch's
@@ -735,8 +735,8 @@ def test_an_https_fetch_ends_at_its_deadline(tls_site, monkeypatch):
     opener = build_opener(FetchPolicy(allow_private_addresses=True, deadline_s=0.5))
     started = time.monotonic()
     with pytest.raises(DeadlinePassed, match="download deadline of 0.5 s passed"), \
-            opener.open(tls_site.base + "/drip.jpg", timeout=3) as response:
-        read_for(response, 3)
+            opener.open(tls_site.base + "/drip.jpg", timeout=2) as response:
+        read_for(response, 2)
     assert 0.4 < time.monotonic() - started < 2.5
 
 
