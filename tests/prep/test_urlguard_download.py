@@ -580,6 +580,38 @@ def test_https_connections_check_the_address_where_they_connect():
     assert refusal_of(FetchPolicy(), "https://localhost:9/a.jpg").reason == "loopback_address"
 
 
+def test_a_failed_connection_names_its_own_error(monkeypatch):
+    """Where an allowed address refuses the connection, the error is that refusal, not "no
+    address to connect to"; a host with no address at all says that, naming the host
+    (x__checked_connection__mutmut_20/21/22). Nothing listens on the port: it was just freed."""
+    with socket.create_server(("127.0.0.1", 0)) as freed:
+        port = freed.getsockname()[1]
+    opener = build_opener(FetchPolicy(allowed_networks=("127.0.0.1/32",)))
+    with pytest.raises(urllib.error.URLError) as caught:
+        opener.open(f"http://127.0.0.1:{port}/a.jpg", timeout=3)
+    assert isinstance(caught.value.reason, ConnectionRefusedError), caught.value
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *_args, **_kwargs: [])  # an empty answer
+    with pytest.raises(urllib.error.URLError, match="empty.test: no address to connect to"):
+        opener.open("http://empty.test/a.jpg", timeout=3)
+
+
+def test_a_connection_leaves_from_the_source_address_it_is_given(limit_site):
+    """http.client's `source_address` reaches the checked socket: the connection leaves from
+    127.0.0.2 when asked to (x__checked_connection__mutmut_18)."""
+    from prep.urlguard import _CheckedHTTPConnection
+
+    port = int(limit_site.base.rsplit(":", 1)[1])
+    connection = _CheckedHTTPConnection("127.0.0.1", port, timeout=3,
+                                        source_address=("127.0.0.2", 0),
+                                        policy=FetchPolicy(allowed_networks=("127.0.0.1/32",)))
+    try:
+        connection.request("GET", "/limit.bin")
+        assert connection.sock.getsockname()[0] == "127.0.0.2"
+        assert len(connection.getresponse().read()) == LIMIT
+    finally:
+        connection.close()
+
+
 def test_the_opener_reads_local_files_only_when_the_file_scheme_is_allowed(tmp_path):
     """x_build_opener__mutmut_6..9: the FileHandler is there for the synthetic source only."""
     import urllib.error
