@@ -5,7 +5,7 @@ module's mutants only (mutmut's configuration is `[tool.mutmut]` in pyproject.to
 are mutated and which fast tests run), one module at a time, then prints killed / survived /
 timeout / other per module from mutmut's own result files (mutants/<file>.meta). A mutant that no
 fast test calls counts as "no tests": it is a survivor too, and is listed with the others.
-Each module's counts are recorded, with the commit and the load, in
+Each module's counts and wall minutes are recorded, with the commit and the load, in
 benchmarks/results/mutation.json (`--results`); modules not run keep their last entry.
 
     python benchmarks/mutation.py                 # every module (slow: see benchmarks/RESULTS.md)
@@ -104,14 +104,17 @@ def module_counts(label: str) -> dict[str, int]:
             "other": sum(counts.values()) - sum(named.values())}
 
 
-def record_scores(labels: list[str], recording: record.Recording, out: Path | None) -> None:
-    """Each module's counts, with the commit, machine and load of its run, into the result file;
-    the modules not run this time keep their last entry (a run of all of them takes hours)."""
+def record_scores(labels: list[str], recording: record.Recording, out: Path | None,
+                  minutes: dict[str, float] | None = None) -> None:
+    """Each module's counts and wall minutes, with the commit, machine and load of its run, into
+    the result file; the modules not run this time keep their last entry (a run of all of them
+    takes hours)."""
     path = out or record.default_path("mutation")
     modules = json.loads(path.read_text())["results"] if path.exists() else {}
     meta = recording.meta()
     for label in labels:
-        modules[label] = {**module_counts(label), "meta": meta}
+        modules[label] = {**module_counts(label), "wall_min": (minutes or {}).get(label),
+                          "meta": meta}
     recording.write(dict(sorted(modules.items())), path)
 
 
@@ -221,11 +224,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiers:
         record_tiers(labels, int(os.environ.get("MUTATION_CHILDREN", "1")), recording)
         return 0
-    failed = []
+    failed, minutes = [], {}
     if not args.score_only:
         children = int(os.environ.get("MUTATION_CHILDREN", "1"))
-        failed = [label for label in labels if run_module(label, children) != 0]
-        record_scores([label for label in labels if label not in failed], recording, args.results)
+        for label in labels:
+            started = time.monotonic()
+            if run_module(label, children) != 0:
+                failed.append(label)
+            minutes[label] = round((time.monotonic() - started) / 60, 1)
+        record_scores([label for label in labels if label not in failed], recording, args.results,
+                      minutes)
     print(score_table(labels))
     if failed:
         print(f"mutmut did not finish for: {', '.join(failed)}", file=sys.stderr)

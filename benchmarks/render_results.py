@@ -10,7 +10,9 @@ benchmarks/results/NAME.json (benchmarks/record.py's envelope) by the function R
 for NAME, or as a plain table of the results when there is none. So each figure has one owner,
 the file the benchmark wrote; the prose around a table says what it measures and how to read
 it. A block whose file does not exist yet is left as it is and listed as pending: its figures
-predate the result files, and its section names the command that replaces them.
+predate the result files, and its section names the command that replaces them. The mutation
+block is both: a row per module its file holds, then, under their own note, the rows measured by
+hand before the file existed for the modules it does not hold yet (EARLIER).
 """
 
 from __future__ import annotations
@@ -184,14 +186,39 @@ def _first(values: dict[str, Any], has: str, lacks: str = "\0") -> Any:
 
 
 def mutation(record: Record) -> str:
+    """One row per module the file holds, each with its own run's commit, day, wall time and
+    load (benchmarks/mutation.py records the modules it ran and keeps the others' last entry)."""
     rows = []
     for label, m in record["results"].items():
         score = (m["killed"] + m["timeout"]) / m["mutants"] if m["mutants"] else None
+        load = m["meta"]["load_avg"]
         rows.append([label, f"`{m['file']}`", m["mutants"], m["killed"], m["survived"],
                      m["no tests"], m["timeout"], f"{score:.1%}" if score is not None else "-",
-                     m["meta"]["commit"], m["meta"]["started_utc"][:10]])
+                     m.get("wall_min"), m["meta"]["commit"], m["meta"]["started_utc"][:10],
+                     f"{load['start'][0]} / {load['end'][0]}"])
     return table(["module", "file", "mutants", "killed", "survived", "no tests", "timeout",
-                  "score", "commit", "run"], rows, right=6)
+                  "score", "wall min", "commit", "run", "load, start / end"], rows, right=8)
+
+
+# The note over the mutation rows measured by hand before benchmarks/mutation.py wrote a result
+# file; those rows stay in the block, under it, until a run records their module.
+MEASURED_BEFORE = "measured before the benchmark wrote a result file"
+
+
+def mutation_earlier(record: Record, previous: str) -> str:
+    """The hand-measured rows of `previous` (the block as it was) for the modules the result file
+    does not hold, under their note as written; "" when the file holds them all. Nothing is
+    invented: a module leaves this table only for its row from the file."""
+    at = previous.lower().find(MEASURED_BEFORE)
+    if at < 0:
+        return ""
+    start = previous.rfind("\n", 0, at) + 1
+    note, _, rest = previous[start:].partition("\n\n")
+    lines = [line for line in rest.splitlines() if line.startswith("|")]
+    kept = [line for line in lines[2:] if line.split("|")[1].strip() not in record["results"]]
+    if not kept:
+        return ""
+    return "\n" + note + "\n\n" + "\n".join(lines[:2] + kept) + "\n"
 
 
 def mutation_tiers(record: Record) -> str:
@@ -534,13 +561,21 @@ def renderer(name: str) -> Callable[[Record], str]:
 # ---- the document ----------------------------------------------------------------------------
 
 
-def render_block(name: str, results: Path = RESULTS) -> str | None:
-    """The block's text from its result file; None when the file does not exist yet."""
+# Blocks that keep, after the figures of their result file, what they held from before the file
+# existed and the file does not replace yet: NAME -> (record, the block as it was) -> that part.
+EARLIER: dict[str, Callable[[Record, str], str]] = {"mutation": mutation_earlier}
+
+
+def render_block(name: str, results: Path = RESULTS, previous: str = "") -> str | None:
+    """The block's text from its result file (and, for a block of EARLIER, the part of
+    `previous`, its text as it was, that the file does not replace); None when the file does not
+    exist yet."""
     path = results / f"{name}.json"
     if not path.exists():
         return None
     record = json.loads(path.read_text())
-    return measured(record) + renderer(name)(record)
+    body = measured(record) + renderer(name)(record)
+    return body + EARLIER[name](record, previous) if name in EARLIER else body
 
 
 def render(doc: str, results: Path = RESULTS) -> tuple[str, list[str]]:
@@ -548,7 +583,7 @@ def render(doc: str, results: Path = RESULTS) -> tuple[str, list[str]]:
     pending: list[str] = []
 
     def replace(match: re.Match[str]) -> str:
-        body = render_block(match["name"], results)
+        body = render_block(match["name"], results, match["body"])
         if body is None:
             pending.append(match["name"])
             return match[0]

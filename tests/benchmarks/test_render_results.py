@@ -110,6 +110,55 @@ def test_a_benchmark_without_a_renderer_gets_a_plain_table(tmp_path):
     assert "| size | seconds |" in body and "| 20 | 3.25 |" in body
 
 
+HAND_MEASURED = """\
+_Other modules, measured before the benchmark wrote a result file (by hand, load 1-27)._
+
+| module | file | mutants | killed | survived | no tests | timeout | score |
+| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |
+| urlguard | `prep/urlguard.py` | 379 | 336 | 39 | 0 | 4 | 89.7% |
+| captions | `prep/captions.py` | 724 | 638 | 86 | 0 | 0 | 88.1% |
+| gate | `registry/gate.py` (the decision) | 197 | 194 | 3 | 0 | 0 | 98.5% |
+"""
+
+
+def test_the_mutation_block_renders_its_modules_and_keeps_the_earlier_rows_of_the_others(
+        tmp_path):
+    """A module's row comes from benchmarks/results/mutation.json once a run recorded it (with
+    its commit, wall time and load); the rows measured by hand before that file existed stay, under
+    their note, for the modules it does not hold yet, and go when it holds them all."""
+    results = tmp_path / "results"
+    recording = record.Recording("mutation", "python benchmarks/mutation.py urlguard")
+    counts = {"file": "prep/urlguard.py", "mutants": 527, "killed": 470, "survived": 50,
+              "no tests": 2, "timeout": 5, "other": 0, "wall_min": 21.5,
+              "meta": recording.meta()}
+    recording.write({"urlguard": counts}, results / "mutation.json")
+    doc = tmp_path / "RESULTS.md"
+    doc.write_text("## M\n\n<!-- rendered: mutation -->\n" + HAND_MEASURED
+                   + "<!-- /rendered -->\n\nprose after\n")
+    args = ["--doc", str(doc), "--results", str(results)]
+    assert render_results.main([*args, "--check"]) == 1
+    assert render_results.main(args) == 0
+    rendered = doc.read_text()
+    block = rendered.split("<!-- rendered: mutation -->\n")[1].split("<!-- /rendered -->")[0]
+    commit, day = counts["meta"]["commit"], counts["meta"]["started_utc"][:10]
+    assert block.startswith("_`python benchmarks/mutation.py urlguard` at ")
+    load = counts["meta"]["load_avg"]
+    assert (f"| urlguard | `prep/urlguard.py` | 527 | 470 | 50 | 2 | 5 | 90.1% | 21.5 | {commit} "
+            f"| {day} | {load['start'][0]} / {load['end'][0]} |") in block
+    assert "| 379 |" not in block  # the hand row of a recorded module is gone
+    earlier = block[block.index("measured before the benchmark wrote a result file"):]
+    assert "| captions |" in earlier and "| gate |" in earlier and "urlguard" not in earlier
+    assert "(by hand, load 1-27)._" in earlier and "| module | file | mutants |" in earlier
+    assert rendered.endswith("<!-- /rendered -->\n\nprose after\n")
+    assert render_results.main([*args, "--check"]) == 0  # rendering again changes nothing
+    recording.write({"urlguard": counts, "captions": {**counts, "file": "prep/captions.py"},
+                     "gate": {**counts, "file": "registry/gate.py"}}, results / "mutation.json")
+    assert render_results.main(args) == 0
+    block = doc.read_text().split("<!-- rendered: mutation -->\n")[1]
+    assert "measured before" not in block and "| 724 |" not in block  # all from the file now
+    assert block.count("| 527 | 470 |") == 3
+
+
 def test_the_record_names_the_commit_the_machine_and_the_load(tmp_path, monkeypatch):
     monkeypatch.setenv(record.NOTE_VARIABLE, "idle: nothing else ran")
     path = record.Recording("x", "clipms-bench loader").write({"a": 1}, tmp_path / "x.json")

@@ -10,19 +10,25 @@ real and goes to 127.0.0.1 only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import zlib
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from harness.image_site import Site, images_parquet, jpeg, stage_env, write_params
 from prep.urlguard import (
     PRECHECK_REASONS,
+    DeadlinePassed,
     FetchPolicy,
     RefusedURL,
     _read_up_to,
@@ -46,6 +52,9 @@ PUBLIC = "93.184.216.34"  # a public address (never connected to: see the module
     ("0.0.0.0", "private_address"), ("100.64.0.1", "reserved_address"),
     ("240.0.0.1", "private_address"), ("192.0.2.7", "private_address"),
     ("8.8.8.8", None), (PUBLIC, None), ("2606:4700::1111", None),
+    # reserved IPv6 that `ipaddress` calls global (x_address_problem__mutmut_12): 4000::/3 is
+    # unassigned, 64:ff9b::/96 is NAT64 (64:ff9b::7f00:1 reaches 127.0.0.1 through a gateway)
+    ("4000::1", "reserved_address"), ("64:ff9b::7f00:1", "reserved_address"),
 ])
 def test_address_rule(address, reason):
     assert address_problem(address) == reason
@@ -437,6 +446,31 @@ def test_precheck_passes_file_urls_of_the_synthetic_source_without_a_host():
     assert dns.asked == [("public.test", 81)]  # x_precheck__mutmut_41: the port is passed on
 
 
+def test_precheck_resolves_at_most_threads_hosts_at_a_time():
+    """`threads` bounds the lookups in flight (a user's DNS server, a rate-limited resolver): one
+    at a time with threads=1, and more than one when allowed (x_precheck__mutmut_24/29)."""
+
+    def peak(threads: int) -> int:
+        lock, state = threading.Lock(), {"now": 0, "peak": 0}
+
+        def resolve(host, port, *_args, **_kwargs):
+            with lock:
+                state["now"] += 1
+                state["peak"] = max(state["peak"], state["now"])
+            time.sleep(0.05)
+            with lock:
+                state["now"] -= 1
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (PUBLIC, port))]
+
+        urls = [f"http://host{i}.test/a.jpg" for i in range(6)]
+        assert precheck(urls, FetchPolicy(), resolve, threads=threads) == [None] * 6
+        return state["peak"]
+
+    assert peak(1) == 1
+    assert peak(0) == 1  # no thread asked for: one, not a crash
+    assert 1 < peak(3) <= 3
+
+
 def test_refusal_counts_has_every_reason_and_counts_each_refusal():
     """x_refusal_counts__mutmut_1..10 (no fast test called it)."""
     counts = refusal_counts([None, "loopback_address", "bad_url", "loopback_address", None])
@@ -506,6 +540,25 @@ def test_one_byte_over_the_limit_is_refused_and_says_why(limit_site):
         assert f"/unsized/over.bin: body over the limit of {LIMIT} bytes" in str(unsized)
 
 
+def test_reading_a_small_body_does_not_allocate_the_limit(limit_site):
+    """A body without Content-Length is read a megabyte at a time up to the limit: reading it
+    whole must not allocate a buffer of `max_bytes` (32 MB by default) per image, as one
+    `read(limit + 1)` does (x__bounded__mutmut_36/38)."""
+    import tracemalloc
+
+    policy = FetchPolicy(allow_private_addresses=True)
+    assert policy.max_bytes >= 32 << 20
+    with opened(policy, limit_site.base + "/unsized/limit.bin") as response:
+        tracemalloc.start()
+        try:
+            body = response.read()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert len(body) == LIMIT
+    assert peak < 4 << 20, peak
+
+
 def test_read_up_to_stops_at_the_size_even_when_the_source_answers_in_small_pieces():
     """x__read_up_to__mutmut_5/13/15/16: a short-reading source is read to `size`, no further."""
     source, served = bytes(100), []
@@ -525,6 +578,38 @@ def test_https_connections_check_the_address_where_they_connect():
     nothing is sent)."""
     assert refusal_of(FetchPolicy(), "https://127.0.0.1:9/a.jpg").reason == "loopback_address"
     assert refusal_of(FetchPolicy(), "https://localhost:9/a.jpg").reason == "loopback_address"
+
+
+def test_a_failed_connection_names_its_own_error(monkeypatch):
+    """Where an allowed address refuses the connection, the error is that refusal, not "no
+    address to connect to"; a host with no address at all says that, naming the host
+    (x__checked_connection__mutmut_20/21/22). Nothing listens on the port: it was just freed."""
+    with socket.create_server(("127.0.0.1", 0)) as freed:
+        port = freed.getsockname()[1]
+    opener = build_opener(FetchPolicy(allowed_networks=("127.0.0.1/32",)))
+    with pytest.raises(urllib.error.URLError) as caught:
+        opener.open(f"http://127.0.0.1:{port}/a.jpg", timeout=3)
+    assert isinstance(caught.value.reason, ConnectionRefusedError), caught.value
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *_args, **_kwargs: [])  # an empty answer
+    with pytest.raises(urllib.error.URLError, match="empty.test: no address to connect to"):
+        opener.open("http://empty.test/a.jpg", timeout=3)
+
+
+def test_a_connection_leaves_from_the_source_address_it_is_given(limit_site):
+    """http.client's `source_address` reaches the checked socket: the connection leaves from
+    127.0.0.2 when asked to (x__checked_connection__mutmut_18)."""
+    from prep.urlguard import _CheckedHTTPConnection
+
+    port = int(limit_site.base.rsplit(":", 1)[1])
+    connection = _CheckedHTTPConnection("127.0.0.1", port, timeout=3,
+                                        source_address=("127.0.0.2", 0),
+                                        policy=FetchPolicy(allowed_networks=("127.0.0.1/32",)))
+    try:
+        connection.request("GET", "/limit.bin")
+        assert connection.sock.getsockname()[0] == "127.0.0.2"
+        assert len(connection.getresponse().read()) == LIMIT
+    finally:
+        connection.close()
 
 
 def test_the_opener_reads_local_files_only_when_the_file_scheme_is_allowed(tmp_path):
@@ -645,3 +730,142 @@ def test_redirect_http_to_https_is_an_upgrade_not_a_scheme_change(limit_site):
     same = refusal_of(only_https, limit_site.base + "/to-same.jpg")
     assert same.reason == "redirect_scheme"
     assert f"redirect from http: to '{limit_site.base}/limit.bin'" in str(same)
+
+
+
+# ---------------------------------------------------------------- urlguard: a fetch's deadline
+
+
+def read_for(response, seconds: float) -> None:
+    """Read `response` to its end, or give up after `seconds` (a test must not wait on a server
+    that drips for minutes when the deadline it checks is missing)."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until and response.read(1):  # a byte: a read waits for no more
+        pass
+
+
+def test_an_http_fetch_ends_at_its_deadline_in_the_headers_or_the_body(limit_site):
+    """`deadline_s` reaches the HTTP connection the opener makes: a body dripped a byte at a time
+    and headers that never come both end at the deadline, as DeadlinePassed (its one message),
+    and the next fetch gets a deadline of its own (xǁ_CheckedHTTPConnectionǁ__init____mutmut_8,
+    xǁ_CheckedHTTPConnectionǁconnect__mutmut_1/2, xǁ_GuardedOpenerǁopen__mutmut_*)."""
+    opener = build_opener(FetchPolicy(allow_private_addresses=True, deadline_s=0.5))
+    for path in ("/drip.jpg", "/stall/2.jpg"):
+        started = time.monotonic()
+        with pytest.raises(DeadlinePassed, match="download deadline of 0.5 s passed"), \
+                opener.open(limit_site.base + path, timeout=2) as response:
+            read_for(response, 2)
+        assert 0.4 < time.monotonic() - started < 2.5, path
+    with opener.open(limit_site.base + "/limit.bin", timeout=3) as response:
+        assert len(response.read()) == LIMIT  # the expired deadline was the last fetch's
+
+
+def test_an_https_fetch_ends_at_its_deadline(tls_site, monkeypatch):
+    """The same over TLS: `deadline_s` reaches the HTTPS connection and its reads of the
+    decrypted body (xǁ_CheckedHTTPSConnectionǁ__init____mutmut_*, ǁconnect__mutmut_*)."""
+    monkeypatch.setenv("SSL_CERT_FILE", tls_site.ca)
+    opener = build_opener(FetchPolicy(allow_private_addresses=True, deadline_s=0.5))
+    started = time.monotonic()
+    with pytest.raises(DeadlinePassed, match="download deadline of 0.5 s passed"), \
+            opener.open(tls_site.base + "/drip.jpg", timeout=2) as response:
+        read_for(response, 2)
+    assert 0.4 < time.monotonic() - started < 2.5
+
+
+def test_an_error_that_quotes_a_secret_of_the_url_is_redacted(monkeypatch):
+    """http.client quotes the request line in some errors; through a proxy that is the whole URL,
+    a presigned query string included. The error says what failed without the signature
+    (x__raise_redacted__mutmut_*). Nothing is sent: http.client refuses the line first."""
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    opener = build_opener(FetchPolicy(allow_private_addresses=True))  # proxies read here
+    with pytest.raises(urllib.error.URLError) as caught:
+        opener.open("http://mirror.test/a\x01b.jpg?X-Amz-Signature=SECRET", timeout=3)
+    text = str(caught.value)
+    assert "SECRET" not in text and "can't contain control characters" in text
+    assert "http://mirror.test/a" in text and "<redacted>" in text
+
+
+@contextlib.contextmanager
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A loopback server of one handler class; yields its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                     daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class SlowHops(BaseHTTPRequestHandler):
+    """/hop/<n> waits HOP_S, then redirects to /hop/<n-1>; /hop/0 is a quick small body."""
+
+    HOP_S = 0.25
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        hops = int(self.path.rsplit("/", 1)[1])
+        if hops == 0:
+            self.send_response(200)
+            self.send_header("Content-Length", "4")
+            self.end_headers()
+            self.wfile.write(b"done")
+            return
+        time.sleep(self.HOP_S)
+        self.send_response(302)
+        self.send_header("Location", f"/hop/{hops - 1}")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_args) -> None:
+        pass
+
+
+def test_one_deadline_holds_for_a_whole_chain_of_redirects():
+    """Redirects are part of the fetch they redirect: four hops of 0.25 s each, every one well
+    within a 0.6 s deadline, end at 0.6 s all together; two hops fit. And a fetch after one
+    that hit its deadline gets the whole deadline again (xǁ_GuardedOpenerǁopen__mutmut_1..12,
+    _22: a deadline per hop, or none kept for the fetch)."""
+    opener = build_opener(FetchPolicy(allowed_networks=("127.0.0.1/32",), deadline_s=0.6))
+    with serving(SlowHops) as base:
+        for _ in range(2):
+            started = time.monotonic()
+            with pytest.raises(DeadlinePassed, match="download deadline of 0.6 s passed"), \
+                    opener.open(f"{base}/hop/4", timeout=3) as response:
+                response.read()
+            assert 0.5 < time.monotonic() - started < 0.95
+            with opener.open(f"{base}/hop/2", timeout=3) as response:
+                assert response.read() == b"done"
+
+
+class Moved(BaseHTTPRequestHandler):
+    """Answers a POST with 307 (urllib does not re-send a POST) and a body."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = b"moved for a while"
+        self.send_response(307)
+        self.send_header("Location", "/elsewhere")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_args) -> None:
+        pass
+
+
+def test_a_redirect_urllib_will_not_follow_keeps_its_status_reason_and_body():
+    """A POST answered by 307 is not re-sent by urllib: the HTTPError carries the server's
+    status, reason, headers and body, as urllib's own does
+    (xǁ_CheckedRedirectHandlerǁredirect_request__mutmut_32/34/35, xǁ_GuardedOpenerǁopen__mutmut_15:
+    the data dropped)."""
+    with serving(Moved) as base, pytest.raises(urllib.error.HTTPError) as caught:
+        build_opener(FetchPolicy(allowed_networks=("127.0.0.1/32",))).open(
+            f"{base}/form", data=b"x=1", timeout=3)
+    err = caught.value
+    assert (err.code, err.reason, err.headers["Location"]) == (307, "Temporary Redirect",
+                                                               "/elsewhere")
+    assert err.read() == b"moved for a while"
