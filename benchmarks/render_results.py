@@ -192,12 +192,12 @@ def mutation(record: Record) -> str:
     for label, m in record["results"].items():
         score = (m["killed"] + m["timeout"]) / m["mutants"] if m["mutants"] else None
         load = m["meta"]["load_avg"]
-        rows.append([label, f"`{m['file']}`", m["mutants"], m["killed"], m["survived"],
-                     m["no tests"], m["timeout"], f"{score:.1%}" if score is not None else "-",
-                     m.get("wall_min"), m["meta"]["commit"], m["meta"]["started_utc"][:10],
-                     f"{load['start'][0]} / {load['end'][0]}"])
-    return table(["module", "file", "mutants", "killed", "survived", "no tests", "timeout",
-                  "score", "wall min", "commit", "run", "load, start / end"], rows, right=8)
+        rows.append([label, f"`{m['file']}`", m["meta"]["commit"], m["meta"]["started_utc"][:10],
+                     f"{load['start'][0]} / {load['end'][0]}", m["mutants"], m["killed"],
+                     m["survived"], m["no tests"], m["timeout"],
+                     f"{score:.1%}" if score is not None else "-", m.get("wall_min")])
+    return table(["module", "file", "commit", "run", "load, start / end", "mutants", "killed",
+                  "survived", "no tests", "timeout", "score", "wall min"], rows, right=7)
 
 
 # The note over the mutation rows measured by hand before benchmarks/mutation.py wrote a result

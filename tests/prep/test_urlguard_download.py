@@ -209,6 +209,25 @@ def test_a_url_urllib_cannot_split_is_one_bad_url_not_a_crash():
         assert refused.value.reason == "bad_url" and TOKEN not in str(refused.value)
 
 
+def test_a_user_info_refusal_names_the_url_without_it_and_says_what_to_do():
+    """The refusal names the URL (redacted) and tells the user what to do
+    (x__check_userinfo__mutmut_8..11)."""
+    with pytest.raises(RefusedURL) as refused:
+        check_url(f"https://{TOKEN}@mirror.test/a.jpg?sig=x", FetchPolicy())
+    assert str(refused.value) == (
+        "refused (bad_url): 'https://<redacted>@mirror.test/a.jpg?<redacted>': user-info "
+        "(user:password@, TOKEN@) in a URL is not sent by the downloader; give the URL without it")
+
+
+def test_only_tcp_addresses_are_connected_to():
+    """The resolved addresses are stream (TCP) ones only: a refused TCP connection must not fall
+    through to a UDP or raw socket of the same address (x_resolve_checked__mutmut_9)."""
+    from prep.urlguard import resolve_checked
+
+    infos = resolve_checked("127.0.0.1", 80, FetchPolicy(allow_private_addresses=True))
+    assert infos and {info[1] for info in infos} == {socket.SOCK_STREAM}
+
+
 def test_a_refusal_never_quotes_the_user_info_of_a_host_string():
     """http.client quotes a request's host as `TOKEN@host`; whatever reaches the resolver, the
     refusal text has no token."""
