@@ -450,10 +450,17 @@ class _GuardedOpener(urllib.request.OpenerDirector):
 
 def _raise_redacted(err: Exception) -> None:
     """A URLError with the message of `err` redacted, when its message quotes a secret (http.client
-    quotes the URL in some of its errors)."""
+    quotes the URL in some of its errors). An HTTPError keeps its status, headers and body (a
+    caller reads them) and is redacted in place: urllib quotes a redirect target it will not
+    follow (another scheme) in its reason and keeps it as the error's URL."""
     message = str(err)
-    if not isinstance(err, urllib.error.HTTPError) and redact_text(message) != message:
-        raise urllib.error.URLError(redact_text(message)) from None
+    if redact_text(message) == message:
+        return
+    if isinstance(err, urllib.error.HTTPError):
+        err.msg = redact_text(err.msg)
+        err.url = err.filename = redact_text(err.url)
+        return  # the caller re-raises it
+    raise urllib.error.URLError(redact_text(message)) from None
 
 
 def build_opener(policy: FetchPolicy) -> urllib.request.OpenerDirector:

@@ -806,6 +806,30 @@ def test_an_error_that_quotes_a_secret_of_the_url_is_redacted(monkeypatch):
     assert "http://mirror.test/a" in text and "<redacted>" in text
 
 
+class OtherScheme(BaseHTTPRequestHandler):
+    """Redirects to a presigned URL of a scheme urllib does not follow."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self.send_response(302)
+        self.send_header("Location", "gopher://mirror.test/x.jpg?X-Amz-Signature=SECRET")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_args) -> None:
+        pass
+
+
+def test_a_redirect_to_another_scheme_is_refused_without_its_secret():
+    """urllib refuses the redirect with an HTTPError that quotes the target in its reason and
+    keeps it as its URL; both are redacted, and the status stays the server's."""
+    with serving(OtherScheme) as base, pytest.raises(urllib.error.HTTPError) as caught:
+        build_opener(FetchPolicy(allowed_networks=("127.0.0.1/32",))).open(f"{base}/a", timeout=3)
+    err = caught.value
+    assert err.code == 302 and "is not allowed" in str(err)
+    assert "gopher://mirror.test/x.jpg" in str(err)
+    assert "SECRET" not in f"{err} {err.reason} {err.url} {err.filename}"
+
+
 @contextlib.contextmanager
 def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     """A loopback server of one handler class; yields its base URL."""
