@@ -454,6 +454,10 @@ def _raise_redacted(err: Exception) -> None:
     caller reads them) and is redacted in place: urllib quotes a redirect target it will not
     follow (another scheme) in its reason and keeps it as the error's URL."""
     message = str(err)
+    # without a proxy it quotes the path and query only: no scheme for redact_text to find
+    if isinstance(err, http.client.InvalidURL) and "://" not in message:
+        unquoted = message.split(" '")[0].rstrip(".:")
+        raise urllib.error.URLError(f"invalid URL ({unquoted})") from None
     if redact_text(message) == message:
         return
     if isinstance(err, urllib.error.HTTPError):

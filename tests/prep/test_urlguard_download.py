@@ -806,6 +806,15 @@ def test_an_error_that_quotes_a_secret_of_the_url_is_redacted(monkeypatch):
     assert "http://mirror.test/a" in text and "<redacted>" in text
 
 
+def test_an_invalid_url_error_never_quotes_the_query():
+    """Without a proxy http.client quotes only the path and query of a URL with a control
+    character: no scheme for redaction to find, so the message must not quote it at all."""
+    opener = build_opener(FetchPolicy(allow_private_addresses=True))
+    with pytest.raises(urllib.error.URLError) as caught:
+        opener.open("http://127.0.0.1:9/a\x01b.jpg?X-Amz-Signature=SECRET", timeout=3)
+    assert str(caught.value) == "<urlopen error invalid URL (URL can't contain control characters)>"
+
+
 class OtherScheme(BaseHTTPRequestHandler):
     """Redirects to a presigned URL of a scheme urllib does not follow."""
 
