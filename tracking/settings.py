@@ -72,20 +72,27 @@ def tracking_uri() -> str:
     return DEFAULT_TRACKING_URI
 
 
-def absolute_tracking_uri() -> str:
-    """`tracking_uri()` with a relative SQLite path made absolute against the cwd now: what a
-    long-lived sender binds, so a later change of cwd or environment cannot move its store."""
-    uri = tracking_uri()
+def absolute_uri(uri: str) -> str:
+    """`uri` with a relative SQLite path made absolute against the cwd now."""
     db = sqlite_path(uri)
     return f"sqlite:///{db.resolve()}" if db is not None and not db.is_absolute() else uri
 
 
+def absolute_tracking_uri() -> str:
+    """`tracking_uri()` made absolute: what a long-lived sender binds, so a later change of cwd
+    or environment cannot move its store."""
+    return absolute_uri(tracking_uri())
+
+
 def client(uri: str | None = None) -> Any:
     """An MlflowClient for `uri`, by default the tracking URI (the registry lives in the same
-    store); a local SQLite store is created whole first, if it does not exist yet."""
+    store); a local SQLite store is created whole first, if it does not exist yet. A relative
+    SQLite path is resolved against the cwd now: MLflow keeps one store per URI for the life of
+    the process, so `sqlite:///mlflow.db` would otherwise stay the database of the first cwd it
+    was opened in (a flow served in-process, run after run in other checkouts)."""
     from mlflow import MlflowClient
 
-    uri = uri or tracking_uri()
+    uri = absolute_uri(uri or tracking_uri())
     prepare_local_store(uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
