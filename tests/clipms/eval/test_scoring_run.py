@@ -23,6 +23,9 @@ from harness.dvc_workspace import PROJECT_ROOT, run, tool_env
 from harness.hostile_images import png_bomb
 from harness.tiny_model import jpeg_bytes, make_val_shards, random_images, write_trained
 
+# the module's model and its scoring graphs: about 14 CPU-s, past the fast tier's per-test budget
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
